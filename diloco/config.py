@@ -1,0 +1,158 @@
+"""The run config: a validated pydantic model, loaded from TOML (or JSON over the API).
+
+Every section forbids unknown keys, and every error names the key it is about
+(``inner.lr: ...``), so a typo in a config file is caught before a run starts
+instead of being silently ignored for a hundred rounds.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from diloco.model import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the offending key(s)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    n_layer: int = Field(4, ge=1, le=96)
+    n_head: int = Field(4, ge=1, le=128)
+    n_embd: int = Field(128, ge=8, le=16384)
+    block_size: int = Field(128, ge=8, le=16384)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSection:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_head: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})"
+            )
+        return self
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            block_size=self.block_size,
+            dropout=self.dropout,
+        )
+
+
+class DataSection(_Section):
+    path: str = Field(min_length=1)  # text file; relative paths resolve against the config file
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+
+
+class InnerSection(_Section):
+    steps: int = Field(50, ge=1, le=100_000)  # H: AdamW steps per round
+    batch_size: int = Field(16, ge=1, le=4096)  # sequences per step
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(20, ge=0)  # counted in global inner steps, not per round
+    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
+    schedule: Literal["cosine", "constant"] = "cosine"  # cosine decays over max_rounds * steps
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+
+
+class OuterSection(_Section):
+    lr: float = Field(0.7, gt=0.0, le=10.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    nesterov: bool = True
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterSection:
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov: Nesterov momentum needs momentum > 0; set nesterov = false")
+        return self
+
+
+class RoundsSection(_Section):
+    quorum: int = Field(2, ge=1)  # fewest accepted contributions that may close a round
+    target: int | None = Field(None, ge=1)  # close at once at this many (None: no target)
+    timeout_s: float = Field(600.0, gt=0.0)  # round deadline, from its opening
+    max_rounds: int = Field(100, ge=1)
+
+    @model_validator(mode="after")
+    def _target_not_below_quorum(self) -> RoundsSection:
+        if self.target is not None and self.target < self.quorum:
+            raise ValueError(
+                f"target: target ({self.target}) must be at least quorum ({self.quorum})"
+            )
+        return self
+
+
+class CompressionSection(_Section):
+    kind: Literal["int8", "none"] = "int8"
+    block_size: int = Field(4096, ge=64, le=1 << 24)
+
+
+class RunConfig(_Section):
+    name: str = Field(min_length=1, max_length=200)
+    model: ModelSection = ModelSection()
+    data: DataSection
+    inner: InnerSection = InnerSection()
+    outer: OuterSection = OuterSection()
+    rounds: RoundsSection = RoundsSection()
+    compression: CompressionSection = CompressionSection()
+
+    @property
+    def total_inner_steps(self) -> int:
+        """Inner steps a worker takes over the whole run: the cosine schedule's horizon."""
+        return self.rounds.max_rounds * self.inner.steps
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "value_error":
+            # our validators say "key: sentence"; lift the key next to the section
+            msg = msg.removeprefix("Value error, ")
+            if ": " in msg:
+                sub, msg = msg.split(": ", 1)
+                key = f"{key}.{sub}" if key else sub
+        lines.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(lines)
+
+
+def parse_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a config given as a mapping (from TOML or JSON); raise ConfigError."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML run config; ``data.path`` is resolved against its folder."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    cfg = parse_config(raw)
+    data_path = Path(cfg.data.path)
+    if not data_path.is_absolute():
+        data_path = (path.parent / data_path).resolve()
+        cfg = cfg.model_copy(
+            update={"data": cfg.data.model_copy(update={"path": str(data_path)})}
+        )
+    return cfg

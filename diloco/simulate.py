@@ -1,0 +1,254 @@
+"""``diloco simulate``: DiLoCo, data-parallel and single-worker training in one process.
+
+The DiLoCo mode runs the very code the platform runs: each worker's inner loop
+(:mod:`diloco.train`), Δ through the codec and the wire format and back
+(:mod:`diloco.exchange`), token-weighted aggregation and the Nesterov outer step
+(:mod:`diloco.outer`). The baselines use the same model, data and inner optimizer:
+
+- ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
+  as many steps as a DiLoCo worker takes in total; communication is counted as a
+  ring all-reduce of fp32 gradients every step.
+- ``single``: one worker, 1× batch, the same number of steps, on the whole training split.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from diloco.config import RunConfig
+from diloco.data import Dataset, load_tokens, random_batch, split_tokens
+from diloco.exchange import aggregate_upload, contribution_chunks, encode_delta
+from diloco.model import GPT
+from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
+from diloco.train import Batch, InnerTrainer, evaluate, load_parameters, parameters_of, snapshot
+from diloco.wire import ContributionMeta
+
+Mode = Literal["diloco", "ddp", "single"]
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    workers: int = 4
+    mode: Mode = "diloco"
+    seed: int = 0
+    drop_prob: float = 0.0  # each worker's contribution is lost with this probability per round
+    eval_windows: int | None = 256  # validation windows scored after each round (None: all)
+    device: str = "cpu"
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    tokens: int  # tokens trained on so far, all workers together
+    eval_loss: float
+    train_loss: float
+    accepted: int  # contributions that reached the outer step (DiLoCo), else workers
+    update_norm: float | None = None
+
+
+@dataclass
+class SimResult:
+    mode: str
+    workers: int
+    seed: int
+    inner_steps: int
+    n_rounds: int
+    compression: str
+    drop_prob: float
+    n_params: int
+    final_eval_loss: float
+    bytes_up_per_worker: int
+    bytes_down_per_worker: int
+    wall_s: float
+    rounds: list[RoundRecord]
+    config: dict[str, Any]
+    # the final global parameters, for tests and callers; not part of the JSON
+    final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["final_params"]
+        return out
+
+
+Progress = Callable[[RoundRecord], None]
+
+
+def _batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> Callable[[], Batch]:
+    def next_batch() -> Batch:
+        return random_batch(
+            shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
+        )
+
+    return next_batch
+
+
+def _generator(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def simulate(cfg: RunConfig, opts: SimOptions, progress: Progress | None = None) -> SimResult:
+    """Train per ``cfg`` and ``opts``; ``cfg.rounds.max_rounds`` × ``cfg.inner.steps``
+    inner steps per worker, with an evaluation of the global model after every round."""
+    if opts.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {opts.workers}")
+    if not 0.0 <= opts.drop_prob < 1.0:
+        raise ValueError(f"drop_prob must be in [0, 1), got {opts.drop_prob}")
+    device = torch.device(opts.device)
+    n_shards = 1 if opts.mode == "single" else opts.workers
+    data = split_tokens(
+        load_tokens(cfg.data.path),
+        val_fraction=cfg.data.val_fraction,
+        n_shards=n_shards,
+        block_size=cfg.model.block_size,
+    )
+    torch.manual_seed(opts.seed)  # the initial global model
+    model = GPT(cfg.model.gpt_config())
+    started = time.perf_counter()
+    run = _run_diloco if opts.mode == "diloco" else _run_baseline
+    records, up, down = run(cfg, opts, data, model, device, progress)
+    final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
+    return SimResult(
+        mode=opts.mode,
+        workers=opts.workers if opts.mode != "single" else 1,
+        seed=opts.seed,
+        inner_steps=cfg.inner.steps,
+        n_rounds=cfg.rounds.max_rounds,
+        compression=cfg.compression.kind if opts.mode == "diloco" else "none",
+        drop_prob=opts.drop_prob,
+        n_params=model.num_parameters(),
+        final_eval_loss=final,
+        bytes_up_per_worker=up,
+        bytes_down_per_worker=down,
+        wall_s=time.perf_counter() - started,
+        rounds=records,
+        config=cfg.model_dump(),
+        final_params=snapshot(model),
+    )
+
+
+def _run_diloco(
+    cfg: RunConfig,
+    opts: SimOptions,
+    data: Dataset,
+    model: GPT,
+    device: torch.device,
+    progress: Progress | None,
+) -> tuple[list[RoundRecord], int, int]:
+    """K workers, R rounds of H inner steps, Δ through codec + wire, Nesterov outer step.
+    ``model`` ends holding the final global parameters."""
+    H, R, K = cfg.inner.steps, cfg.rounds.max_rounds, opts.workers
+    total = cfg.total_inner_steps
+    outer = OuterOptimizer(
+        parameters_of(model), lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+        nesterov=cfg.outer.nesterov,
+    )
+    shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
+    checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
+    # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
+    trainers, batches = [], []
+    for i in range(K):
+        worker_model = GPT(cfg.model.gpt_config())
+        trainers.append(InnerTrainer(worker_model, cfg.inner, total_steps=total, device=device))
+        batches.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
+    drops = _generator(opts.seed, 10_000)
+    records: list[RoundRecord] = []
+    bytes_up = bytes_down = tokens = 0
+    for r in range(R):
+        aggregator = Aggregator(shapes)
+        losses = []
+        for i, trainer in enumerate(trainers):
+            # download θ(t−1), train H steps, Δ = θ(t−1) − θi
+            load_parameters(trainer.model, outer.params)
+            bytes_down += checkpoint_bytes
+            result = trainer.run(H, start_step=r * H, next_batch=batches[i])
+            tokens += result.tokens
+            losses.append(result.mean_loss)
+            delta = pseudo_gradient(outer.params, snapshot(trainer.model))
+            # encode and "upload"; a dropped upload never reaches the server
+            encoded, codec = encode_delta(
+                delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+            )
+            meta = ContributionMeta(
+                run_id="simulate", round=r + 1, base_version=r, tokens=result.tokens,
+                inner_steps=H, loss=result.mean_loss, codec=codec,
+            )
+            chunks = list(contribution_chunks(meta, encoded))
+            bytes_up += sum(len(c) for c in chunks)
+            if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
+                continue
+            aggregate_upload(chunks, aggregator, expected=shapes, codec=codec)
+        # the outer step, unless every contribution was lost
+        update_norm = None
+        if aggregator.count:
+            update_norm = outer.step(aggregator.result())
+        load_parameters(model, outer.params)
+        eval_loss = evaluate(
+            model, data.val, block_size=cfg.model.block_size, max_windows=opts.eval_windows,
+            device=device,
+        )
+        record = RoundRecord(
+            round=r + 1, tokens=tokens, eval_loss=eval_loss,
+            train_loss=sum(losses) / len(losses), accepted=aggregator.count,
+            update_norm=update_norm,
+        )
+        records.append(record)
+        if progress:
+            progress(record)
+    return records, bytes_up // K, bytes_down // K
+
+
+def _run_baseline(
+    cfg: RunConfig,
+    opts: SimOptions,
+    data: Dataset,
+    model: GPT,
+    device: torch.device,
+    progress: Progress | None,
+) -> tuple[list[RoundRecord], int, int]:
+    """``ddp`` (one model, a batch slice from every shard per step) or ``single``."""
+    H, R = cfg.inner.steps, cfg.rounds.max_rounds
+    trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
+    sources = [
+        _batch_source(shard, cfg, _generator(opts.seed, i)) for i, shard in enumerate(data.shards)
+    ]
+
+    def next_batch() -> Batch:
+        parts = [source() for source in sources]  # (B, T) each -> (K·B, T)
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    records: list[RoundRecord] = []
+    tokens = 0
+    for r in range(R):
+        result = trainer.run(H, start_step=r * H, next_batch=next_batch)
+        tokens += result.tokens
+        eval_loss = evaluate(
+            model, data.val, block_size=cfg.model.block_size, max_windows=opts.eval_windows,
+            device=device,
+        )
+        record = RoundRecord(
+            round=r + 1, tokens=tokens, eval_loss=eval_loss, train_loss=result.mean_loss,
+            accepted=len(sources),
+        )
+        records.append(record)
+        if progress:
+            progress(record)
+    K = len(sources)
+    # ring all-reduce: each worker sends and receives 2(K−1)/K of the fp32 gradient per step
+    n_params = model.num_parameters()
+    per_step = 2 * (K - 1) * n_params * FP32_BYTES // K
+    total = per_step * R * H
+    return records, total, total
+
+
+def save_result(result: SimResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,154 @@
+"""The inner loop: H AdamW steps on one worker, and evaluation.
+
+A worker keeps its model and its AdamW state for as long as it stays in a run; at the
+start of every round the model's parameters are overwritten with the global ones
+(``load_parameters``) while the optimizer's moments carry over, as in DiLoCo.
+The learning-rate schedule is indexed by the *global* inner step
+(round index × H + local step), so a volunteer who joins late gets the lr the run is
+at, not a fresh warmup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from diloco.config import InnerSection
+from diloco.data import eval_batches
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def lr_at(step: int, *, inner: InnerSection, total_steps: int) -> float:
+    """Learning rate for global inner step ``step`` (0-based): linear warmup, then
+    cosine decay to ``min_lr_ratio * lr`` at ``total_steps``, or constant."""
+    if step < inner.warmup_steps:
+        return inner.lr * (step + 1) / inner.warmup_steps
+    if inner.schedule == "constant":
+        return inner.lr
+    span = max(1, total_steps - inner.warmup_steps)
+    progress = min(1.0, (step - inner.warmup_steps) / span)
+    floor = inner.lr * inner.min_lr_ratio
+    return floor + 0.5 * (inner.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's trainable tensors by name (tied weights appear once)."""
+    return dict(model.named_parameters())
+
+
+@torch.no_grad()
+def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``params`` into the model in place, keeping optimizer references valid."""
+    own = parameters_of(model)
+    if own.keys() != params.keys():
+        missing, extra = own.keys() - params.keys(), params.keys() - own.keys()
+        raise KeyError(f"parameter names differ: missing {sorted(missing)}, extra {sorted(extra)}")
+    for name, p in own.items():
+        p.copy_(params[name])
+
+
+@torch.no_grad()
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached fp32 copy of the parameters (θ at the start of a round)."""
+    return {n: p.detach().float().clone() for n, p in parameters_of(model).items()}
+
+
+def make_adamw(model: nn.Module, inner: InnerSection) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (embeddings and linear weights), as nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": inner.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2))
+
+
+@dataclass
+class InnerResult:
+    steps: int
+    tokens: int
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses)
+
+
+class InnerTrainer:
+    """One worker's model and AdamW, kept between rounds."""
+
+    def __init__(
+        self, model: nn.Module, inner: InnerSection, *, total_steps: int, device: torch.device
+    ) -> None:
+        self.model = model.to(device)
+        self.inner = inner
+        self.total_steps = total_steps
+        self.device = device
+        self.optimizer = make_adamw(self.model, inner)
+
+    def run(
+        self,
+        steps: int,
+        *,
+        start_step: int,
+        next_batch: Callable[[], Batch],
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> InnerResult:
+        """Take ``steps`` AdamW steps from global step ``start_step``; return tokens and losses."""
+        result = InnerResult(steps=steps, tokens=0)
+        self.model.train()
+        autocast = self.device.type == "cuda"
+        for i in range(steps):
+            # set the lr of this global step
+            lr = lr_at(start_step + i, inner=self.inner, total_steps=self.total_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            # forward + backward (bf16 autocast on CUDA, fp32 elsewhere)
+            x, y = next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = self.model(x, y)
+            loss.backward()
+            # clip, step, clear
+            if self.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_value = float(loss.detach())
+            result.losses.append(loss_value)
+            result.tokens += x.numel()
+            if on_step is not None:
+                on_step(i, loss_value)
+        return result
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    val: torch.Tensor,
+    *,
+    block_size: int,
+    batch_size: int = 32,
+    max_windows: int | None = None,
+    device: torch.device | None = None,
+) -> float:
+    """Mean next-byte cross-entropy (nats) over non-overlapping validation windows."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in eval_batches(
+        val, batch_size=batch_size, block_size=block_size, max_windows=max_windows
+    ):
+        loss = model(x.to(device), y.to(device))
+        total += float(loss) * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / count

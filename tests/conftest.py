@@ -1,0 +1,52 @@
+"""Shared fixtures: a small generated corpus and a tiny run config that trains in seconds."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from diloco.config import RunConfig, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+WORDS = (
+    "the a king queen sword crown river castle night morning speaks walks dreams "
+    "of with under over and but my thy thou art noble gentle sweet bitter"
+).split()
+
+
+def make_corpus(n_bytes: int, seed: int = 0) -> str:
+    """Deterministic pseudo-English with enough structure for a model to learn from."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_bytes:
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + ".\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out)[:n_bytes]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_corpus(40_000))
+    return path
+
+
+def tiny_config(data_path: Path, **sections: dict) -> RunConfig:
+    raw: dict = {
+        "name": "tiny",
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"path": str(data_path), "val_fraction": 0.1},
+        "inner": {"steps": 2, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2},
+        "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "rounds": {"max_rounds": 3, "quorum": 1},
+        "compression": {"kind": "int8", "block_size": 256},
+    }
+    for name, values in sections.items():
+        raw[name].update(values)
+    return parse_config(raw)

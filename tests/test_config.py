@@ -1,0 +1,92 @@
+from pathlib import Path
+
+import pytest
+
+from diloco.config import ConfigError, load_config, parse_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shakespeare-tiny.toml"
+
+
+def minimal(**extra):
+    return {"name": "x", "data": {"path": "input.txt"}, **extra}
+
+
+def test_example_config_loads_and_resolves_the_data_path_against_its_folder():
+    cfg = load_config(EXAMPLE)
+
+    assert cfg.inner.steps == 10
+    assert Path(cfg.data.path).is_absolute()
+    assert Path(cfg.data.path).exists()
+
+
+def test_defaults_follow_the_spec():
+    cfg = parse_config(minimal())
+
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
+    assert cfg.compression.kind == "int8" and cfg.compression.block_size == 4096
+    assert cfg.rounds.target is None
+
+
+def test_unknown_top_level_key_is_rejected_with_its_name():
+    with pytest.raises(ConfigError, match=r"^colour: unknown key$"):
+        parse_config(minimal(colour="blue"))
+
+
+def test_unknown_nested_key_is_rejected_with_its_dotted_name():
+    with pytest.raises(ConfigError, match=r"inner\.learning_rate: unknown key"):
+        parse_config(minimal(inner={"learning_rate": 0.1}))
+
+
+def test_bad_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"inner\.lr: Input should be greater than 0"):
+        parse_config(minimal(inner={"lr": -1}))
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"rounds\.quorum: Input should be a valid integer"):
+        parse_config(minimal(rounds={"quorum": "two"}))
+
+
+def test_missing_data_section_is_named():
+    with pytest.raises(ConfigError, match=r"^data: Field required$"):
+        parse_config({"name": "x"})
+
+
+def test_nesterov_without_momentum_is_an_invalid_combination():
+    with pytest.raises(ConfigError, match=r"outer\.nesterov: Nesterov momentum needs momentum > 0"):
+        parse_config(minimal(outer={"momentum": 0.0}))
+
+
+def test_target_below_quorum_is_an_invalid_combination():
+    with pytest.raises(ConfigError, match=r"rounds\.target: target \(1\) must be at least quorum"):
+        parse_config(minimal(rounds={"quorum": 2, "target": 1}))
+
+
+def test_heads_must_divide_width():
+    with pytest.raises(ConfigError, match=r"model\.n_head: n_embd \(100\) must be a multiple"):
+        parse_config(minimal(model={"n_embd": 100, "n_head": 3}))
+
+
+def test_unknown_compression_kind_is_named():
+    with pytest.raises(ConfigError, match=r"compression\.kind: Input should be 'int8' or 'none'"):
+        parse_config(minimal(compression={"kind": "fp8"}))
+
+
+def test_several_errors_are_all_reported():
+    with pytest.raises(ConfigError) as info:
+        parse_config(minimal(inner={"lr": 0, "steps": 0}))
+
+    assert "inner.lr" in str(info.value) and "inner.steps" in str(info.value)
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("name = \n")
+
+    with pytest.raises(ConfigError, match=r"bad\.toml: invalid TOML"):
+        load_config(path)
+
+
+def test_missing_file_is_reported(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")

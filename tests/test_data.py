@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from diloco.data import DataError, eval_batches, load_tokens, random_batch, split_tokens
+
+
+def test_tokens_are_the_bytes_of_the_file(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes("héllo".encode())
+
+    tokens = load_tokens(path)
+
+    assert tokens.dtype == torch.uint8
+    assert tokens.tolist() == list("héllo".encode())
+
+
+def test_empty_file_is_rejected(tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_bytes(b"")
+
+    with pytest.raises(DataError, match="empty"):
+        load_tokens(path)
+
+
+def test_split_gives_a_validation_tail_and_disjoint_shards():
+    tokens = torch.arange(1000) % 256
+    positions = torch.arange(1000)
+
+    data = split_tokens(positions, val_fraction=0.1, n_shards=3, block_size=8)
+    split = split_tokens(tokens.to(torch.uint8), val_fraction=0.1, n_shards=3, block_size=8)
+
+    assert data.val.tolist() == list(range(900, 1000))
+    seen = [set(s.tolist()) for s in data.shards]
+    assert all(len(s) == 300 for s in seen)
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
+    assert not set(data.val.tolist()) & set().union(*seen)
+    assert split.train_tokens == 900
+
+
+def test_too_small_corpus_is_a_clear_error():
+    with pytest.raises(DataError, match="fewer than one window"):
+        split_tokens(torch.zeros(100, dtype=torch.uint8), val_fraction=0.1, n_shards=2, block_size=32)
+
+
+def test_random_batches_are_next_byte_pairs_from_the_shard_and_seeded():
+    shard = torch.arange(200)
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+
+    x, y = random_batch(shard, batch_size=5, block_size=16, generator=gen_a)
+    x2, _ = random_batch(shard, batch_size=5, block_size=16, generator=gen_b)
+
+    assert x.shape == y.shape == (5, 16)
+    assert torch.equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
+    assert torch.equal(y - x, torch.ones_like(x))  # consecutive bytes of the shard
+    assert torch.equal(x, x2)
+
+
+def test_eval_batches_cover_non_overlapping_windows_in_order():
+    val = torch.arange(100)
+
+    batches = list(eval_batches(val, batch_size=4, block_size=10))
+
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert starts == [0, 10, 20, 30, 40, 50, 60, 70, 80]
+    assert list(eval_batches(val, batch_size=4, block_size=10, max_windows=2))[0][0].shape == (2, 10)

@@ -1,0 +1,122 @@
+"""Pseudo-gradient sign, aggregation and the Nesterov outer step, against hand computation."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from diloco.outer import AggregationError, Aggregator, OuterOptimizer, pseudo_gradient
+
+
+def test_pseudo_gradient_is_old_minus_new():
+    old = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    new = {"w": torch.tensor([0.5, 2.5, 3.0])}
+
+    delta = pseudo_gradient(old, new)
+
+    assert_close(delta["w"], torch.tensor([0.5, -0.5, 0.0]))
+
+
+def test_outer_sgd_step_with_lr_one_and_no_momentum_lands_on_the_worker():
+    # θ − 1·(θ − θi) = θi: the plain descent direction of Δ moves towards the workers
+    theta = {"w": torch.tensor([1.0, 2.0])}
+    worker = {"w": torch.tensor([0.0, 3.0])}
+    outer = OuterOptimizer(theta, lr=1.0, momentum=0.0, nesterov=False)
+
+    outer.step(pseudo_gradient(theta, worker))
+
+    assert_close(outer.params["w"], worker["w"])
+
+
+def test_outer_step_matches_nesterov_computed_by_hand():
+    # torch's Nesterov: b ← μ·b + g (b = g on the first step); θ ← θ − lr·(g + μ·b)
+    lr, mu = 0.7, 0.9
+    theta0 = torch.tensor([1.0, -2.0, 0.5])
+    g1 = torch.tensor([0.1, -0.2, 0.3])
+    g2 = torch.tensor([-0.05, 0.4, 0.0])
+    outer = OuterOptimizer({"w": theta0}, lr=lr, momentum=mu, nesterov=True)
+
+    norm1 = outer.step({"w": g1})
+    outer.step({"w": g2})
+
+    b1 = g1
+    theta1 = theta0 - lr * (g1 + mu * b1)
+    b2 = mu * b1 + g2
+    theta2 = theta1 - lr * (g2 + mu * b2)
+    assert_close(outer.params["w"], theta2)
+    assert norm1 == pytest.approx(float((theta1 - theta0).norm()), rel=1e-6)
+
+
+def test_outer_state_round_trips_and_continues_identically():
+    theta = {"w": torch.randn(10), "b": torch.randn(3)}
+    grads = [{"w": torch.randn(10), "b": torch.randn(3)} for _ in range(3)]
+    a = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
+    a.step(grads[0])
+    b = OuterOptimizer(a.params, lr=0.7, momentum=0.9, nesterov=True)
+    b.load_state_dict(a.state_dict())
+
+    for g in grads[1:]:
+        a.step(g)
+        b.step(g)
+
+    for name in theta:
+        assert torch.equal(a.params[name], b.params[name])
+
+
+def test_outer_state_for_other_names_is_refused():
+    a = OuterOptimizer({"w": torch.zeros(2)}, lr=1.0, momentum=0.9, nesterov=True)
+    b = OuterOptimizer({"v": torch.zeros(2)}, lr=1.0, momentum=0.9, nesterov=True)
+
+    with pytest.raises(AggregationError, match="other parameter names"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_aggregate_is_the_token_weighted_mean():
+    agg = Aggregator({"w": (2,)})
+
+    agg.add({"w": torch.tensor([1.0, 0.0])}, weight=100)
+    agg.add({"w": torch.tensor([0.0, 4.0])}, weight=300)
+
+    assert_close(agg.result()["w"], torch.tensor([0.25, 3.0]))
+    assert agg.count == 2 and agg.total_weight == 400
+
+
+def test_aggregate_accepts_a_stream_of_named_tensors():
+    agg = Aggregator({"a": (1,), "b": (1,)})
+
+    agg.add(iter([("a", torch.tensor([2.0])), ("b", torch.tensor([4.0]))]), weight=2)
+
+    assert_close(agg.result(), {"a": torch.tensor([2.0]), "b": torch.tensor([4.0])})
+
+
+@pytest.mark.parametrize(
+    ("delta", "message"),
+    [
+        ({"w": torch.zeros(3)}, r"tensor 'w' has shape \(3,\), expected \(2,\)"),
+        ({"w": torch.zeros(2), "x": torch.zeros(1)}, "unknown tensor 'x'"),
+        ({}, r"lacks tensors \['w'\]"),
+    ],
+)
+def test_aggregate_rejects_contributions_that_do_not_fit(delta, message):
+    agg = Aggregator({"w": (2,)})
+
+    with pytest.raises(AggregationError, match=message):
+        agg.add(delta, weight=1)
+
+
+def test_a_failed_contribution_poisons_the_accumulator_instead_of_half_applying():
+    agg = Aggregator({"a": (1,), "b": (1,)})
+    with pytest.raises(AggregationError):
+        agg.add(iter([("a", torch.tensor([1.0])), ("b", torch.zeros(5))]), weight=1)
+
+    with pytest.raises(AggregationError, match="failed midway"):
+        agg.add({"a": torch.zeros(1), "b": torch.zeros(1)}, weight=1)
+
+
+def test_aggregating_nothing_is_an_error():
+    with pytest.raises(AggregationError, match="no contributions"):
+        Aggregator({"w": (1,)}).result()
+
+
+def test_non_positive_weight_is_an_error():
+    with pytest.raises(AggregationError, match="weight must be positive"):
+        Aggregator({"w": (1,)}).add({"w": torch.zeros(1)}, weight=0)
