@@ -42,14 +42,22 @@ def arms_for(hs: list[int], *, full: bool) -> list[Arm]:
     """Baselines, the three DiLoCo variants at the first H, and int8 at the other Hs
     (all three there too with ``full``)."""
     h0 = hs[0]  # the baselines are evaluated every h0 steps, like DiLoCo at h0
-    arms = [Arm("single", "single (1 worker, 1x batch)", "single", h0),
-            Arm("ddp", "ddp (4x batch, all-reduce each step)", "ddp", h0)]
+    arms = [
+        Arm("single", "single (1 worker, 1x batch)", "single", h0),
+        Arm("ddp", "ddp (4x batch, all-reduce each step)", "ddp", h0),
+    ]
     for h in hs:
         variants = [
             Arm(f"diloco_h{h}_fp32", f"DiLoCo H={h} fp32", "diloco", h, "none"),
             Arm(f"diloco_h{h}_int8", f"DiLoCo H={h} int8", "diloco", h, "int8"),
-            Arm(f"diloco_h{h}_int8_drop30", f"DiLoCo H={h} int8, 30% dropped", "diloco", h,
-                "int8", 0.3),
+            Arm(
+                f"diloco_h{h}_int8_drop30",
+                f"DiLoCo H={h} int8, 30% dropped",
+                "diloco",
+                h,
+                "int8",
+                0.3,
+            ),
         ]
         arms += variants if (h == h0 or full) else variants[1:2]
     return arms
@@ -87,12 +95,32 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, config: Path) -> Path
     if out.exists() and not args.fresh:
         return out
     cmd = [
-        sys.executable, "-m", "diloco.cli", "simulate", str(config),
-        "--workers", str(args.workers), "--mode", arm.mode, "--seed", str(seed),
-        "--inner-steps", str(arm.H), "--rounds", str(args.steps // arm.H),
-        "--compression", arm.compression, "--drop-prob", str(arm.drop_prob),
-        "--eval-windows", str(args.eval_windows), "--threads", "1", "--quiet",
-        "--out", str(out.with_suffix(".tmp")),
+        sys.executable,
+        "-m",
+        "diloco.cli",
+        "simulate",
+        str(config),
+        "--workers",
+        str(args.workers),
+        "--mode",
+        arm.mode,
+        "--seed",
+        str(seed),
+        "--inner-steps",
+        str(arm.H),
+        "--rounds",
+        str(args.steps // arm.H),
+        "--compression",
+        arm.compression,
+        "--drop-prob",
+        str(arm.drop_prob),
+        "--eval-windows",
+        str(args.eval_windows),
+        "--threads",
+        "1",
+        "--quiet",
+        "--out",
+        str(out.with_suffix(".tmp")),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.perf_counter()
@@ -107,8 +135,13 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (max(values) - min(values)) / 2
 
 
-def render(arms: list[Arm], results: dict[str, list[dict]], args: argparse.Namespace,
-           command: str, plot_name: str) -> str:
+def render(
+    arms: list[Arm],
+    results: dict[str, list[dict]],
+    args: argparse.Namespace,
+    command: str,
+    plot_name: str,
+) -> str:
     loss = {a.key: summarize([r["final_eval_loss"] for r in results[a.key]]) for a in arms}
     single, ddp = loss["single"][0], loss["ddp"][0]
     gap = single - ddp
@@ -173,20 +206,41 @@ def checks(arms: list[Arm], loss: dict, results: dict, args: argparse.Namespace)
     up = results[f"diloco_h{h}_int8"][0]["bytes_up_per_worker"]
     ddp_up = results["ddp"][0]["bytes_up_per_worker"]
     rows = [
-        (f"DiLoCo int8 H={h} recovers >= 65% of the single-ddp gap",
-         (single - int8) / gap if gap > 0 else float("nan"), ">= 0.65",
-         gap > 0 and (single - int8) / gap >= 0.65),
-        (f"DiLoCo int8 H={h} is <= 3% above ddp", (int8 - ddp) / ddp, "<= 0.03",
-         (int8 - ddp) / ddp <= 0.03),
-        (f"int8 within 0.5% of fp32 at H={h}", abs(int8 - fp32) / fp32, "<= 0.005",
-         abs(int8 - fp32) / fp32 <= 0.005),
-        (f"upload bytes per worker >= H x 4 = {4 * h}x fewer than ddp", ddp_up / up,
-         f">= {4 * h}", ddp_up / up >= 4 * h),
+        (
+            f"DiLoCo int8 H={h} recovers >= 65% of the single-ddp gap",
+            (single - int8) / gap if gap > 0 else float("nan"),
+            ">= 0.65",
+            gap > 0 and (single - int8) / gap >= 0.65,
+        ),
+        (
+            f"DiLoCo int8 H={h} is <= 3% above ddp",
+            (int8 - ddp) / ddp,
+            "<= 0.03",
+            (int8 - ddp) / ddp <= 0.03,
+        ),
+        (
+            f"int8 within 0.5% of fp32 at H={h}",
+            abs(int8 - fp32) / fp32,
+            "<= 0.005",
+            abs(int8 - fp32) / fp32 <= 0.005,
+        ),
+        (
+            f"upload bytes per worker >= H x 4 = {4 * h}x fewer than ddp",
+            ddp_up / up,
+            f">= {4 * h}",
+            ddp_up / up >= 4 * h,
+        ),
     ]
-    out = ["## Acceptance checks (computed by the script)", "",
-           "| check | value | bound | holds |", "|---|---|---|---|"]
-    out += [f"| {name} | {value:.4f} | {bound} | {'yes' if ok else 'NO'} |"
-            for name, value, bound, ok in rows]
+    out = [
+        "## Acceptance checks (computed by the script)",
+        "",
+        "| check | value | bound | holds |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {name} | {value:.4f} | {bound} | {'yes' if ok else 'NO'} |"
+        for name, value, bound, ok in rows
+    ]
     return [*out, ""]
 
 
@@ -207,8 +261,9 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "convergence")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
-    p.add_argument("--full", action="store_true",
-                   help="fp32 and 30%%-drop arms at every H, not only the first")
+    p.add_argument(
+        "--full", action="store_true", help="fp32 and 30%%-drop arms at every H, not only the first"
+    )
     p.add_argument("--fresh", action="store_true", help="recompute finished arms")
     p.add_argument("--quick", action="store_true", help="tiny smoke run; writes under --work-dir")
     args = p.parse_args()
@@ -237,7 +292,8 @@ def main() -> None:
 
     plot_path = args.doc.parent / ("convergence.png" if not args.quick else "convergence-quick.png")
     plot_results(
-        [{**results[a.key][0], "label": a.label} for a in arms], plot_path,
+        [{**results[a.key][0], "label": a.label} for a in arms],
+        plot_path,
         title=f"tinyshakespeare, K={args.workers}: eval loss vs tokens (seed {args.seeds[0]})",
     )
     command = "python bench/convergence.py" + (" --quick" if args.quick else "")

@@ -55,16 +55,21 @@ def simulate(
     out: Annotated[
         Path | None, typer.Option(help="Write the result JSON here.", envvar="DILOCO_OUT")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seeds model, data and drops.", envvar="DILOCO_SEED")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seeds model, data and drops.", envvar="DILOCO_SEED")
+    ] = 0,
     compression: Annotated[
         str | None, typer.Option(help="none | int8 (default: config).", envvar="DILOCO_COMPRESSION")
     ] = None,
     inner_steps: Annotated[
-        int | None, typer.Option("--inner-steps", "-H", help="H (default: config).",
-                                 envvar="DILOCO_INNER_STEPS")
+        int | None,
+        typer.Option(
+            "--inner-steps", "-H", help="H (default: config).", envvar="DILOCO_INNER_STEPS"
+        ),
     ] = None,
     rounds: Annotated[
-        int | None, typer.Option(help="Rounds (default: config max_rounds).", envvar="DILOCO_ROUNDS")
+        int | None,
+        typer.Option(help="Rounds (default: config max_rounds).", envvar="DILOCO_ROUNDS"),
     ] = None,
     outer_lr: Annotated[float | None, typer.Option(envvar="DILOCO_OUTER_LR")] = None,
     outer_momentum: Annotated[float | None, typer.Option(envvar="DILOCO_OUTER_MOMENTUM")] = None,
@@ -72,15 +77,20 @@ def simulate(
         bool | None, typer.Option("--nesterov/--no-nesterov", envvar="DILOCO_NESTEROV")
     ] = None,
     drop_prob: Annotated[
-        float, typer.Option(help="Lose each contribution with this probability.",
-                            envvar="DILOCO_DROP_PROB")
+        float,
+        typer.Option(
+            help="Lose each contribution with this probability.", envvar="DILOCO_DROP_PROB"
+        ),
     ] = 0.0,
     eval_windows: Annotated[
-        int, typer.Option(help="Validation windows scored per round (0: all).",
-                          envvar="DILOCO_EVAL_WINDOWS")
+        int,
+        typer.Option(
+            help="Validation windows scored per round (0: all).", envvar="DILOCO_EVAL_WINDOWS"
+        ),
     ] = 256,
     plot: Annotated[
-        Path | None, typer.Option(help="Draw eval loss vs tokens to this PNG.", envvar="DILOCO_PLOT")
+        Path | None,
+        typer.Option(help="Draw eval loss vs tokens to this PNG.", envvar="DILOCO_PLOT"),
     ] = None,
     threads: Annotated[
         int | None, typer.Option(help="torch CPU threads.", envvar="DILOCO_THREADS")
@@ -114,7 +124,10 @@ def simulate(
     except ConfigError as err:
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(
-        workers=workers, mode=mode, seed=seed, drop_prob=drop_prob,  # type: ignore[arg-type]
+        workers=workers,
+        mode=mode,
+        seed=seed,
+        drop_prob=drop_prob,  # type: ignore[arg-type]
         eval_windows=eval_windows or None,
     )
 

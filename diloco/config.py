@@ -152,7 +152,5 @@ def load_config(path: str | Path) -> RunConfig:
     data_path = Path(cfg.data.path)
     if not data_path.is_absolute():
         data_path = (path.parent / data_path).resolve()
-        cfg = cfg.model_copy(
-            update={"data": cfg.data.model_copy(update={"path": str(data_path)})}
-        )
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": str(data_path)})})
     return cfg

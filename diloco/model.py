@@ -103,8 +103,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab), or the mean cross-entropy when ``targets`` is given."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
+        T = idx.shape[1]
+        if self.cfg.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)

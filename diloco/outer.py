@@ -35,15 +35,15 @@ class Aggregator:
     """Token-weighted mean of pseudo-gradients, accumulated one contribution at a time."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: str = "cpu") -> None:
-        self._sum = {n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()}
+        self._sum = {
+            n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()
+        }
         self.total_weight = 0.0
         self.count = 0
         self._broken = False
 
     @torch.no_grad()
-    def add(
-        self, delta: Params | Iterable[tuple[str, torch.Tensor]], weight: float
-    ) -> None:
+    def add(self, delta: Params | Iterable[tuple[str, torch.Tensor]], weight: float) -> None:
         """Add ``weight · Δ``; ``delta`` may be a mapping or a stream of (name, tensor)."""
         if self._broken:
             raise AggregationError("an earlier contribution failed midway; start a new Aggregator")
@@ -80,9 +80,7 @@ class Aggregator:
 class OuterOptimizer:
     """The global parameters and their Nesterov SGD, stepped once per round."""
 
-    def __init__(
-        self, params: Params, *, lr: float, momentum: float, nesterov: bool
-    ) -> None:
+    def __init__(self, params: Params, *, lr: float, momentum: float, nesterov: bool) -> None:
         self.params = {n: p.detach().float().clone() for n, p in params.items()}
         fused = all(p.device.type == "cpu" for p in self.params.values())
         self.sgd = torch.optim.SGD(
@@ -97,7 +95,9 @@ class OuterOptimizer:
     def step(self, delta: Params) -> float:
         """Apply the outer step with ``delta`` as the gradient; return ‖θ_new − θ_old‖₂."""
         if delta.keys() != self.params.keys():
-            raise AggregationError(f"delta names differ: {sorted(delta.keys() ^ self.params.keys())}")
+            raise AggregationError(
+                f"delta names differ: {sorted(delta.keys() ^ self.params.keys())}"
+            )
         before = {n: p.clone() for n, p in self.params.items()}
         for n, p in self.params.items():
             p.grad = delta[n].to(p.device, torch.float32)

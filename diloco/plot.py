@@ -12,9 +12,7 @@ def label_of(result: dict[str, Any]) -> str:
     if result["mode"] != "diloco":
         return f"{result['mode']} (seed {result['seed']})"
     drop = f", drop {result['drop_prob']:.0%}" if result["drop_prob"] else ""
-    return (
-        f"DiLoCo H={result['inner_steps']} {result['compression']}{drop} (seed {result['seed']})"
-    )
+    return f"DiLoCo H={result['inner_steps']} {result['compression']}{drop} (seed {result['seed']})"
 
 
 def plot_results(
@@ -27,9 +25,7 @@ def plot_results(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:  # plotting is an optional extra
-        raise RuntimeError(
-            "plotting needs matplotlib: pip install 'diloco-hub[plot]'"
-        ) from err
+        raise RuntimeError("plotting needs matplotlib: pip install 'diloco-hub[plot]'") from err
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     for result in results:
         rounds = result["rounds"]

@@ -149,7 +149,9 @@ def _run_diloco(
     H, R, K = cfg.inner.steps, cfg.rounds.max_rounds, opts.workers
     total = cfg.total_inner_steps
     outer = OuterOptimizer(
-        parameters_of(model), lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+        parameters_of(model),
+        lr=cfg.outer.lr,
+        momentum=cfg.outer.momentum,
         nesterov=cfg.outer.nesterov,
     )
     shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
@@ -179,8 +181,13 @@ def _run_diloco(
                 delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
             )
             meta = ContributionMeta(
-                run_id="simulate", round=r + 1, base_version=r, tokens=result.tokens,
-                inner_steps=H, loss=result.mean_loss, codec=codec,
+                run_id="simulate",
+                round=r + 1,
+                base_version=r,
+                tokens=result.tokens,
+                inner_steps=H,
+                loss=result.mean_loss,
+                codec=codec,
             )
             chunks = list(contribution_chunks(meta, encoded))
             bytes_up += sum(len(c) for c in chunks)
@@ -193,12 +200,18 @@ def _run_diloco(
             update_norm = outer.step(aggregator.result())
         load_parameters(model, outer.params)
         eval_loss = evaluate(
-            model, data.val, block_size=cfg.model.block_size, max_windows=opts.eval_windows,
+            model,
+            data.val,
+            block_size=cfg.model.block_size,
+            max_windows=opts.eval_windows,
             device=device,
         )
         record = RoundRecord(
-            round=r + 1, tokens=tokens, eval_loss=eval_loss,
-            train_loss=sum(losses) / len(losses), accepted=aggregator.count,
+            round=r + 1,
+            tokens=tokens,
+            eval_loss=eval_loss,
+            train_loss=sum(losses) / len(losses),
+            accepted=aggregator.count,
             update_norm=update_norm,
         )
         records.append(record)
@@ -232,11 +245,17 @@ def _run_baseline(
         result = trainer.run(H, start_step=r * H, next_batch=next_batch)
         tokens += result.tokens
         eval_loss = evaluate(
-            model, data.val, block_size=cfg.model.block_size, max_windows=opts.eval_windows,
+            model,
+            data.val,
+            block_size=cfg.model.block_size,
+            max_windows=opts.eval_windows,
             device=device,
         )
         record = RoundRecord(
-            round=r + 1, tokens=tokens, eval_loss=eval_loss, train_loss=result.mean_loss,
+            round=r + 1,
+            tokens=tokens,
+            eval_loss=eval_loss,
+            train_loss=result.mean_loss,
             accepted=len(sources),
         )
         records.append(record)

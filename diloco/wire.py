@@ -6,6 +6,10 @@ Body layout (all integers little-endian; ``docs/protocol.md`` is the full contra
     for each tensor in header order: data (numel · itemsize) | scales (4 · n_scales) |
     sha256 of every preceding byte (32)
 
+The constants, errors, header dataclasses and header schema live in ``diloco.wire_header``;
+this module streams the body around them and re-exports their public names, so callers
+import everything from ``diloco.wire``.
+
 Why this shape: the header is small and self-describing (msgpack, never pickle — nothing
 from the network may construct objects), while the tensor bytes travel as raw frames that
 both sides stream without ever holding the body: the encoder yields slices of the encoded
@@ -22,231 +26,55 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-import math
-import struct
 import sys
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
-from diloco.codec import (
-    INT8_MAX,
-    Codec,
-    EncodedTensor,
-    NonFiniteError,
-    codec_from_description,
+from diloco.codec import INT8_MAX, EncodedTensor, codec_from_description
+from diloco.wire_header import (
+    _DTYPES,
+    _PREFIX,
+    DIGEST_BYTES,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NUMEL,
+    SUPPORTED_VERSIONS,
+    ContributionHeader,
+    ContributionMeta,
+    NonFiniteWireError,
+    TensorSpec,
+    WireFormatError,
+    _parse_header,
+    _prefix_and_header,
+    _spec_of,
 )
 
-MAGIC = b"DILOCO-C"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (FORMAT_VERSION,)
-MAX_HEADER_BYTES = 16 << 20  # a header describes tensors; it never needs to be large
-MAX_NUMEL = 1 << 40  # per tensor; refuses absurd shapes before anything is allocated
-DIGEST_BYTES = 32
-_PREFIX = struct.Struct("<8sI")  # magic, header length
-_DTYPES = {"int8": torch.int8, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_HEADER_KEYS = (
-    "format_version", "run_id", "round", "base_version", "tokens", "inner_steps", "loss",
-    "codec", "tensors",
-)  # fmt: skip
-_TENSOR_KEYS = ("name", "shape", "dtype", "n_scales")
+__all__ = [
+    "DIGEST_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_NUMEL",
+    "SUPPORTED_VERSIONS",
+    "ContributionDecoder",
+    "ContributionHeader",
+    "ContributionMeta",
+    "NonFiniteWireError",
+    "TensorSpec",
+    "WireFormatError",
+    "contribution_nbytes",
+    "decode_contribution",
+    "encode_contribution",
+]
+
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-class WireFormatError(ValueError):
-    """The body is not a valid contribution; the message says what is wrong and where."""
-
-
-class NonFiniteWireError(WireFormatError, NonFiniteError):
-    """A frame holds NaN/Inf (float32 data or scales)."""
-
-
-@dataclass(frozen=True)
-class ContributionMeta:
-    run_id: str
-    round: int
-    base_version: int  # the checkpoint version the contributor started from
-    tokens: int  # aggregation weight
-    inner_steps: int
-    loss: float  # mean train loss of the inner loop, for the dashboard
-    codec: dict[str, Any] = field(hash=False)  # the codec's describe()
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # "int8" | "float32"
-    n_scales: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def frame_bytes(self) -> int:
-        return self.numel * _DTYPES[self.dtype].itemsize + 4 * self.n_scales
-
-
-@dataclass(frozen=True)
-class ContributionHeader:
-    meta: ContributionMeta
-    tensors: tuple[TensorSpec, ...]
-
-
-# ---------------------------------------------------------------- header validation
-
-
-def _get(m: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], where: str) -> Any:
-    if key not in m:
-        raise WireFormatError(f"{where} is missing the key {key!r}")
-    value = m[key]
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        expected = " or ".join(
-            k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,))
-        )
-        raise WireFormatError(f"{where} key {key!r} must be {expected}, got {type(value).__name__}")
-    return value
-
-
-def _check_keys(m: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
-    unknown = sorted(str(k) for k in m if k not in keys)
-    if unknown:
-        raise WireFormatError(f"{where} has unknown key(s) {unknown} (format {FORMAT_VERSION})")
-
-
-def _codec_of(description: object, where: str) -> Codec:
-    try:
-        return codec_from_description(description)
-    except ValueError as e:
-        raise WireFormatError(f"{where} is invalid: {e}") from e
-
-
-def _check_meta(meta: ContributionMeta) -> None:
-    """Range checks shared by encoder and decoder, so a client cannot send what the
-    server would refuse."""
-    if not meta.run_id:
-        raise WireFormatError("header key 'run_id' must not be empty")
-    for key, low in (("round", 0), ("base_version", 0), ("tokens", 1), ("inner_steps", 1)):
-        if getattr(meta, key) < low:
-            raise WireFormatError(f"header key {key!r} must be >= {low}, got {getattr(meta, key)}")
-    if not math.isfinite(meta.loss):
-        raise WireFormatError(f"header key 'loss' must be finite, got {meta.loss}")
-
-
-def _check_spec(spec: TensorSpec, codec: Codec) -> None:
-    """A tensor's dtype and scale count must be what its codec produces for its shape."""
-    if spec.numel > MAX_NUMEL:
-        raise WireFormatError(f"tensor {spec.name!r} has {spec.numel} values, over {MAX_NUMEL}")
-    if _DTYPES[spec.dtype] != codec.data_dtype:
-        raise WireFormatError(
-            f"tensor {spec.name!r} has dtype {spec.dtype} but codec {codec.kind!r} "
-            f"produces {_DTYPE_NAMES[codec.data_dtype]}"
-        )
-    if spec.n_scales != codec.n_scales(spec.numel):
-        raise WireFormatError(
-            f"tensor {spec.name!r} declares {spec.n_scales} scales but codec "
-            f"{codec.describe()} needs {codec.n_scales(spec.numel)} for {spec.numel} values"
-        )
-
-
-def _parse_header(raw: bytes) -> ContributionHeader:
-    try:
-        # No ext_hook/object_hook: msgpack can only build dicts, lists, str, bytes, numbers.
-        h = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise WireFormatError(f"header is not valid msgpack: {e}") from e
-    if not isinstance(h, dict):
-        raise WireFormatError(f"header must be a msgpack map, got {type(h).__name__}")
-    version = _get(h, "format_version", int, "header")
-    if version not in SUPPORTED_VERSIONS:
-        raise WireFormatError(
-            f"unsupported format_version {version}; this side supports {list(SUPPORTED_VERSIONS)}"
-        )
-    _check_keys(h, _HEADER_KEYS, "header")
-    codec = _codec_of(_get(h, "codec", dict, "header"), "header key 'codec'")
-    meta = ContributionMeta(
-        run_id=_get(h, "run_id", str, "header"),
-        round=_get(h, "round", int, "header"),
-        base_version=_get(h, "base_version", int, "header"),
-        tokens=_get(h, "tokens", int, "header"),
-        inner_steps=_get(h, "inner_steps", int, "header"),
-        loss=float(_get(h, "loss", (int, float), "header")),
-        codec=codec.describe(),
-    )
-    _check_meta(meta)
-    specs: list[TensorSpec] = []
-    for i, t in enumerate(_get(h, "tensors", list, "header")):
-        where = f"header tensors[{i}]"
-        if not isinstance(t, dict):
-            raise WireFormatError(f"{where} must be a map, got {type(t).__name__}")
-        _check_keys(t, _TENSOR_KEYS, where)
-        shape = _get(t, "shape", list, where)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise WireFormatError(f"{where} key 'shape' must be a list of ints >= 0: {shape}")
-        dtype = _get(t, "dtype", str, where)
-        if dtype not in _DTYPES:
-            raise WireFormatError(f"{where} key 'dtype' must be one of {list(_DTYPES)}: {dtype!r}")
-        n_scales = _get(t, "n_scales", int, where)
-        spec = TensorSpec(_get(t, "name", str, where), tuple(shape), dtype, n_scales)
-        _check_spec(spec, codec)
-        specs.append(spec)
-    twice = sorted(name for name, n in Counter(s.name for s in specs).items() if n > 1)
-    if twice:
-        raise WireFormatError(f"header names tensor(s) more than once: {twice}")
-    return ContributionHeader(meta, tuple(specs))
-
-
 # ---------------------------------------------------------------- encoding
-
-
-def _spec_of(name: str, t: EncodedTensor) -> TensorSpec:
-    data, scales = t.data, t.scales
-    if data.dtype not in _DTYPE_NAMES or scales.dtype != torch.float32:
-        raise WireFormatError(
-            f"tensor {name!r} has data {data.dtype} and scales {scales.dtype}; "
-            f"the wire carries int8/float32 data and float32 scales"
-        )
-    for part, x in (("data", data), ("scales", scales)):
-        if x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
-            raise WireFormatError(f"tensor {name!r} {part} must be 1-D, contiguous, on the CPU")
-    if data.numel() != t.numel:
-        raise WireFormatError(
-            f"tensor {name!r} has {data.numel()} values for shape {list(t.shape)} ({t.numel})"
-        )
-    shape = tuple(int(d) for d in t.shape)
-    return TensorSpec(name, shape, _DTYPE_NAMES[data.dtype], scales.numel())
-
-
-def _prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes:
-    _check_meta(meta)
-    codec = _codec_of(meta.codec, "meta.codec")
-    for spec in specs:
-        _check_spec(spec, codec)
-    header = {
-        "format_version": FORMAT_VERSION,
-        "run_id": meta.run_id,
-        "round": meta.round,
-        "base_version": meta.base_version,
-        "tokens": meta.tokens,
-        "inner_steps": meta.inner_steps,
-        "loss": float(meta.loss),
-        "codec": codec.describe(),
-        "tensors": [
-            {"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "n_scales": s.n_scales}
-            for s in specs
-        ],
-    }
-    raw: bytes = msgpack.packb(header, use_bin_type=True)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise WireFormatError(f"header is {len(raw)} bytes, over the {MAX_HEADER_BYTES} limit")
-    return _PREFIX.pack(MAGIC, len(raw)) + raw
 
 
 def contribution_nbytes(meta: ContributionMeta, tensors: Mapping[str, EncodedTensor]) -> int:

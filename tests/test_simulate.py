@@ -55,8 +55,12 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
     # the reference: the same initial model trained by AdamW directly on the same batches
     torch.manual_seed(5)
     model = GPT(cfg.model.gpt_config())
-    data = split_tokens(load_tokens(cfg.data.path), val_fraction=cfg.data.val_fraction,
-                        n_shards=1, block_size=cfg.model.block_size)
+    data = split_tokens(
+        load_tokens(cfg.data.path),
+        val_fraction=cfg.data.val_fraction,
+        n_shards=1,
+        block_size=cfg.model.block_size,
+    )
     gen = _generator(5, 0)
     opt = make_adamw(model, cfg.inner)
     for step in range(rounds):
@@ -67,8 +71,12 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
             lr = float(lr)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = random_batch(data.shards[0], batch_size=cfg.inner.batch_size,
-                            block_size=cfg.model.block_size, generator=gen)
+        x, y = random_batch(
+            data.shards[0],
+            batch_size=cfg.inner.batch_size,
+            block_size=cfg.model.block_size,
+            generator=gen,
+        )
         model(x, y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
         opt.step()

@@ -35,8 +35,12 @@ def test_weight_decay_applies_to_matrices_only():
 def test_adamw_state_survives_loading_new_parameters():
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
-    trainer = InnerTrainer(GPT(cfg), InnerSection(steps=2, batch_size=2, warmup_steps=0),
-                           total_steps=10, device=torch.device("cpu"))
+    trainer = InnerTrainer(
+        GPT(cfg),
+        InnerSection(steps=2, batch_size=2, warmup_steps=0),
+        total_steps=10,
+        device=torch.device("cpu"),
+    )
     batch = (torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
     trainer.run(2, start_step=0, next_batch=lambda: batch)
     state_before = {k: v["exp_avg"].clone() for k, v in enumerate(trainer.optimizer.state.values())}
@@ -51,8 +55,12 @@ def test_adamw_state_survives_loading_new_parameters():
 def test_training_lowers_the_loss_on_a_repeated_batch():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
-    trainer = InnerTrainer(model, InnerSection(lr=3e-3, warmup_steps=0, schedule="constant"),
-                           total_steps=30, device=torch.device("cpu"))
+    trainer = InnerTrainer(
+        model,
+        InnerSection(lr=3e-3, warmup_steps=0, schedule="constant"),
+        total_steps=30,
+        device=torch.device("cpu"),
+    )
     batch = (torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)))
 
     result = trainer.run(30, start_step=0, next_batch=lambda: batch)

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from diloco import wire
+from diloco import wire_header
 from diloco.codec import EncodedTensor, Int8Codec, NoneCodec, NonFiniteError, make_codec
 from diloco.wire import (
     MAGIC,
@@ -338,7 +338,7 @@ def test_decoding_never_unpickles_nor_lets_msgpack_build_objects(
         calls.append(kwargs)
         return real_unpackb(packed, **kwargs)
 
-    monkeypatch.setattr(wire.msgpack, "unpackb", spy)
+    monkeypatch.setattr(wire_header.msgpack, "unpackb", spy)
     meta, tensors = _contribution()
 
     # Execute

@@ -1,0 +1,191 @@
+"""The ``diloco`` command as a user runs it: a real subprocess, real files, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def diloco(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def write_config(tmp_path: Path, corpus: Path, extra: str = "") -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f"""name = "cli"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+[data]
+path = "{corpus.name}"
+val_fraction = 0.1
+[inner]
+steps = 2
+batch_size = 4
+[rounds]
+max_rounds = 2
+quorum = 1
+[compression]
+block_size = 256
+{extra}"""
+    )
+    return path
+
+
+def test_simulate_writes_the_result_json_and_a_plot(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+
+    proc = diloco(
+        "simulate",
+        str(config),
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+        "--seed",
+        "4",
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert {"final_eval_loss", "bytes_up_per_worker", "bytes_down_per_worker", "rounds"} <= set(
+        result
+    )
+    assert [r["round"] for r in result["rounds"]] == [1, 2]
+    assert all({"round", "tokens", "eval_loss"} <= set(r) for r in result["rounds"])
+    assert result["seed"] == 4 and result["workers"] == 2
+    assert json.loads(proc.stdout)["final_eval_loss"] == pytest.approx(
+        result["final_eval_loss"], abs=1e-5
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "round    2" in proc.stderr
+
+
+def test_options_override_the_config_and_read_environment_variables(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+    out = tmp_path / "r.json"
+
+    proc = diloco(
+        "simulate",
+        str(config),
+        "-H",
+        "3",
+        "--compression",
+        "none",
+        "--out",
+        str(out),
+        env={"DILOCO_WORKERS": "3", "DILOCO_ROUNDS": "1", "DILOCO_MODE": "ddp"},
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["mode"], result["workers"], result["inner_steps"]) == ("ddp", 3, 3)
+    assert result["rounds"][-1]["tokens"] == 3 * 3 * 4 * 32
+
+
+def test_plot_command_draws_several_results(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+    paths = []
+    for mode in ("single", "diloco"):
+        paths.append(tmp_path / f"{mode}.json")
+        assert (
+            diloco(
+                "simulate", str(config), "--mode", mode, "--out", str(paths[-1]), "--quiet"
+            ).returncode
+            == 0
+        )
+
+    proc = diloco("plot", *map(str, paths), "--out", str(tmp_path / "both.png"))
+
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "both.png").stat().st_size > 1000
+
+
+def test_unknown_config_key_exits_2_naming_the_key(tmp_path, corpus):
+    config = write_config(tmp_path, corpus, extra="[outer]\nmomentom = 0.5\n")
+
+    proc = diloco("simulate", str(config))
+
+    assert proc.returncode == 2
+    assert "outer.momentom: unknown key" in proc.stderr
+
+
+def test_invalid_override_exits_2_naming_the_key(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+
+    proc = diloco("simulate", str(config), "--outer-momentum", "0")
+
+    assert proc.returncode == 2
+    assert "outer.nesterov" in proc.stderr
+
+
+def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+
+    assert "--mode" in diloco("simulate", str(config), "--mode", "fsdp").stderr
+    proc = diloco("simulate", str(config), "--drop-prob", "1.5")
+    assert proc.returncode == 2 and "--drop-prob" in proc.stderr
+
+
+def test_missing_data_file_exits_3(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+    corpus.unlink()
+
+    proc = diloco("simulate", str(config))
+
+    assert proc.returncode == 3
+    assert "corpus.txt" in proc.stderr
+
+
+def test_corpus_too_small_for_the_shards_exits_3(tmp_path):
+    tiny = tmp_path / "corpus.txt"
+    tiny.write_text("to be or not to be " * 20)
+    config = write_config(tmp_path, tiny)
+
+    proc = diloco("simulate", str(config), "--workers", "8")
+
+    assert proc.returncode == 3
+    assert "fewer than one window" in proc.stderr
+
+
+def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corpus):
+    # the real benchmark takes ~40 min; --quick runs every arm on a toy model
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/convergence.py",
+            "--quick",
+            "--data",
+            str(corpus),
+            "--work-dir",
+            str(tmp_path / "bench"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    doc = (tmp_path / "bench" / "benchmarks.md").read_text()
+    assert "| DiLoCo H=5 int8, 30% dropped |" in doc
+    assert "## Acceptance checks" in doc
+    assert len(list((tmp_path / "bench").glob("*_seed[01].json"))) == 2 * 5
