@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 
@@ -23,6 +23,12 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+class SimMode(StrEnum):
+    diloco = "diloco"  # K workers, H inner steps per round, outer Nesterov step
+    ddp = "ddp"  # one model, K x the batch per step
+    single = "single"  # one worker, 1 x the batch
 
 
 class ExitStatus(IntEnum):
@@ -49,9 +55,9 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunC
 def simulate(
     config: Annotated[Path, typer.Argument(help="Run config (TOML).", envvar="DILOCO_CONFIG")],
     workers: Annotated[int, typer.Option(help="K workers.", envvar="DILOCO_WORKERS")] = 4,
-    mode: Annotated[
-        str, typer.Option(help="diloco | ddp | single", envvar="DILOCO_MODE")
-    ] = "diloco",
+    mode: Annotated[SimMode, typer.Option(help="What to train.", envvar="DILOCO_MODE")] = (
+        SimMode.diloco
+    ),
     out: Annotated[
         Path | None, typer.Option(help="Write the result JSON here.", envvar="DILOCO_OUT")
     ] = None,
@@ -100,11 +106,9 @@ def simulate(
     """Run DiLoCo (or a ddp / single baseline) in one process and report eval loss and bytes."""
     import torch
 
-    from diloco.simulate import RoundRecord, SimOptions, save_result
+    from diloco.simulate import Mode, RoundRecord, SimOptions, save_result
     from diloco.simulate import simulate as run_simulation
 
-    if mode not in ("diloco", "ddp", "single"):
-        fail(f"--mode must be diloco, ddp or single, not {mode!r}", ExitStatus.USAGE)
     if not 0.0 <= drop_prob < 1.0:
         fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
     if workers < 1:
@@ -125,9 +129,9 @@ def simulate(
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(
         workers=workers,
-        mode=mode,
+        mode=cast(Mode, mode.value),
         seed=seed,
-        drop_prob=drop_prob,  # type: ignore[arg-type]
+        drop_prob=drop_prob,
         eval_windows=eval_windows or None,
     )
 

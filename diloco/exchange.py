@@ -13,7 +13,12 @@ import torch
 
 from diloco.codec import EncodedTensor, codec_from_description, make_codec
 from diloco.outer import Aggregator
-from diloco.wire import ContributionDecoder, ContributionMeta, encode_contribution
+from diloco.wire import (
+    ContributionDecoder,
+    ContributionMeta,
+    WireFormatError,
+    encode_contribution,
+)
 
 
 def encode_delta(
@@ -52,6 +57,8 @@ def aggregate_upload(
 
     stream = tensors()
     first = next(stream)  # the header is parsed by now: its tokens are the weight
+    if decoder.header is None:
+        raise WireFormatError("a tensor arrived before the header was parsed")
     meta = decoder.header.meta
 
     def replay() -> Iterator[tuple[str, torch.Tensor]]:

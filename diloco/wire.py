@@ -35,22 +35,22 @@ import torch
 
 from diloco.codec import INT8_MAX, EncodedTensor, codec_from_description
 from diloco.wire_header import (
-    _DTYPES,
-    _PREFIX,
     DIGEST_BYTES,
+    DTYPES,
     FORMAT_VERSION,
     MAGIC,
     MAX_HEADER_BYTES,
     MAX_NUMEL,
+    PREFIX,
     SUPPORTED_VERSIONS,
     ContributionHeader,
     ContributionMeta,
     NonFiniteWireError,
     TensorSpec,
     WireFormatError,
-    _parse_header,
-    _prefix_and_header,
-    _spec_of,
+    parse_header,
+    prefix_and_header,
+    spec_of,
 )
 
 __all__ = [
@@ -79,8 +79,8 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 def contribution_nbytes(meta: ContributionMeta, tensors: Mapping[str, EncodedTensor]) -> int:
     """The exact body size ``encode_contribution`` will produce (for Content-Length)."""
-    specs = [_spec_of(name, t) for name, t in tensors.items()]
-    return len(_prefix_and_header(meta, specs)) + sum(s.frame_bytes for s in specs) + DIGEST_BYTES
+    specs = [spec_of(name, t) for name, t in tensors.items()]
+    return len(prefix_and_header(meta, specs)) + sum(s.frame_bytes for s in specs) + DIGEST_BYTES
 
 
 def _le_bytes(x: torch.Tensor) -> memoryview:
@@ -101,7 +101,7 @@ def encode_contribution(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     items = list(tensors.items())
-    prefix = _prefix_and_header(meta, [_spec_of(name, t) for name, t in items])
+    prefix = prefix_and_header(meta, [spec_of(name, t) for name, t in items])
 
     def pieces() -> Iterator[memoryview]:
         digest = hashlib.sha256()
@@ -182,7 +182,7 @@ class ContributionDecoder:
         self._scales: torch.Tensor | None = None
         self._buf = bytearray()  # the fixed parts only: prefix, header, trailer
         self._dest: np.ndarray | None = None  # uint8 view of the frame being filled
-        self._stage, self._size, self._filled = _Stage.PREFIX, _PREFIX.size, 0
+        self._stage, self._size, self._filled = _Stage.PREFIX, PREFIX.size, 0
 
     @property
     def header(self) -> ContributionHeader | None:
@@ -256,13 +256,13 @@ class ContributionDecoder:
 
     def _complete_part(self, completed: list[tuple[str, EncodedTensor]]) -> None:
         if self._stage is _Stage.PREFIX:
-            _, header_len = _PREFIX.unpack(self._buf)
+            _, header_len = PREFIX.unpack(self._buf)
             if header_len > MAX_HEADER_BYTES:
                 raise WireFormatError(f"header length {header_len} is over {MAX_HEADER_BYTES}")
             self._header_len = header_len
             self._enter(_Stage.HEADER, header_len)
         elif self._stage is _Stage.HEADER:
-            self._header = _parse_header(bytes(self._buf))
+            self._header = parse_header(bytes(self._buf))
             self._check_header(self._header)
             self._start_tensor(0)
         elif self._stage is _Stage.DATA:
@@ -292,7 +292,7 @@ class ContributionDecoder:
             self._enter(_Stage.TRAILER, DIGEST_BYTES)
             return
         spec = self._spec()
-        self._data = torch.empty(spec.numel, dtype=_DTYPES[spec.dtype])
+        self._data = torch.empty(spec.numel, dtype=DTYPES[spec.dtype])
         self._enter(_Stage.DATA, spec.numel * self._data.element_size(), self._data)
 
     def _check_header(self, header: ContributionHeader) -> None:
@@ -317,7 +317,7 @@ class ContributionDecoder:
                         f"expected {list(self._expected[name])}"
                     )
         frames = sum(s.frame_bytes for s in header.tensors)
-        declared = _PREFIX.size + self._header_len + frames + DIGEST_BYTES
+        declared = PREFIX.size + self._header_len + frames + DIGEST_BYTES
         if self._max_bytes is not None and declared > self._max_bytes:
             raise WireFormatError(
                 f"body declares {declared} bytes, over the {self._max_bytes}-byte limit"

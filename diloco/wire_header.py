@@ -22,16 +22,21 @@ from diloco.codec import Codec, EncodedTensor, NonFiniteError, codec_from_descri
 
 __all__ = [
     "DIGEST_BYTES",
+    "DTYPES",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_HEADER_BYTES",
     "MAX_NUMEL",
+    "PREFIX",
     "SUPPORTED_VERSIONS",
     "ContributionHeader",
     "ContributionMeta",
     "NonFiniteWireError",
     "TensorSpec",
     "WireFormatError",
+    "parse_header",
+    "prefix_and_header",
+    "spec_of",
 ]
 
 MAGIC = b"DILOCO-C"
@@ -40,9 +45,9 @@ SUPPORTED_VERSIONS = (FORMAT_VERSION,)
 MAX_HEADER_BYTES = 16 << 20  # a header describes tensors; it never needs to be large
 MAX_NUMEL = 1 << 40  # per tensor; refuses absurd shapes before anything is allocated
 DIGEST_BYTES = 32
-_PREFIX = struct.Struct("<8sI")  # magic, header length
-_DTYPES = {"int8": torch.int8, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+PREFIX = struct.Struct("<8sI")  # magic, header length
+DTYPES = {"int8": torch.int8, "float32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_KEYS = (
     "format_version", "run_id", "round", "base_version", "tokens", "inner_steps", "loss",
     "codec", "tensors",
@@ -82,7 +87,7 @@ class TensorSpec:
 
     @property
     def frame_bytes(self) -> int:
-        return self.numel * _DTYPES[self.dtype].itemsize + 4 * self.n_scales
+        return self.numel * DTYPES[self.dtype].itemsize + 4 * self.n_scales
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ def _check_spec(spec: TensorSpec, codec: Codec) -> None:
     """A tensor's dtype and scale count must be what its codec produces for its shape."""
     if spec.numel > MAX_NUMEL:
         raise WireFormatError(f"tensor {spec.name!r} has {spec.numel} values, over {MAX_NUMEL}")
-    if _DTYPES[spec.dtype] != codec.data_dtype:
+    if DTYPES[spec.dtype] != codec.data_dtype:
         raise WireFormatError(
             f"tensor {spec.name!r} has dtype {spec.dtype} but codec {codec.kind!r} "
             f"produces {_DTYPE_NAMES[codec.data_dtype]}"
@@ -147,7 +152,7 @@ def _check_spec(spec: TensorSpec, codec: Codec) -> None:
         )
 
 
-def _parse_header(raw: bytes) -> ContributionHeader:
+def parse_header(raw: bytes) -> ContributionHeader:
     try:
         # No ext_hook/object_hook: msgpack can only build dicts, lists, str, bytes, numbers.
         h = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
@@ -182,8 +187,8 @@ def _parse_header(raw: bytes) -> ContributionHeader:
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise WireFormatError(f"{where} key 'shape' must be a list of ints >= 0: {shape}")
         dtype = _get(t, "dtype", str, where)
-        if dtype not in _DTYPES:
-            raise WireFormatError(f"{where} key 'dtype' must be one of {list(_DTYPES)}: {dtype!r}")
+        if dtype not in DTYPES:
+            raise WireFormatError(f"{where} key 'dtype' must be one of {list(DTYPES)}: {dtype!r}")
         n_scales = _get(t, "n_scales", int, where)
         spec = TensorSpec(_get(t, "name", str, where), tuple(shape), dtype, n_scales)
         _check_spec(spec, codec)
@@ -197,7 +202,7 @@ def _parse_header(raw: bytes) -> ContributionHeader:
 # ---------------------------------------------------------------- header building
 
 
-def _spec_of(name: str, t: EncodedTensor) -> TensorSpec:
+def spec_of(name: str, t: EncodedTensor) -> TensorSpec:
     data, scales = t.data, t.scales
     if data.dtype not in _DTYPE_NAMES or scales.dtype != torch.float32:
         raise WireFormatError(
@@ -215,7 +220,7 @@ def _spec_of(name: str, t: EncodedTensor) -> TensorSpec:
     return TensorSpec(name, shape, _DTYPE_NAMES[data.dtype], scales.numel())
 
 
-def _prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes:
+def prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes:
     _check_meta(meta)
     codec = _codec_of(meta.codec, "meta.codec")
     for spec in specs:
@@ -237,4 +242,4 @@ def _prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes
     raw: bytes = msgpack.packb(header, use_bin_type=True)
     if len(raw) > MAX_HEADER_BYTES:
         raise WireFormatError(f"header is {len(raw)} bytes, over the {MAX_HEADER_BYTES} limit")
-    return _PREFIX.pack(MAGIC, len(raw)) + raw
+    return PREFIX.pack(MAGIC, len(raw)) + raw

@@ -140,7 +140,8 @@ def test_invalid_override_exits_2_naming_the_key(tmp_path, corpus):
 def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
     config = write_config(tmp_path, corpus)
 
-    assert "--mode" in diloco("simulate", str(config), "--mode", "fsdp").stderr
+    bad_mode = diloco("simulate", str(config), "--mode", "fsdp")
+    assert bad_mode.returncode == 2 and "fsdp" in bad_mode.stderr
     proc = diloco("simulate", str(config), "--drop-prob", "1.5")
     assert proc.returncode == 2 and "--drop-prob" in proc.stderr
 
