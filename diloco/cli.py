@@ -11,7 +11,7 @@ import json
 import sys
 from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, Literal, NoReturn, cast
 
 import typer
 
@@ -94,6 +94,13 @@ def simulate(
             help="Validation windows scored per round (0: all).", envvar="DILOCO_EVAL_WINDOWS"
         ),
     ] = 256,
+    single_data: Annotated[
+        str,
+        typer.Option(
+            help="single mode trains on worker 0's shard, or on all the training data.",
+            envvar="DILOCO_SINGLE_DATA",
+        ),
+    ] = "shard",
     plot: Annotated[
         Path | None,
         typer.Option(help="Draw eval loss vs tokens to this PNG.", envvar="DILOCO_PLOT"),
@@ -111,6 +118,8 @@ def simulate(
 
     if not 0.0 <= drop_prob < 1.0:
         fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
+    if single_data not in ("shard", "all"):
+        fail(f"--single-data must be shard or all, not {single_data!r}", ExitStatus.USAGE)
     if workers < 1:
         fail(f"--workers must be at least 1, not {workers}", ExitStatus.USAGE)
     if threads:
@@ -133,6 +142,7 @@ def simulate(
         seed=seed,
         drop_prob=drop_prob,
         eval_windows=eval_windows or None,
+        single_data=cast(Literal["shard", "all"], single_data),
     )
 
     def report(r: RoundRecord) -> None:
@@ -191,3 +201,7 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,9 @@ class ModelSection(_Section):
 class DataSection(_Section):
     path: str = Field(min_length=1)  # text file; relative paths resolve against the config file
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    # bytes per chunk dealt round-robin to the shards (i.i.d.-like shards);
+    # 0: one contiguous block per shard (each worker sees one part of the corpus)
+    chunk_size: int = Field(8192, ge=0)
 
 
 class InnerSection(_Section):

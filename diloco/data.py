@@ -1,9 +1,14 @@
 """Data: a text file becomes uint8 tokens, a validation split and K disjoint training shards.
 
 Byte-level tokens mean no tokenizer: token = byte. The validation split is the tail of
-the file (a contiguous block, so no training window overlaps it); the rest is cut into
-K contiguous, disjoint shards, one per worker. Batches are random windows drawn from one
-shard with the caller's seeded generator, so a run is reproducible.
+the file (a contiguous block, so no training window overlaps it). The rest is cut into
+chunks of ``chunk_size`` bytes dealt round-robin to K disjoint shards, so that every
+shard samples the whole corpus (DiLoCo's i.i.d. setting: with one contiguous block per
+worker, each worker would see only a few of Shakespeare's plays and drift towards them).
+``chunk_size = 0`` gives one contiguous block per shard, the harder non-i.i.d. setting.
+A shard is a (n_chunks, chunk_len) tensor; batches are random windows inside one chunk,
+drawn with the caller's seeded generator, so a run is reproducible and no window
+straddles two chunks that were not neighbours in the file.
 """
 
 from __future__ import annotations
@@ -31,19 +36,36 @@ def load_tokens(path: str | Path) -> torch.Tensor:
 @dataclass(frozen=True)
 class Dataset:
     val: torch.Tensor  # uint8 (N_val,)
-    shards: tuple[torch.Tensor, ...]  # K x uint8 (N_shard,), disjoint
+    shards: tuple[torch.Tensor, ...]  # K x uint8 (n_chunks, chunk_len), disjoint
 
     @property
     def train_tokens(self) -> int:
         return sum(int(s.numel()) for s in self.shards)
 
+    @property
+    def chunk_len(self) -> int:
+        return int(self.shards[0].shape[1])
+
 
 def split_tokens(
-    tokens: torch.Tensor, *, val_fraction: float, n_shards: int, block_size: int
+    tokens: torch.Tensor,
+    *,
+    val_fraction: float,
+    n_shards: int,
+    block_size: int,
+    chunk_size: int = 0,
 ) -> Dataset:
-    """Validation tail + ``n_shards`` disjoint contiguous training shards."""
+    """Validation tail + ``n_shards`` disjoint training shards of whole chunks.
+
+    ``chunk_size`` > 0: chunks of that many bytes dealt round-robin (i.i.d.-like shards);
+    0: one contiguous chunk per shard. A remainder too small to share evenly is dropped.
+    """
     if n_shards < 1:
         raise DataError(f"n_shards must be >= 1, got {n_shards}")
+    if 0 < chunk_size < block_size + 1:
+        raise DataError(
+            f"chunk_size {chunk_size} must be at least block_size + 1 = {block_size + 1}"
+        )
     n = int(tokens.numel())
     n_val = int(n * val_fraction)
     if n_val < block_size + 1:
@@ -52,23 +74,29 @@ def split_tokens(
             f"block_size + 1 = {block_size + 1}; use a larger file or val_fraction"
         )
     train, val = tokens[: n - n_val], tokens[n - n_val :]
-    shard_len = train.numel() // n_shards
-    if shard_len < block_size + 1:
+    chunk = chunk_size or train.numel() // n_shards
+    per_shard = train.numel() // (chunk * n_shards) if chunk else 0
+    if chunk < block_size + 1 or per_shard < 1:
         raise DataError(
-            f"each of {n_shards} shards would hold {shard_len} tokens, fewer than one window "
-            f"of block_size + 1 = {block_size + 1}; use a larger file or fewer shards"
+            f"{train.numel()} training tokens cannot give {n_shards} shards at least one window "
+            f"of block_size + 1 = {block_size + 1} each; use a larger file or fewer shards"
         )
-    shards = tuple(train[i * shard_len : (i + 1) * shard_len] for i in range(n_shards))
+    chunks = train[: per_shard * n_shards * chunk].view(per_shard, n_shards, chunk)
+    shards = tuple(chunks[:, i].contiguous() for i in range(n_shards))  # (per_shard, chunk)
     return Dataset(val=val, shards=shards)
 
 
 def random_batch(
     shard: torch.Tensor, *, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random windows: inputs (B, T) and next-byte targets (B, T), int64."""
-    starts = torch.randint(0, shard.numel() - block_size, (batch_size,), generator=generator)
+    """``batch_size`` random windows from a (n_chunks, chunk_len) shard: inputs (B, T) and
+    next-byte targets (B, T), int64. A 1-D shard is one chunk."""
+    chunks = shard.view(1, -1) if shard.dim() == 1 else shard
+    n_chunks, chunk_len = chunks.shape
+    rows = torch.randint(0, n_chunks, (batch_size,), generator=generator)
+    starts = torch.randint(0, chunk_len - block_size, (batch_size,), generator=generator)
     offsets = torch.arange(block_size + 1)
-    windows = shard[starts[:, None] + offsets].long()  # (B, T + 1)
+    windows = chunks[rows[:, None], starts[:, None] + offsets].long()  # (B, T + 1)
     return windows[:, :-1], windows[:, 1:]
 
 

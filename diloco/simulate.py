@@ -8,7 +8,10 @@ The DiLoCo mode runs the very code the platform runs: each worker's inner loop
 - ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
   as many steps as a DiLoCo worker takes in total; communication is counted as a
   ring all-reduce of fp32 gradients every step.
-- ``single``: one worker, 1× batch, the same number of steps, on the whole training split.
+- ``single``: one worker, 1× batch, the same number of steps: by default worker 0 alone
+  on its own shard (a DiLoCo worker that never communicates, so ``single`` → ``ddp``
+  is exactly what pooling K workers buys); ``single_data="all"`` trains it on the whole
+  training split instead, a stronger reference on a finite corpus.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class SimOptions:
     seed: int = 0
     drop_prob: float = 0.0  # each worker's contribution is lost with this probability per round
     eval_windows: int | None = 256  # validation windows scored after each round (None: all)
+    single_data: Literal["shard", "all"] = "shard"  # single mode: worker 0's shard, or all
     device: str = "cpu"
 
 
@@ -104,12 +108,13 @@ def simulate(cfg: RunConfig, opts: SimOptions, progress: Progress | None = None)
     if not 0.0 <= opts.drop_prob < 1.0:
         raise ValueError(f"drop_prob must be in [0, 1), got {opts.drop_prob}")
     device = torch.device(opts.device)
-    n_shards = 1 if opts.mode == "single" else opts.workers
+    n_shards = 1 if (opts.mode == "single" and opts.single_data == "all") else opts.workers
     data = split_tokens(
         load_tokens(cfg.data.path),
         val_fraction=cfg.data.val_fraction,
         n_shards=n_shards,
         block_size=cfg.model.block_size,
+        chunk_size=cfg.data.chunk_size,
     )
     torch.manual_seed(opts.seed)  # the initial global model
     model = GPT(cfg.model.gpt_config())
@@ -231,8 +236,9 @@ def _run_baseline(
     """``ddp`` (one model, a batch slice from every shard per step) or ``single``."""
     H, R = cfg.inner.steps, cfg.rounds.max_rounds
     trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
+    shards = data.shards[:1] if opts.mode == "single" else data.shards
     sources = [
-        _batch_source(shard, cfg, _generator(opts.seed, i)) for i, shard in enumerate(data.shards)
+        _batch_source(shard, cfg, _generator(opts.seed, i)) for i, shard in enumerate(shards)
     ]
 
     def next_batch() -> Batch:

@@ -161,7 +161,7 @@ def test_corpus_too_small_for_the_shards_exits_3(tmp_path):
     tiny.write_text("to be or not to be " * 20)
     config = write_config(tmp_path, tiny)
 
-    proc = diloco("simulate", str(config), "--workers", "8")
+    proc = diloco("simulate", str(config), "--workers", "16")
 
     assert proc.returncode == 3
     assert "fewer than one window" in proc.stderr
@@ -189,4 +189,4 @@ def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corp
     doc = (tmp_path / "bench" / "benchmarks.md").read_text()
     assert "| DiLoCo H=5 int8, 30% dropped |" in doc
     assert "## Acceptance checks" in doc
-    assert len(list((tmp_path / "bench").glob("*_seed[01].json"))) == 2 * 5
+    assert len(list((tmp_path / "bench").glob("*_seed[01].json"))) == 2 * 6

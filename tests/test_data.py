@@ -22,19 +22,42 @@ def test_empty_file_is_rejected(tmp_path):
         load_tokens(path)
 
 
-def test_split_gives_a_validation_tail_and_disjoint_shards():
-    tokens = torch.arange(1000) % 256
+def test_split_gives_a_validation_tail_and_disjoint_contiguous_shards():
     positions = torch.arange(1000)
 
     data = split_tokens(positions, val_fraction=0.1, n_shards=3, block_size=8)
-    split = split_tokens(tokens.to(torch.uint8), val_fraction=0.1, n_shards=3, block_size=8)
 
     assert data.val.tolist() == list(range(900, 1000))
-    seen = [set(s.tolist()) for s in data.shards]
-    assert all(len(s) == 300 for s in seen)
-    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
-    assert not set(data.val.tolist()) & set().union(*seen)
-    assert split.train_tokens == 900
+    assert [s.flatten().tolist() for s in data.shards] == [
+        list(range(0, 300)),
+        list(range(300, 600)),
+        list(range(600, 900)),
+    ]
+    assert data.train_tokens == 900
+
+
+def test_chunked_split_deals_chunks_round_robin_so_every_shard_spans_the_corpus():
+    positions = torch.arange(1100)
+
+    data = split_tokens(positions, val_fraction=0.09, n_shards=2, block_size=8, chunk_size=100)
+
+    # 1001 training tokens: 5 chunks of 100 per shard, the last token dropped
+    assert data.chunk_len == 100
+    assert data.shards[0][:, 0].tolist() == [0, 200, 400, 600, 800]
+    assert data.shards[1][:, 0].tolist() == [100, 300, 500, 700, 900]
+    seen = [set(s.flatten().tolist()) for s in data.shards]
+    assert not seen[0] & seen[1] and not (seen[0] | seen[1]) & set(data.val.tolist())
+
+
+def test_chunk_shorter_than_a_window_is_refused():
+    with pytest.raises(DataError, match="chunk_size 8 must be at least block_size"):
+        split_tokens(
+            torch.zeros(1000, dtype=torch.uint8),
+            val_fraction=0.1,
+            n_shards=2,
+            block_size=16,
+            chunk_size=8,
+        )
 
 
 def test_too_small_corpus_is_a_clear_error():
@@ -55,6 +78,16 @@ def test_random_batches_are_next_byte_pairs_from_the_shard_and_seeded():
     assert torch.equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
     assert torch.equal(y - x, torch.ones_like(x))  # consecutive bytes of the shard
     assert torch.equal(x, x2)
+
+
+def test_random_windows_never_straddle_two_chunks():
+    shard = torch.arange(4 * 20).view(4, 20)  # chunks [0..19], [20..39], ...
+    gen = torch.Generator().manual_seed(0)
+
+    x, y = random_batch(shard, batch_size=500, block_size=8, generator=gen)
+
+    assert torch.equal(x // 20, y // 20)  # first and last byte of each window: one chunk
+    assert set((x[:, 0] // 20).tolist()) == {0, 1, 2, 3}
 
 
 def test_eval_batches_cover_non_overlapping_windows_in_order():
