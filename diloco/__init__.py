@@ -1,0 +1,2 @@
+"""DiLoCo Hub's algorithm library: model, data, inner loop, codec, wire format,
+aggregation and outer step, and the in-process simulator. No HTTP, no SQL."""

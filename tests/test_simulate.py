@@ -60,6 +60,7 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
         val_fraction=cfg.data.val_fraction,
         n_shards=1,
         block_size=cfg.model.block_size,
+        chunk_size=cfg.data.chunk_size,
     )
     gen = _generator(5, 0)
     opt = make_adamw(model, cfg.inner)

@@ -1,0 +1,226 @@
+"""The durable global state of a run: one safetensors file per checkpoint version.
+
+The server writes one after each outer step and serves it to volunteers (ETag = sha256).
+safetensors + JSON only: a checkpoint travels over the network, so nothing is unpickled.
+
+Layout of the file:
+- the model parameters under their own names;
+- the outer SGD momentum buffers (fp32) under ``outer.momentum.<param name>``;
+- string metadata: ``format``, ``format_version``, ``version``, ``param_names`` (JSON list;
+  its order is the optimizer's parameter order), ``outer_hparams`` (JSON of the SGD
+  param_group without its ``params``, only with outer state), ``outer_momentum``
+  ("true" when momentum buffers are stored: a fresh SGD has none yet), plus caller metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+FORMAT = "diloco-checkpoint"
+FORMAT_VERSION = "1"
+MOMENTUM_PREFIX = "outer.momentum."
+RESERVED_KEYS = frozenset(
+    {"format", "format_version", "version", "param_names", "outer_hparams", "outer_momentum"}
+)
+
+
+class CheckpointError(ValueError):
+    """A file that is missing, corrupt, truncated or not one of our checkpoints."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    version: int
+    params: dict[str, torch.Tensor]
+    # in the shape OuterOptimizer.load_state_dict accepts; None for a params-only checkpoint
+    outer_state: dict[str, Any] | None
+    metadata: dict[str, str]  # the caller's metadata, reserved keys removed
+    sha256: str  # of the exact bytes the tensors were loaded from
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 hex of a file, read in chunks so memory stays flat whatever its size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _outer_tensors(
+    names: list[str], outer_state: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split OuterOptimizer.state_dict() into momentum tensors and JSON-able hparams."""
+    if list(outer_state["names"]) != names:
+        raise ValueError("outer_state was saved for other parameter names than params")
+    sgd = outer_state["sgd"]
+    groups = sgd["param_groups"]
+    if len(groups) != 1 or list(groups[0]["params"]) != list(range(len(names))):
+        raise ValueError("outer_state must have one param group holding every parameter in order")
+    hparams = {k: v for k, v in groups[0].items() if k != "params"}
+    buffers = {i: s["momentum_buffer"] for i, s in sgd["state"].items() if "momentum_buffer" in s}
+    if buffers and buffers.keys() != set(range(len(names))):
+        raise ValueError("outer_state has momentum for some parameters but not all")
+    tensors = {MOMENTUM_PREFIX + names[i]: b.detach().float().cpu() for i, b in buffers.items()}
+    return tensors, hparams
+
+
+def save_checkpoint(
+    path: Path,
+    *,
+    params: Mapping[str, torch.Tensor],
+    version: int,
+    outer_state: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> str:
+    """Write the checkpoint atomically and return the sha256 of its bytes.
+
+    Commit or discard: the bytes go to a temp name in the same directory, are fsynced and
+    renamed over ``path``, then the directory is fsynced; a crash at any point leaves
+    either the old file or the new one, never a mix (invariant 2).
+    """
+    meta = dict(metadata or {})
+    if clash := RESERVED_KEYS & meta.keys():
+        raise ValueError(f"metadata keys {sorted(clash)} are reserved by the checkpoint format")
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("metadata values must be strings (safetensors stores str -> str)")
+    names = list(params)
+    if bad := [n for n in names if n.startswith(MOMENTUM_PREFIX)]:
+        raise ValueError(f"parameter names {bad} use the reserved prefix {MOMENTUM_PREFIX!r}")
+    tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
+    meta |= {"format": FORMAT, "format_version": FORMAT_VERSION}
+    meta |= {"version": str(int(version)), "param_names": json.dumps(names)}
+    if outer_state is not None:
+        momentum, hparams = _outer_tensors(names, outer_state)
+        tensors |= momentum
+        try:
+            meta["outer_hparams"] = json.dumps(hparams)
+        except TypeError as e:
+            raise ValueError(f"outer hyper-parameters are not JSON-serializable: {e}") from e
+        meta["outer_momentum"] = json.dumps(bool(momentum))
+    data = safetensors_save(tensors, metadata=meta)
+    digest = hashlib.sha256(data).hexdigest()
+
+    path = Path(path)
+    tmp = path.with_suffix(f".tmp-{secrets.token_hex(8)}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+    return digest
+
+
+def _header_metadata(data: bytes, path: Path) -> dict[str, str]:
+    """Read safetensors' ``__metadata__`` from the raw bytes (8-byte LE length + JSON)."""
+    if len(data) < 8:
+        raise CheckpointError(f"{path} is too short to be a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError(f"{path} is truncated or corrupt (header runs past the end)")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} has a corrupt safetensors header: {e}") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _check_format(meta: Mapping[str, str], path: Path) -> tuple[int, list[str]]:
+    """Refuse foreign or future files before trusting any of their contents."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a DiLoCo checkpoint (no format={FORMAT!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format_version {meta.get('format_version')!r}; "
+            f"this code reads version {FORMAT_VERSION}"
+        )
+    try:
+        version = int(meta["version"])
+        names = json.loads(meta["param_names"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path} has missing or malformed version/param_names: {e}") from e
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{path} has param_names that are not a list of strings")
+    return version, names
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load and validate a checkpoint, ready to rebuild an OuterOptimizer.
+
+    The file is read once into memory so that the sha256 describes exactly the bytes the
+    tensors came from, even if a writer replaces the file meanwhile.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    meta = _header_metadata(data, path)
+    version, names = _check_format(meta, path)
+    try:
+        tensors = safetensors_load(data)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is corrupt: {e}") from e
+    stored = {k for k in tensors if not k.startswith(MOMENTUM_PREFIX)}
+    if stored != set(names):
+        raise CheckpointError(
+            f"{path} tensors differ from param_names: {sorted(stored ^ set(names))}"
+        )
+    outer_state = None
+    if "outer_hparams" in meta:
+        try:
+            hparams = json.loads(meta["outer_hparams"])
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} has malformed outer_hparams: {e}") from e
+        if not isinstance(hparams, dict):
+            raise CheckpointError(f"{path} has outer_hparams that are not a JSON object")
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if meta.get("outer_momentum") == "true":
+            if missing := [n for n in names if MOMENTUM_PREFIX + n not in tensors]:
+                raise CheckpointError(f"{path} lacks outer momentum for parameters {missing}")
+            state = {
+                i: {"momentum_buffer": tensors[MOMENTUM_PREFIX + n]} for i, n in enumerate(names)
+            }
+        group = {**hparams, "params": list(range(len(names)))}
+        outer_state = {"names": names, "sgd": {"state": state, "param_groups": [group]}}
+    return Checkpoint(
+        version=version,
+        params={n: tensors[n] for n in names},
+        outer_state=outer_state,
+        metadata={k: v for k, v in meta.items() if k not in RESERVED_KEYS},
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def checkpoint_params_only(path: Path) -> dict[str, torch.Tensor]:
+    """The model parameters alone, for clients: momentum buffers are never read (mmap)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            _, names = _check_format(f.metadata() or {}, path)
+            return {n: f.get_tensor(n) for n in names}
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e

@@ -1,0 +1,1 @@
+"""DiLoCo Hub server: the FastAPI app, one package per domain."""
