@@ -58,7 +58,8 @@ def split_tokens(
     """Validation tail + ``n_shards`` disjoint training shards of whole chunks.
 
     ``chunk_size`` > 0: chunks of that many bytes dealt round-robin (i.i.d.-like shards);
-    0: one contiguous chunk per shard. A remainder too small to share evenly is dropped.
+    0, or a corpus smaller than one chunk per shard: one contiguous chunk per shard.
+    A remainder too small to share evenly is dropped.
     """
     if n_shards < 1:
         raise DataError(f"n_shards must be >= 1, got {n_shards}")
@@ -74,13 +75,14 @@ def split_tokens(
             f"block_size + 1 = {block_size + 1}; use a larger file or val_fraction"
         )
     train, val = tokens[: n - n_val], tokens[n - n_val :]
-    chunk = chunk_size or train.numel() // n_shards
-    per_shard = train.numel() // (chunk * n_shards) if chunk else 0
-    if chunk < block_size + 1 or per_shard < 1:
+    # a corpus too small for whole chunks falls back to one contiguous block per shard
+    chunk = min(chunk_size or train.numel(), train.numel() // n_shards)
+    if chunk < block_size + 1:
         raise DataError(
             f"{train.numel()} training tokens cannot give {n_shards} shards at least one window "
             f"of block_size + 1 = {block_size + 1} each; use a larger file or fewer shards"
         )
+    per_shard = train.numel() // (chunk * n_shards)
     chunks = train[: per_shard * n_shards * chunk].view(per_shard, n_shards, chunk)
     shards = tuple(chunks[:, i].contiguous() for i in range(n_shards))  # (per_shard, chunk)
     return Dataset(val=val, shards=shards)

@@ -164,7 +164,7 @@ def test_corpus_too_small_for_the_shards_exits_3(tmp_path):
     proc = diloco("simulate", str(config), "--workers", "16")
 
     assert proc.returncode == 3
-    assert "fewer than one window" in proc.stderr
+    assert "cannot give 16 shards at least one window" in proc.stderr
 
 
 def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corpus):

@@ -49,6 +49,15 @@ def test_chunked_split_deals_chunks_round_robin_so_every_shard_spans_the_corpus(
     assert not seen[0] & seen[1] and not (seen[0] | seen[1]) & set(data.val.tolist())
 
 
+def test_corpus_smaller_than_a_chunk_per_shard_falls_back_to_contiguous_shards():
+    positions = torch.arange(1000)
+
+    data = split_tokens(positions, val_fraction=0.1, n_shards=3, block_size=8, chunk_size=8192)
+
+    assert [s.shape for s in data.shards] == [(1, 300)] * 3
+    assert data.shards[1][0, 0] == 300
+
+
 def test_chunk_shorter_than_a_window_is_refused():
     with pytest.raises(DataError, match="chunk_size 8 must be at least block_size"):
         split_tokens(
