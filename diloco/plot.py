@@ -1,4 +1,4 @@
-"""Eval loss against tokens for one or more ``diloco simulate`` result files (matplotlib)."""
+"""Eval loss against tokens and against inner steps for ``diloco simulate`` results."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ def label_of(result: dict[str, Any]) -> str:
 
 
 def plot_results(
-    results: Sequence[dict[str, Any]], out: str | Path, *, title: str = "eval loss vs tokens"
+    results: Sequence[dict[str, Any]], out: str | Path, *, title: str = "eval loss"
 ) -> None:
-    """Draw every result's per-round eval loss against tokens into one PNG."""
+    """Draw every result's per-round eval loss against tokens (left) and against inner
+    steps per worker (right) into one PNG."""
     try:
         import matplotlib
 
@@ -26,20 +27,23 @@ def plot_results(
         import matplotlib.pyplot as plt
     except ImportError as err:  # plotting is an optional extra
         raise RuntimeError("plotting needs matplotlib: pip install 'diloco-hub[plot]'") from err
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    fig, (by_tokens, by_steps) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110)
+    lowest = min(r["eval_loss"] for result in results for r in result["rounds"])
     for result in results:
         rounds = result["rounds"]
-        ax.plot(
-            [r["tokens"] for r in rounds],
-            [r["eval_loss"] for r in rounds],
-            label=result.get("label") or label_of(result),
-            linewidth=1.4,
-        )
-    ax.set_xlabel("tokens trained on (all workers)")
-    ax.set_ylabel("eval loss (nats / byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        label = result.get("label") or label_of(result)
+        losses = [r["eval_loss"] for r in rounds]
+        by_tokens.plot([r["tokens"] for r in rounds], losses, label=label, linewidth=1.4)
+        steps = [r["round"] * result["inner_steps"] for r in rounds]
+        by_steps.plot(steps, losses, label=label, linewidth=1.4)
+    by_tokens.set_xlabel("tokens trained on (all workers)")
+    by_steps.set_xlabel("inner steps per worker (time, at equal speed)")
+    for ax in (by_tokens, by_steps):
+        ax.set_ylabel("eval loss (nats / byte)")
+        ax.set_ylim(lowest - 0.05, lowest + 0.8)  # the interesting part, not the first rounds
+        ax.grid(alpha=0.3)
+    by_steps.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
