@@ -9,9 +9,6 @@ import pytest
 
 from diloco.config import RunConfig, parse_config
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-
 WORDS = (
     "the a king queen sword crown river castle night morning speaks walks dreams "
     "of with under over and but my thy thou art noble gentle sweet bitter"
