@@ -96,6 +96,35 @@ def _batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> 
     return next_batch
 
 
+class _Recorder:
+    """Evaluates the (global) model after each round, keeps the records, reports them."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        opts: SimOptions,
+        data: Dataset,
+        device: torch.device,
+        progress: Progress | None,
+    ) -> None:
+        self.cfg, self.opts, self.data, self.device = cfg, opts, data, device
+        self.progress = progress
+        self.records: list[RoundRecord] = []
+
+    def close_round(self, model: GPT, **fields: Any) -> None:
+        eval_loss = evaluate(
+            model,
+            self.data.val,
+            block_size=self.cfg.model.block_size,
+            max_windows=self.opts.eval_windows,
+            device=self.device,
+        )
+        record = RoundRecord(eval_loss=eval_loss, **fields)
+        self.records.append(record)
+        if self.progress:
+            self.progress(record)
+
+
 def _generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
@@ -168,7 +197,7 @@ def _run_diloco(
         trainers.append(InnerTrainer(worker_model, cfg.inner, total_steps=total, device=device))
         batches.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
     drops = _generator(opts.seed, 10_000)
-    records: list[RoundRecord] = []
+    recorder = _Recorder(cfg, opts, data, device, progress)
     bytes_up = bytes_down = tokens = 0
     for r in range(R):
         aggregator = Aggregator(shapes)
@@ -204,25 +233,15 @@ def _run_diloco(
         if aggregator.count:
             update_norm = outer.step(aggregator.result())
         load_parameters(model, outer.params)
-        eval_loss = evaluate(
+        recorder.close_round(
             model,
-            data.val,
-            block_size=cfg.model.block_size,
-            max_windows=opts.eval_windows,
-            device=device,
-        )
-        record = RoundRecord(
             round=r + 1,
             tokens=tokens,
-            eval_loss=eval_loss,
             train_loss=sum(losses) / len(losses),
             accepted=aggregator.count,
             update_norm=update_norm,
         )
-        records.append(record)
-        if progress:
-            progress(record)
-    return records, bytes_up // K, bytes_down // K
+    return recorder.records, bytes_up // K, bytes_down // K
 
 
 def _run_baseline(
@@ -245,34 +264,20 @@ def _run_baseline(
         parts = [source() for source in sources]  # (B, T) each -> (K·B, T)
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
-    records: list[RoundRecord] = []
+    recorder = _Recorder(cfg, opts, data, device, progress)
     tokens = 0
     for r in range(R):
         result = trainer.run(H, start_step=r * H, next_batch=next_batch)
         tokens += result.tokens
-        eval_loss = evaluate(
-            model,
-            data.val,
-            block_size=cfg.model.block_size,
-            max_windows=opts.eval_windows,
-            device=device,
+        recorder.close_round(
+            model, round=r + 1, tokens=tokens, train_loss=result.mean_loss, accepted=len(sources)
         )
-        record = RoundRecord(
-            round=r + 1,
-            tokens=tokens,
-            eval_loss=eval_loss,
-            train_loss=result.mean_loss,
-            accepted=len(sources),
-        )
-        records.append(record)
-        if progress:
-            progress(record)
     K = len(sources)
     # ring all-reduce: each worker sends and receives 2(K−1)/K of the fp32 gradient per step
     n_params = model.num_parameters()
     per_step = 2 * (K - 1) * n_params * FP32_BYTES // K
     total = per_step * R * H
-    return records, total, total
+    return recorder.records, total, total
 
 
 def save_result(result: SimResult, path: str | Path) -> None:
