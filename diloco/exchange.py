@@ -1,12 +1,14 @@
 """What crosses the network in a round, as the client and the server do it.
 
-Worker side: Δ → codec → wire chunks. Server side: wire chunks → decoded tensors, fed
-one by one into an :class:`~diloco.outer.Aggregator`. The simulator calls exactly
+Worker side: Δ → codec (``encode_delta``), then ``diloco.wire.encode_contribution`` for
+the chunks. Server side: chunks → decoded tensors, fed one by one into an
+:class:`~diloco.outer.Aggregator` (``aggregate_upload``). The simulator calls exactly
 these functions, so every simulated round exercises the real codec and wire format.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -17,7 +19,6 @@ from diloco.wire import (
     ContributionDecoder,
     ContributionMeta,
     WireFormatError,
-    encode_contribution,
 )
 
 
@@ -27,13 +28,6 @@ def encode_delta(
     """Compress each tensor of Δ; returns the encoded tensors and the codec description."""
     codec = make_codec(kind, block_size)
     return {n: codec.encode(t) for n, t in delta.items()}, codec.describe()
-
-
-def contribution_chunks(
-    meta: ContributionMeta, encoded: Mapping[str, EncodedTensor], chunk_size: int = 1 << 20
-) -> Iterator[bytes]:
-    """The upload body, chunk by chunk."""
-    return encode_contribution(meta, encoded, chunk_size=chunk_size)
 
 
 def aggregate_upload(
@@ -60,10 +54,5 @@ def aggregate_upload(
     if decoder.header is None:
         raise WireFormatError("a tensor arrived before the header was parsed")
     meta = decoder.header.meta
-
-    def replay() -> Iterator[tuple[str, torch.Tensor]]:
-        yield first
-        yield from stream
-
-    aggregator.add(replay(), weight=float(meta.tokens))
+    aggregator.add(itertools.chain([first], stream), weight=float(meta.tokens))
     return meta

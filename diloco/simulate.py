@@ -28,11 +28,11 @@ from safetensors.torch import save as safetensors_save
 
 from diloco.config import RunConfig
 from diloco.data import Dataset, load_tokens, random_batch, split_tokens
-from diloco.exchange import aggregate_upload, contribution_chunks, encode_delta
+from diloco.exchange import aggregate_upload, encode_delta
 from diloco.model import GPT
 from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
 from diloco.train import Batch, InnerTrainer, evaluate, load_parameters, parameters_of, snapshot
-from diloco.wire import ContributionMeta
+from diloco.wire import ContributionMeta, encode_contribution
 
 Mode = Literal["diloco", "ddp", "single"]
 FP32_BYTES = 4
@@ -223,7 +223,7 @@ def _run_diloco(
                 loss=result.mean_loss,
                 codec=codec,
             )
-            chunks = list(contribution_chunks(meta, encoded))
+            chunks = list(encode_contribution(meta, encoded))
             bytes_up += sum(len(c) for c in chunks)
             if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
                 continue
