@@ -47,3 +47,38 @@ def tiny_config(data_path: Path, **sections: dict) -> RunConfig:
     for name, values in sections.items():
         raw[name].update(values)
     return parse_config(raw)
+
+
+# ---------------------------------------------------------------- real servers and databases
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.support.pg import server_url
+
+    return server_url(tmp_path_factory.mktemp("embedded-pg"))
+
+
+@pytest.fixture
+def database_url(pg_admin_url: str):  # type: ignore[no-untyped-def]
+    from tests.support.pg import fresh_database
+
+    with fresh_database(pg_admin_url) as url:
+        yield url
+
+
+def server_run_config(**sections: dict) -> dict:
+    """A run config (as the API takes it) small enough to train rounds in seconds here."""
+    raw: dict = {
+        "name": "api-test",
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"path": "corpus.txt", "val_fraction": 0.1, "chunk_size": 1024},
+        "inner": {"steps": 3, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2},
+        "rounds": {"quorum": 1, "timeout_s": 600, "max_rounds": 5},
+        "compression": {"kind": "int8", "block_size": 256},
+    }
+    for name, values in sections.items():
+        raw[name].update(values)
+    return raw

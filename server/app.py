@@ -1,0 +1,119 @@
+"""The FastAPI application: routers, error handlers, the sweeper's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import version as pkg_version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException
+
+from server import status_page
+from server.checkpoints.router import router as checkpoints_router
+from server.contributors.router import router as contributors_router
+from server.db import make_engine, make_sessionmaker
+from server.errors import HubError
+from server.rounds.closing import Sweeper
+from server.rounds.router import router as rounds_router
+from server.runs.router import router as runs_router
+from server.settings import Settings
+from server.storage import LocalStorage
+
+log = logging.getLogger("diloco.server")
+
+
+def _error(status: int, code: str, detail: str, **extra: object) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail, **extra}, status_code=status)
+
+
+async def _hub_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HubError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("body", "query", "path"))
+        parts.append(f"{loc}: {e['msg']}" if loc else str(e["msg"]))
+    return _error(422, "invalid_request", "; ".join(parts) or "the request is invalid")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"no such endpoint: {request.method} {request.url.path}; see /docs"
+    return _error(exc.status_code, codes.get(exc.status_code, "http_error"), detail)
+
+
+async def _database_error(request: Request, exc: Exception) -> Response:
+    log.error("database error on %s %s: %s", request.method, request.url.path, exc)
+    return _error(503, "unavailable", "the database is unreachable; retry with backoff")
+
+
+def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
+    if not settings.database_url:
+        raise ValueError("database_url: create_app needs a resolved database URL")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.database_url)
+        app.state.engine = engine
+        app.state.sessions = make_sessionmaker(engine)
+        app.state.storage = LocalStorage(settings.data_dir / "blobs")
+        app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings)
+        task = asyncio.create_task(app.state.sweeper.run(), name="round-sweeper")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await engine.dispose()
+
+    app = FastAPI(
+        title="DiLoCo Hub",
+        version=pkg_version("diloco-hub"),
+        description="Volunteer-compute DiLoCo training. docs/api.md is the full contract.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.admin_token = admin_token
+    app.add_exception_handler(HubError, _hub_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _database_error)
+    app.add_exception_handler(DBAPIError, _database_error)
+    for router in (runs_router, rounds_router, checkpoints_router, contributors_router):
+        app.include_router(router)
+
+    @app.get("/healthz", tags=["service"])
+    async def healthz(request: Request) -> Response:
+        try:
+            async with request.app.state.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except (OSError, DBAPIError) as err:
+            return _error(503, "unavailable", f"database unreachable: {err.__class__.__name__}")
+        return JSONResponse({"status": "ok", "database": "ok", "version": app.version})
+
+    @app.get("/metrics", tags=["service"])
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index(request: Request) -> HTMLResponse:
+        async with request.app.state.sessions() as session:
+            return HTMLResponse(await status_page.render(session))
+
+    return app

@@ -1,0 +1,1 @@
+"""Checkpoints: the published global model versions, written and served."""

@@ -1,0 +1,1 @@
+"""Contributors: registration, hashed tokens, the leaderboard."""

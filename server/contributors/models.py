@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import String, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from server.db import Base
+
+
+class Contributor(Base):
+    __tablename__ = "contributors"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    # sha256 hex of the bearer token: tokens are 256-bit random, so a plain digest is enough
+    # (no salt or slow hash needed) and lets a request find its contributor by index
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())

@@ -1,0 +1,73 @@
+"""Serve a stored file with ETag, conditional GET and single byte ranges.
+
+Starlette's FileResponse measured 0.27-0.61 GB/s here against 2.6 GB/s for a streamed
+response on uvicorn+uvloop, so files are streamed in 1 MiB chunks from an open handle.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from server.errors import HubError
+
+CHUNK = 1 << 20
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+class RangeNotSatisfiable(HubError):
+    status = 416
+    code = "range_not_satisfiable"
+
+
+def _byte_range(header: str, size: int) -> tuple[int, int]:
+    """(first, last) inclusive for a single ``bytes=a-b``, ``bytes=a-`` or ``bytes=-n``."""
+    m = _RANGE.match(header.strip())
+    if not m or m.groups() == ("", ""):
+        raise RangeNotSatisfiable(
+            f"Range {header!r} is not a single byte range like 'bytes=0-1023'", size=size
+        )
+    a, b = m.groups()
+    if a == "":  # the last n bytes
+        first, last = max(size - int(b), 0), size - 1
+    else:
+        first, last = int(a), min(int(b), size - 1) if b else size - 1
+    if first > last or first >= size:
+        raise RangeNotSatisfiable(f"Range {header!r} is outside the {size}-byte file", size=size)
+    return first, last
+
+
+def _chunks(path: Path, first: int, length: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(first)
+        left = length
+        while left > 0:
+            block = f.read(min(CHUNK, left))
+            if not block:
+                raise OSError(f"{path.name} ended {left} bytes early")
+            left -= len(block)
+            yield block
+
+
+def serve_file(
+    request: Request, path: Path, *, etag: str, media_type: str, headers: dict[str, str]
+) -> Response:
+    size = path.stat().st_size
+    quoted = f'"{etag}"'
+    base = {"ETag": quoted, "Accept-Ranges": "bytes", "Cache-Control": "no-cache", **headers}
+    if quoted in [t.strip() for t in request.headers.get("if-none-match", "").split(",")]:
+        return Response(status_code=304, headers=base)
+    range_header = request.headers.get("range")
+    if range_header and request.headers.get("if-range", quoted) == quoted:
+        first, last = _byte_range(range_header, size)
+        length = last - first + 1
+        base |= {"Content-Range": f"bytes {first}-{last}/{size}", "Content-Length": str(length)}
+        return StreamingResponse(
+            _chunks(path, first, length), status_code=206, media_type=media_type, headers=base
+        )
+    base["Content-Length"] = str(size)
+    return StreamingResponse(_chunks(path, 0, size), media_type=media_type, headers=base)

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from server.db import Base
+
+
+class Round(Base):
+    """Round ``index`` trains from checkpoint ``index - 1`` and produces checkpoint ``index``.
+    ``state`` follows server.rounds.policy.RoundState; transitions live in rounds.service."""
+
+    __tablename__ = "rounds"
+    __table_args__ = (
+        CheckConstraint("state IN ('open', 'closing', 'closed')", name="state_valid"),
+        CheckConstraint("index >= 1", name="index_positive"),
+    )
+
+    run_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    base_version: Mapped[int] = mapped_column(Integer)
+    opened_at: Mapped[datetime] = mapped_column()
+    deadline: Mapped[datetime] = mapped_column()
+    extensions: Mapped[int] = mapped_column(Integer, default=0)
+    closed_at: Mapped[datetime | None] = mapped_column(default=None)
+    close_code: Mapped[str | None] = mapped_column(String(32), default=None)
+    close_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    accepted: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    train_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    eval_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    update_norm: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class Lease(Base):
+    """A contributor's claim on a round; live while ``expires_at`` is in the future."""
+
+    __tablename__ = "leases"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round_index", "contributor_id"),
+        ForeignKeyConstraint(
+            ["run_id", "round_index"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    round_index: Mapped[int] = mapped_column(Integer)
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), index=True
+    )
+    shard: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    issued_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_heartbeat: Mapped[datetime] = mapped_column()
+    expires_at: Mapped[datetime] = mapped_column()
+    last_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_loss: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class Contribution(Base):
+    """An accepted upload: its blob is fsynced before this row is committed (invariant 1)."""
+
+    __tablename__ = "contributions"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round_index", "contributor_id"),
+        ForeignKeyConstraint(
+            ["run_id", "round_index"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    round_index: Mapped[int] = mapped_column(Integer)
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), index=True
+    )
+    lease_id: Mapped[str] = mapped_column(String(32), ForeignKey("leases.id", ondelete="CASCADE"))
+    base_version: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    inner_steps: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    blob_key: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())

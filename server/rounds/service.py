@@ -1,0 +1,377 @@
+"""Rounds and leases: opening rounds, handing out leases, heartbeats, round views.
+
+State transitions of a round live here and in ``server.rounds.closing``:
+open -> closing (the sweeper's guarded UPDATE), closing -> closed (one transaction that
+also publishes the checkpoint and opens the next round), open -> open with a later
+deadline (extension below quorum, or a resumed run).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timedelta
+from functools import lru_cache
+
+import torch
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from diloco.config import RunConfig, parse_config
+from diloco.model import GPT
+from diloco.train import parameters_of
+from diloco.wire_header import DIGEST_BYTES, PREFIX
+from server.checkpoints import service as checkpoints_service
+from server.errors import AlreadyContributed, NotFound, RoundClosed, RoundClosing, RunNotActive
+from server.rounds.models import Contribution, Lease, Round
+from server.rounds.policy import (
+    ClosePolicy,
+    ContributionView,
+    Decision,
+    LeaseView,
+    RoundState,
+    RoundView,
+    decide_close,
+)
+from server.rounds.schemas import CheckpointRef, LeaseOut, RoundOut, ShardRef
+from server.runs.models import Run, RunStatus
+from server.runs.schemas import CurrentRound
+from server.settings import Settings
+
+API = "/api/v1"
+
+
+def run_config(run: Run) -> RunConfig:
+    return parse_config(run.config)
+
+
+def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
+    return ClosePolicy(
+        quorum=cfg.rounds.quorum,
+        target=cfg.rounds.target,
+        timeout_s=cfg.rounds.timeout_s,
+        max_extensions=settings.max_extensions,
+    )
+
+
+@lru_cache(maxsize=64)
+def _shapes(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    from diloco.config import ModelSection
+
+    section = ModelSection.model_validate_json(model_json)
+    with torch.device("meta"):
+        model = GPT(section.gpt_config())
+    return tuple((n, tuple(p.shape)) for n, p in parameters_of(model).items())
+
+
+def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the run's model (built on the meta device: no memory)."""
+    return dict(_shapes(cfg.model.model_dump_json()))
+
+
+def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:
+    """The exact frame bytes of a contribution for this model and codec, plus header room."""
+    block = cfg.compression.block_size
+    frames = 0
+    for shape in model_shapes(cfg).values():
+        numel = 1
+        for d in shape:
+            numel *= d
+        if cfg.compression.kind == "int8":
+            frames += numel + 4 * -(-numel // block)
+        else:
+            frames += 4 * numel
+    return PREFIX.size + frames + DIGEST_BYTES + settings.upload_slack_bytes
+
+
+# ---------------------------------------------------------------- rounds
+
+
+async def open_round(*, session: AsyncSession, run: Run, index: int, now: datetime) -> Round:
+    cfg = run_config(run)
+    rnd = Round(
+        run_id=run.id,
+        index=index,
+        state=RoundState.OPEN,
+        base_version=index - 1,
+        opened_at=now,
+        deadline=now + timedelta(seconds=cfg.rounds.timeout_s),
+        extensions=0,
+        accepted=0,
+        tokens=0,
+    )
+    session.add(rnd)
+    return rnd
+
+
+async def restart_deadline(*, session: AsyncSession, run: Run, now: datetime) -> None:
+    cfg = run_config(run)
+    await session.execute(
+        update(Round)
+        .where(Round.run_id == run.id, Round.state == RoundState.OPEN)
+        .values(deadline=now + timedelta(seconds=cfg.rounds.timeout_s))
+    )
+
+
+async def current(*, session: AsyncSession, run_id: str) -> Round | None:
+    """The round in progress (open or closing); None once the run has no more rounds."""
+    return await session.scalar(
+        select(Round)
+        .where(Round.run_id == run_id, Round.state != RoundState.CLOSED)
+        .order_by(Round.index.desc())
+        .limit(1)
+    )
+
+
+async def current_index(*, session: AsyncSession, run_id: str) -> int | None:
+    rnd = await current(session=session, run_id=run_id)
+    return None if rnd is None else rnd.index
+
+
+async def last_closed(*, session: AsyncSession, run_id: str) -> Round | None:
+    return await session.scalar(
+        select(Round)
+        .where(Round.run_id == run_id, Round.state == RoundState.CLOSED)
+        .order_by(Round.index.desc())
+        .limit(1)
+    )
+
+
+async def get_round(*, session: AsyncSession, run_id: str, index: int) -> Round:
+    rnd = await session.get(Round, (run_id, index))
+    if rnd is None:
+        raise NotFound(f"run {run_id} has no round {index}")
+    return rnd
+
+
+async def round_views(
+    *, session: AsyncSession, rnd: Round
+) -> tuple[RoundView, list[ContributionView], list[LeaseView]]:
+    """What decide_close needs, read from the database."""
+    contributions = await session.scalars(
+        select(Contribution).where(
+            Contribution.run_id == rnd.run_id, Contribution.round_index == rnd.index
+        )
+    )
+    leases = await session.scalars(
+        select(Lease).where(Lease.run_id == rnd.run_id, Lease.round_index == rnd.index)
+    )
+    return (
+        RoundView(
+            index=rnd.index,
+            opened_at=rnd.opened_at,
+            deadline=rnd.deadline,
+            state=RoundState(rnd.state),
+            extensions=rnd.extensions,
+        ),
+        [
+            ContributionView(
+                contributor_id=c.contributor_id,
+                accepted=True,
+                tokens=c.tokens,
+                base_version=c.base_version,
+            )
+            for c in contributions
+        ],
+        [
+            LeaseView(
+                contributor_id=lease.contributor_id,
+                last_heartbeat=lease.last_heartbeat,
+                expires_at=lease.expires_at,
+            )
+            for lease in leases
+        ],
+    )
+
+
+async def decide(
+    *, session: AsyncSession, rnd: Round, cfg: RunConfig, settings: Settings, now: datetime
+) -> tuple[int, Decision]:
+    view, contributions, leases = await round_views(session=session, rnd=rnd)
+    decision = decide_close(now, view, contributions, leases, close_policy(cfg, settings))
+    return len({c.contributor_id for c in contributions}), decision
+
+
+async def current_view(
+    *, session: AsyncSession, settings: Settings, run: Run, now: datetime
+) -> CurrentRound | None:
+    rnd = await current(session=session, run_id=run.id)
+    if rnd is None:
+        return None
+    cfg = run_config(run)
+    accepted, decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
+    reason = decision.reason if rnd.state == RoundState.OPEN else "closing: aggregating"
+    if run.status != RunStatus.ACTIVE:
+        reason = f"run is {run.status}"
+    return CurrentRound(
+        index=rnd.index,
+        state=rnd.state,
+        opened_at=rnd.opened_at,
+        deadline=rnd.deadline,
+        accepted=accepted,
+        quorum=cfg.rounds.quorum,
+        target=cfg.rounds.target,
+        reason=reason,
+    )
+
+
+async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
+    live = (
+        select(
+            Contribution.round_index,
+            func.count(Contribution.id),
+            func.sum(Contribution.tokens),
+            func.avg(Contribution.loss),
+        )
+        .where(Contribution.run_id == run_id)
+        .group_by(Contribution.round_index)
+    )
+    counts = {i: (int(n), int(t), float(loss)) for i, n, t, loss in await session.execute(live)}
+    rounds = await session.scalars(
+        select(Round).where(Round.run_id == run_id).order_by(Round.index)
+    )
+    out = []
+    for r in rounds:
+        accepted, tokens, train_loss = r.accepted, r.tokens, r.train_loss
+        if r.state != RoundState.CLOSED and r.index in counts:  # live figures while open
+            accepted, tokens, train_loss = counts[r.index]
+        out.append(
+            RoundOut(
+                index=r.index,
+                state=r.state,
+                base_version=r.base_version,
+                opened_at=r.opened_at,
+                deadline=r.deadline,
+                closed_at=r.closed_at,
+                close_reason=r.close_reason,
+                close_code=r.close_code,
+                extensions=r.extensions,
+                accepted=accepted,
+                tokens=tokens,
+                train_loss=train_loss,
+                eval_loss=r.eval_loss,
+                update_norm=r.update_norm,
+            )
+        )
+    return out
+
+
+def round_closed(rnd: Round, current_round: int | None) -> RoundClosed:
+    return RoundClosed(
+        f"round {rnd.index} is {rnd.state}; the current round is {current_round}: join again",
+        current_round=current_round,
+    )
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def join(
+    *, session: AsyncSession, settings: Settings, run: Run, contributor_id: str, now: datetime
+) -> LeaseOut:
+    if run.status != RunStatus.ACTIVE:
+        raise RunNotActive(f"run {run.id} is {run.status}", status=run.status)
+    rnd = await current(session=session, run_id=run.id)
+    if rnd is None or rnd.state != RoundState.OPEN:
+        raise RoundClosing(
+            f"round {rnd.index if rnd else '?'} of run {run.id} is closing; join again shortly",
+            retry_after_s=1.0,
+        )
+    done = await session.scalar(
+        select(Contribution.id).where(
+            Contribution.run_id == run.id,
+            Contribution.round_index == rnd.index,
+            Contribution.contributor_id == contributor_id,
+        )
+    )
+    if done is not None:
+        raise AlreadyContributed(
+            f"you already contributed to round {rnd.index}; the next round opens when it closes",
+            retry_after_s=min(5.0, settings.sweep_interval_s * 2),
+        )
+    expires = now + timedelta(seconds=settings.lease_ttl_s)
+    issued = await session.scalar(
+        select(func.count(Lease.id)).where(Lease.run_id == run.id, Lease.round_index == rnd.index)
+    )
+    stmt = insert(Lease).values(
+        id=f"lease_{secrets.token_hex(8)}",
+        run_id=run.id,
+        round_index=rnd.index,
+        contributor_id=contributor_id,
+        shard=int(issued or 0) % run.n_shards,
+        seed=secrets.randbits(62),
+        issued_at=now,
+        last_heartbeat=now,
+        expires_at=expires,
+    )
+    upsert = stmt.on_conflict_do_update(
+        constraint="uq_leases_run_id_round_index_contributor_id",
+        set_={"last_heartbeat": now, "expires_at": expires},
+    ).returning(Lease)
+    lease = (await session.scalars(upsert)).one()
+    cfg = run_config(run)
+    ckpt = await checkpoints_service.get(session=session, run_id=run.id, version=rnd.base_version)
+    shard = run.shards[lease.shard]
+    return LeaseOut(
+        lease_id=lease.id,
+        run_id=run.id,
+        round=rnd.index,
+        base_version=rnd.base_version,
+        checkpoint=CheckpointRef(
+            version=ckpt.version,
+            url=f"{API}/runs/{run.id}/checkpoints/{ckpt.version}",
+            sha256=ckpt.sha256,
+            nbytes=ckpt.nbytes,
+        ),
+        shard=ShardRef(
+            index=lease.shard,
+            url=f"{API}/runs/{run.id}/shards/{lease.shard}",
+            sha256=shard["sha256"],
+            nbytes=shard["nbytes"],
+            chunk_len=run.chunk_len,
+        ),
+        config=run.config,
+        inner_steps=cfg.inner.steps,
+        start_step=rnd.base_version * cfg.inner.steps,
+        seed=lease.seed,
+        deadline=rnd.deadline,
+        lease_expires_at=lease.expires_at,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        max_upload_bytes=max_upload_bytes(cfg, settings),
+    )
+
+
+async def heartbeat(
+    *,
+    session: AsyncSession,
+    settings: Settings,
+    run_id: str,
+    index: int,
+    contributor_id: str,
+    lease_id: str,
+    step: int | None,
+    loss: float | None,
+    now: datetime,
+) -> tuple[Lease, Round]:
+    rnd = await get_round(session=session, run_id=run_id, index=index)
+    if rnd.state != RoundState.OPEN:
+        raise round_closed(rnd, await current_index(session=session, run_id=run_id))
+    lease = await session.scalar(
+        update(Lease)
+        .where(
+            Lease.id == lease_id,
+            Lease.run_id == run_id,
+            Lease.round_index == index,
+            Lease.contributor_id == contributor_id,
+        )
+        .values(
+            last_heartbeat=now,
+            expires_at=now + timedelta(seconds=settings.lease_ttl_s),
+            last_step=step,
+            last_loss=loss,
+        )
+        .returning(Lease)
+    )
+    if lease is None:
+        raise NotFound(f"you hold no lease {lease_id!r} on round {index} of run {run_id}")
+    return lease, rnd

@@ -1,0 +1,1 @@
+"""Runs: creation (config, data split, checkpoint 0), status, pause/resume/cancel."""

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import BigInteger, CheckConstraint, Integer, String, func
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from server.db import Base
+
+
+class RunStatus(StrEnum):
+    ACTIVE = "active"  # rounds open, leases are handed out
+    PAUSED = "paused"  # no leases, the open round does not close; resume gives a fresh deadline
+    COMPLETED = "completed"  # its last round closed; the final checkpoint is the trained model
+    CANCELLED = "cancelled"  # stopped by its owner; final
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('active', 'paused', 'completed', 'cancelled')", name="status_valid"
+        ),
+        CheckConstraint("checkpoint_version >= 0", name="version_non_negative"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.ACTIVE)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    n_params: Mapped[int] = mapped_column(BigInteger)
+    n_shards: Mapped[int] = mapped_column(Integer)
+    chunk_len: Mapped[int] = mapped_column(Integer)
+    train_tokens: Mapped[int] = mapped_column(BigInteger)
+    val_tokens: Mapped[int] = mapped_column(BigInteger)
+    shards: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)  # [{"sha256", "nbytes"}] by index
+    checkpoint_version: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now(), onupdate=func.now())

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from starlette.datastructures import UploadFile
+
+from diloco.config import ConfigError, parse_config
+from server.auth import AdminAuth
+from server.db import SessionDep
+from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
+from server.runs import service
+from server.runs.schemas import RunList, RunOut
+
+router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
+
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["config", "data"],
+                    "properties": {
+                        "config": {"type": "string", "description": "the run config as JSON"},
+                        "data": {"type": "string", "format": "binary"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("", status_code=201, openapi_extra=CREATE_BODY)
+async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+    """Create a run from a config (JSON) and its data file (multipart)."""
+    settings = request.app.state.settings
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > settings.max_data_bytes:
+        raise UploadTooLarge(f"the data file is over the {settings.max_data_bytes}-byte limit")
+    async with request.form(max_files=1, max_fields=1, max_part_size=1 << 20) as form:
+        raw, data = form.get("config"), form.get("data")
+        if not isinstance(raw, str):
+            raise InvalidRequest("config: a multipart field with the run config as JSON is needed")
+        if not isinstance(data, UploadFile):
+            raise InvalidRequest("data: a multipart file part with the training text is needed")
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise InvalidConfig(f"config: not valid JSON: {err}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidConfig("config: must be a JSON object")
+        try:
+            cfg = parse_config(parsed)
+        except ConfigError as err:
+            raise InvalidConfig(str(err)) from None
+        tmp_dir = Path(settings.data_dir) / "tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:
+            shutil.copyfileobj(data.file, tmp, 1 << 20)
+            tmp.flush()
+            if tmp.tell() > settings.max_data_bytes:
+                raise UploadTooLarge(
+                    f"the data file is over the {settings.max_data_bytes}-byte limit"
+                )
+            run = await service.create(
+                session=session,
+                storage=request.app.state.storage,
+                settings=settings,
+                cfg=cfg,
+                data_file=Path(tmp.name),
+                data_name=Path(data.filename or "data.txt").name,
+            )
+    return await service.view(session=session, settings=settings, run=run, now=datetime.now(UTC))
+
+
+@router.get("")
+async def list_runs(request: Request, session: SessionDep) -> RunList:
+    settings, now = request.app.state.settings, datetime.now(UTC)
+    runs = await service.list_all(session=session)
+    return RunList(
+        runs=[await service.view(session=session, settings=settings, run=r, now=now) for r in runs]
+    )
+
+
+@router.get("/{run_id}")
+async def get_run(run_id: str, request: Request, session: SessionDep) -> RunOut:
+    run = await service.get(session=session, run_id=run_id)
+    return await service.view(
+        session=session, settings=request.app.state.settings, run=run, now=datetime.now(UTC)
+    )
+
+
+async def _transition(run_id: str, action: str, request: Request, session: SessionDep) -> RunOut:
+    now = datetime.now(UTC)
+    run = await service.transition(session=session, run_id=run_id, action=action, now=now)
+    return await service.view(
+        session=session, settings=request.app.state.settings, run=run, now=now
+    )
+
+
+@router.post("/{run_id}/pause")
+async def pause(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+    """No new leases; the open round stops closing until resumed."""
+    return await _transition(run_id, "pause", request, session)
+
+
+@router.post("/{run_id}/resume")
+async def resume(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+    """Back to active; the open round gets a fresh deadline."""
+    return await _transition(run_id, "resume", request, session)
+
+
+@router.post("/{run_id}/cancel")
+async def cancel(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+    """Stop the run for good; its checkpoints stay downloadable."""
+    return await _transition(run_id, "cancel", request, session)

@@ -1,0 +1,150 @@
+"""Runs: create (split the data, write checkpoint 0, open round 1), read, change status."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from diloco.config import RunConfig
+from diloco.model import GPT
+from diloco.outer import OuterOptimizer
+from diloco.train import parameters_of
+from server.checkpoints import service as checkpoints_service
+from server.errors import InvalidTransition, NotFound
+from server.rounds import service as rounds_service
+from server.runs import data as run_data
+from server.runs.models import Run, RunStatus
+from server.runs.schemas import DataInfo, LatestMetrics, RunOut
+from server.settings import Settings
+from server.storage import Storage
+
+# status -> action -> new status; everything else is an invalid transition
+TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
+    RunStatus.ACTIVE: {"pause": RunStatus.PAUSED, "cancel": RunStatus.CANCELLED},
+    RunStatus.PAUSED: {"resume": RunStatus.ACTIVE, "cancel": RunStatus.CANCELLED},
+    RunStatus.COMPLETED: {},
+    RunStatus.CANCELLED: {},
+}
+
+
+def _prepare_files(
+    storage: Storage, *, run_id: str, cfg: RunConfig, source: Path, n_shards: int, seed: int
+) -> tuple[dict[str, Any], checkpoints_service.VersionFiles, int]:
+    """The CPU and disk part of creating a run (runs in a worker thread)."""
+    data = run_data.split_and_store(
+        storage, run_id=run_id, cfg=cfg, source=source, n_shards=n_shards
+    )
+    torch.manual_seed(seed)
+    model = GPT(cfg.model.gpt_config())
+    params = parameters_of(model)
+    outer = OuterOptimizer(
+        params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+    )
+    files = checkpoints_service.write_version(
+        storage, run_id=run_id, version=0, params=outer.params, outer_state=outer.state_dict()
+    )
+    return data, files, model.num_parameters()
+
+
+async def create(
+    *,
+    session: AsyncSession,
+    storage: Storage,
+    settings: Settings,
+    cfg: RunConfig,
+    data_file: Path,
+    data_name: str,
+) -> Run:
+    run_id = f"run_{secrets.token_hex(6)}"
+    seed = secrets.randbits(31)
+    data, files, n_params = await asyncio.to_thread(
+        _prepare_files,
+        storage,
+        run_id=run_id,
+        cfg=cfg,
+        source=data_file,
+        n_shards=settings.n_shards,
+        seed=seed,
+    )
+    config = cfg.model_dump(mode="json")
+    config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
+    run = Run(
+        id=run_id,
+        name=cfg.name,
+        status=RunStatus.ACTIVE,
+        config=config,
+        seed=seed,
+        n_params=n_params,
+        checkpoint_version=0,
+        created_at=datetime.now(UTC),
+        **data,
+    )
+    session.add(run)
+    await session.flush()
+    session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
+    await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
+    await session.flush()
+    return run
+
+
+async def get(*, session: AsyncSession, run_id: str, lock: bool = False) -> Run:
+    query = select(Run).where(Run.id == run_id)
+    run = await session.scalar(query.with_for_update() if lock else query)
+    if run is None:
+        raise NotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+    return run
+
+
+async def list_all(*, session: AsyncSession) -> list[Run]:
+    return list(await session.scalars(select(Run).order_by(Run.created_at.desc())))
+
+
+async def transition(*, session: AsyncSession, run_id: str, action: str, now: datetime) -> Run:
+    run = await get(session=session, run_id=run_id, lock=True)
+    new = TRANSITIONS[RunStatus(run.status)].get(action)
+    if new is None:
+        allowed = ", ".join(TRANSITIONS[RunStatus(run.status)]) or "nothing"
+        raise InvalidTransition(
+            f"cannot {action} a run that is {run.status}; allowed: {allowed}", status=run.status
+        )
+    run.status = new
+    if action == "resume":  # a paused round gets its full time again
+        await rounds_service.restart_deadline(session=session, run=run, now=now)
+    await session.flush()
+    return run
+
+
+async def view(*, session: AsyncSession, settings: Settings, run: Run, now: datetime) -> RunOut:
+    current = await rounds_service.current_view(
+        session=session, settings=settings, run=run, now=now
+    )
+    last = await rounds_service.last_closed(session=session, run_id=run.id)
+    latest = (
+        None
+        if last is None
+        else LatestMetrics(round=last.index, eval_loss=last.eval_loss, train_loss=last.train_loss)
+    )
+    return RunOut(
+        id=run.id,
+        name=run.name,
+        status=run.status,
+        created_at=run.created_at,
+        config=run.config,
+        n_params=run.n_params,
+        checkpoint_version=run.checkpoint_version,
+        data=DataInfo(
+            train_tokens=run.train_tokens,
+            val_tokens=run.val_tokens,
+            n_shards=run.n_shards,
+            chunk_len=run.chunk_len,
+        ),
+        current_round=current,
+        latest=latest,
+    )

@@ -1,0 +1,49 @@
+"""Server settings: one pydantic-settings object read from ``DILOCO_*`` environment variables.
+
+``diloco serve`` fills in the data dir and database URL from its options; everything else
+has a default a laptop demo can use. The admin token is a ``SecretStr`` so that it never
+shows up in a repr or a log line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DILOCO_", extra="ignore")
+
+    data_dir: Path = Path("diloco-data")  # blobs, checkpoints, shards, embedded Postgres
+    database_url: str = ""  # postgresql://...; empty: the embedded Postgres under data_dir
+    admin_token: SecretStr | None = None  # None: generated into <data_dir>/admin-token
+
+    # rounds
+    sweep_interval_s: float = Field(1.0, gt=0)  # how often the sweeper asks decide_close
+    heartbeat_interval_s: float = Field(10.0, gt=0)  # what leases tell volunteers
+    lease_ttl_s: float = Field(30.0, gt=0)  # a lease lapses this long after its last heartbeat
+    max_extensions: int | None = Field(None, ge=0)  # deadline extensions below quorum
+
+    # data and uploads
+    n_shards: int = Field(8, ge=1, le=4096)  # training shards a run's data is split into
+    max_data_bytes: int = Field(1 << 30, gt=0)  # the data file uploaded with a run
+    upload_slack_bytes: int = Field(1 << 16, ge=0)  # header room above the exact body size
+    eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
+    torch_threads: int = Field(0, ge=0)  # 0: torch's default
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, url: str) -> str:
+        # accept the plain libpq form operators paste; SQLAlchemy needs the asyncpg driver
+        for prefix in ("postgresql://", "postgres://"):
+            if url.startswith(prefix):
+                return "postgresql+asyncpg://" + url.removeprefix(prefix)
+        if url and not url.startswith("postgresql+asyncpg://"):
+            raise ValueError("database_url: must be a postgresql:// URL")
+        return url
+
+    @property
+    def lease_ttl(self) -> float:
+        return self.lease_ttl_s

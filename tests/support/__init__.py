@@ -1,0 +1,1 @@
+"""Helpers for the tests that run real servers, databases and volunteer processes."""

@@ -1,0 +1,117 @@
+"""Make real contributions in the test process: the same library calls a volunteer makes.
+
+Used where a test needs control over what is uploaded (bad input, the crash-and-restart
+reference check); the end-to-end tests run the real ``diloco join`` processes instead.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from safetensors.torch import load as safetensors_load
+
+from diloco.codec import EncodedTensor
+from diloco.config import parse_config
+from diloco.data import random_batch
+from diloco.exchange import encode_delta
+from diloco.model import GPT
+from diloco.outer import pseudo_gradient
+from diloco.train import InnerTrainer, load_parameters, snapshot
+from diloco.wire import ContributionMeta, encode_contribution
+
+API = "/api/v1"
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def register(http: httpx.Client, name: str) -> str:
+    r = http.post(f"{API}/contributors", json={"name": name})
+    assert r.status_code == 201, r.text
+    return str(r.json()["token"])
+
+
+@dataclass
+class Work:
+    """One volunteer's finished round, ready to upload (and to encode again, bit for bit)."""
+
+    lease: dict[str, Any]
+    meta: ContributionMeta
+    encoded: dict[str, EncodedTensor]
+
+    def body(self, **meta_changes: Any) -> bytes:
+        meta = self.meta
+        if meta_changes:
+            meta = ContributionMeta(**{**meta.__dict__, **meta_changes})
+        return b"".join(encode_contribution(meta, self.encoded))
+
+
+def fetch_params(http: httpx.Client, url: str) -> dict[str, torch.Tensor]:
+    r = http.get(url)
+    assert r.status_code == 200, r.text
+    return safetensors_load(r.content)
+
+
+def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = None) -> Work:
+    """join -> download -> H AdamW steps -> Δ -> int8, as the volunteer client does."""
+    r = http.post(f"{API}/runs/{run_id}/join", headers=auth(token))
+    assert r.status_code == 200, r.text
+    lease = r.json()
+    cfg = parse_config(lease["config"])
+    base = fetch_params(http, lease["checkpoint"]["url"])
+    raw = http.get(lease["shard"]["url"]).content
+    shard = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    shard = shard.view(-1, lease["shard"]["chunk_len"])
+    torch.manual_seed(0)
+    trainer = InnerTrainer(
+        GPT(cfg.model.gpt_config()),
+        cfg.inner,
+        total_steps=cfg.total_inner_steps,
+        device=torch.device("cpu"),
+    )
+    load_parameters(trainer.model, base)
+    gen = torch.Generator().manual_seed(lease["seed"])
+    h = steps or lease["inner_steps"]
+    result = trainer.run(
+        h,
+        start_step=lease["start_step"],
+        next_batch=lambda: random_batch(
+            shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
+        ),
+    )
+    delta = pseudo_gradient(base, snapshot(trainer.model))
+    encoded, codec = encode_delta(
+        delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+    )
+    meta = ContributionMeta(
+        run_id=run_id,
+        round=lease["round"],
+        base_version=lease["base_version"],
+        tokens=result.tokens,
+        inner_steps=h,
+        loss=result.mean_loss,
+        codec=codec,
+    )
+    return Work(lease=lease, meta=meta, encoded=encoded)
+
+
+def upload(http: httpx.Client, token: str, work: Work, body: bytes | None = None) -> httpx.Response:
+    lease = work.lease
+    return http.put(
+        f"{API}/runs/{lease['run_id']}/rounds/{lease['round']}/contribution",
+        content=work.body() if body is None else body,
+        headers={**auth(token), "Content-Type": "application/octet-stream"},
+    )
+
+
+def state_dict_bytes(params: Mapping[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(dict(params), buf)
+    return buf.getvalue()

@@ -1,0 +1,111 @@
+"""Real processes on 127.0.0.1: ``diloco serve`` and ``diloco join``, started and stopped by
+PID, with every wait bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+ADMIN_TOKEN = "adm_test_token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], Any], *, timeout: float, what: str, every: float = 0.2) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+class Proc:
+    """A child process whose output goes to a log file; stopped by its PID only."""
+
+    def __init__(self, args: list[str], *, log: Path, env: dict[str, str]) -> None:
+        self.log_path = log
+        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return int(self.popen.returncode)
+
+
+class ServerProcess(Proc):
+    def __init__(
+        self, *, data_dir: Path, database_url: str, port: int | None = None, **settings: Any
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            "DILOCO_ADMIN_TOKEN": ADMIN_TOKEN,
+            "DILOCO_SWEEP_INTERVAL_S": "0.2",
+            "DILOCO_TORCH_THREADS": "1",
+            **{f"DILOCO_{k.upper()}": str(v) for k, v in settings.items()},
+        }
+        args = [sys.executable, "-m", "client.cli", "serve", "--host", "127.0.0.1"]
+        args += ["--port", str(self.port), "--data-dir", str(data_dir)]
+        args += ["--database-url", database_url]
+        data_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env)
+
+    def wait_ready(self, timeout: float = 60) -> ServerProcess:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"server exited early:\n{self.output()[-3000:]}")
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout=timeout, what=f"{self.url}/healthz")
+        return self
+
+    def client(self, timeout: float = 60) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
