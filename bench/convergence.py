@@ -100,7 +100,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, config: Path) -> Path
     cmd = [
         sys.executable,
         "-m",
-        "diloco.cli",
+        "client.cli",
         "simulate",
         str(config),
         "--workers",

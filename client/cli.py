@@ -2,19 +2,24 @@
 an environment variable ``DILOCO_<NAME>``.
 
 Exit codes: 0 success; 1 unexpected failure; 2 bad usage or an invalid config
-(the message names the key); 3 a data file that cannot be used.
+(the message names the key); 3 a data file that cannot be used; 4 the server refused the
+request (4xx: bad token, no such run, ...); 5 the server could not be reached, or kept
+failing (connection errors, timeouts, 5xx) after retries. ``diloco join`` stopped by a
+signal exits 128 + its number (130 for Ctrl+C, 143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, cast
+from typing import Annotated, Any, Literal, cast
 
 import typer
 
+from client.cli_support import ExitStatus, exit_status_for, fail
+from client.run_cli import run_app
 from diloco.config import ConfigError, RunConfig, load_config, parse_config
 from diloco.data import DataError
 
@@ -23,6 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+app.add_typer(run_app, name="run")
 
 
 class SimMode(StrEnum):
@@ -31,16 +37,11 @@ class SimMode(StrEnum):
     single = "single"  # one worker, 1 x the batch
 
 
-class ExitStatus(IntEnum):
-    OK = 0
-    ERROR = 1
-    USAGE = 2
-    DATA = 3
-
-
-def fail(message: str, status: ExitStatus) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(int(status))
+class Device(StrEnum):
+    auto = "auto"  # cuda if available, else mps, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
 
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
@@ -185,6 +186,154 @@ def plot_cmd(
         plot_results(load_results(results), out)
     except (OSError, json.JSONDecodeError, KeyError) as err:
         fail(f"cannot plot: {err}", ExitStatus.DATA)
+
+
+@app.command()
+def join(
+    server: Annotated[
+        str,
+        typer.Argument(
+            help="Server URL, e.g. http://localhost:8000.",
+            envvar="DILOCO_SERVER",
+            metavar="SERVER_URL",
+        ),
+    ],
+    run: Annotated[
+        str | None,
+        typer.Option(help="Run id to join (default: the newest active run).", envvar="DILOCO_RUN"),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Register under this name on first use (default: volunteer@HOSTNAME).",
+            envvar="DILOCO_NAME",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="Contributor token to use instead of the stored one.", envvar="DILOCO_TOKEN"
+        ),
+    ] = None,
+    device: Annotated[
+        Device, typer.Option(help="Where to train (auto: cuda, mps, cpu).", envvar="DILOCO_DEVICE")
+    ] = Device.auto,
+    max_rounds: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Stop after this many accepted contributions.", envvar="DILOCO_MAX_ROUNDS"
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="torch CPU threads.", envvar="DILOCO_THREADS")
+    ] = None,
+    quiet: Annotated[
+        bool,
+        typer.Option(help="No progress bar and no per-round lines.", envvar="DILOCO_QUIET"),
+    ] = False,
+) -> None:
+    """Volunteer: train on a run's rounds and upload the results until stopped (Ctrl+C)."""
+    import asyncio
+
+    from client.worker import NoActiveRun, WorkerOptions, run_worker
+
+    if name and token:
+        fail("pass --name (to register) or --token (to reuse a token), not both", ExitStatus.USAGE)
+    opts = WorkerOptions(
+        server_url=server,
+        run_id=run,
+        name=name,
+        token=token,
+        device=device.value,
+        max_rounds=max_rounds,
+        threads=threads,
+        quiet=quiet,
+    )
+    try:
+        summary = asyncio.run(run_worker(opts))
+    except NoActiveRun as err:
+        fail(str(err), ExitStatus.ERROR)
+    except Exception as err:
+        status = exit_status_for(err)
+        if status is None:
+            raise
+        fail(str(err), status)
+    if summary.signal is not None:
+        raise typer.Exit(128 + summary.signal)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.", envvar="DILOCO_HOST")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to listen on.", envvar="DILOCO_PORT")] = 8000,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Checkpoints, uploads, embedded database (default: $XDG_DATA_HOME/diloco).",
+            envvar="DILOCO_DATA_DIR",
+        ),
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Postgres URL (default: an embedded Postgres under the data dir).",
+            envvar="DILOCO_DATABASE_URL",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run the server: REST API, dashboard and the background round sweeper."""
+    from client.credentials import default_data_dir
+
+    try:
+        from server.main import serve as serve_app
+    except ModuleNotFoundError as err:
+        fail(
+            f"diloco serve needs the server extra ({err.name} is missing): "
+            "pip install 'diloco-hub[server]'",
+            ExitStatus.USAGE,
+        )
+    serve_app(
+        host=host, port=port, data_dir=data_dir or default_data_dir(), database_url=database_url
+    )
+
+
+@app.command()
+def demo(
+    config: Annotated[
+        Path, typer.Option(help="Run config (TOML).", envvar="DILOCO_DEMO_CONFIG")
+    ] = Path("examples/demo.toml"),
+    data_dir: Annotated[
+        Path, typer.Option(help="Server data, volunteers and logs.", envvar="DILOCO_DEMO_DIR")
+    ] = Path("out/demo"),
+    port: Annotated[int, typer.Option(help="Server port.", envvar="DILOCO_PORT")] = 8000,
+    volunteers: Annotated[
+        int, typer.Option(min=1, help="Local volunteers.", envvar="DILOCO_VOLUNTEERS")
+    ] = 2,
+    threads: Annotated[
+        int, typer.Option(min=1, help="torch threads per volunteer.", envvar="DILOCO_THREADS")
+    ] = 1,
+    timeout: Annotated[
+        float, typer.Option(help="Give up after this many seconds.", envvar="DILOCO_TIMEOUT")
+    ] = 1800.0,
+) -> None:
+    """The whole platform on this machine: server with embedded Postgres, a run, volunteers."""
+    from client.demo import DemoError, run_demo
+
+    try:
+        status = run_demo(
+            config=config,
+            data_dir=data_dir,
+            port=port,
+            volunteers=volunteers,
+            threads=threads,
+            timeout_s=timeout,
+        )
+    except DemoError as err:
+        fail(str(err), ExitStatus.ERROR)
+    raise typer.Exit(status)
 
 
 @app.command()

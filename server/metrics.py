@@ -13,3 +13,9 @@ CLOSE_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 REQUESTS = Counter("diloco_http_requests_total", "HTTP requests", ["method", "route", "status"])
+CLOSE_STAGE_SECONDS = Histogram(
+    "diloco_round_close_stage_seconds",
+    "Time per stage of closing a round",
+    ["stage"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)

@@ -8,10 +8,8 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import msgpack
 import pytest
 import torch
 
@@ -195,7 +193,9 @@ def test_upload_without_content_length_is_411(http, run_id, volunteer):
     assert (r.status_code, r.json()["error"]) == (411, "length_required")
 
 
-@pytest.mark.parametrize("headers", [{}, auth("ctr_not-a-real-token"), {"Authorization": "Basic x"}])
+@pytest.mark.parametrize(
+    "headers", [{}, auth("ctr_not-a-real-token"), {"Authorization": "Basic x"}]
+)
 def test_missing_or_bad_token_is_401(server, http, run_id, volunteer, headers):
     lease = volunteer.work.lease
     before = traces(server, http, run_id)
@@ -218,9 +218,7 @@ def test_upload_without_a_lease_is_409_no_lease(server, http, run_id, volunteer)
     assert (r.status_code, r.json()["error"]) == (409, "no_lease")
 
 
-def test_identical_retry_is_idempotent_and_a_different_body_is_409(
-    server, http, run_id, volunteer
-):
+def test_identical_retry_is_idempotent_and_a_different_body_is_409(server, http, run_id, volunteer):
     first_upload = upload(http, volunteer.token, volunteer.work)
     retry = upload(http, volunteer.token, volunteer.work)
     different = upload(http, volunteer.token, volunteer.work, volunteer.work.body(loss=1.0))
@@ -273,5 +271,3 @@ def test_unknown_or_closed_round_is_409_naming_the_current_round(server, http, d
     assert (beat.status_code, beat.json()["current_round"]) == (409, 2)
     # nothing of the late upload on disk: only the accepted one of round 1
     assert len(list((server.log_path.parent / "blobs/runs" / run_id / "rounds/1").iterdir())) == 1
-
-

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def diloco(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", *args],
+        [sys.executable, "-m", "client.cli", *args],
         capture_output=True,
         text=True,
         timeout=240,

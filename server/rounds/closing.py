@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -29,7 +30,7 @@ from diloco.outer import Aggregator, OuterOptimizer
 from diloco.train import evaluate, load_parameters
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
-from server.metrics import CLOSE_SECONDS, ROUNDS_CLOSED
+from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Round
 from server.rounds.policy import Action, RoundState
@@ -46,6 +47,7 @@ class OuterResult:
     files: checkpoints_service.VersionFiles
     update_norm: float
     eval_loss: float
+    seconds: dict[str, float]  # by stage: load, aggregate, step, eval, write
 
 
 def apply_outer_step(
@@ -60,6 +62,7 @@ def apply_outer_step(
 ) -> OuterResult:
     """Read the base state, add the contributions one at a time (memory O(model)), step,
     evaluate on the validation split and write version ``version``. Pure given its inputs."""
+    clock = _StageClock()
     base = checkpoints_service.load_checkpoint(storage.path(base_state_key))
     outer = OuterOptimizer(
         base.params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
@@ -69,17 +72,33 @@ def apply_outer_step(
     shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
     codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
     aggregator = Aggregator(shapes)
+    clock.lap("load")
     for key in blobs:  # each weighted by the tokens in its header
         aggregate_upload(storage.read_chunks(key), aggregator, expected=shapes, codec=codec)
+    clock.lap("aggregate")
     update_norm = outer.step(aggregator.result())
+    clock.lap("step")
     model = GPT(cfg.model.gpt_config())
     load_parameters(model, outer.params)
     val = run_data.load_val(storage, run_id)
     eval_loss = evaluate(model, val, block_size=cfg.model.block_size, max_windows=eval_windows)
+    clock.lap("eval")
     files = checkpoints_service.write_version(
         storage, run_id=run_id, version=version, params=outer.params, outer_state=outer.state_dict()
     )
-    return OuterResult(files=files, update_norm=update_norm, eval_loss=eval_loss)
+    clock.lap("write")
+    return OuterResult(files, update_norm, eval_loss, clock.seconds)
+
+
+class _StageClock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
 
 
 async def mark_closing(
@@ -154,6 +173,8 @@ async def finish_close(
             await rounds_service.open_round(session=session, run=run, index=index + 1, now=now)
     ROUNDS_CLOSED.labels(rnd.close_code or "unknown").inc()
     CLOSE_SECONDS.observe((now - started).total_seconds())
+    for stage, seconds in result.seconds.items():
+        CLOSE_STAGE_SECONDS.labels(stage).observe(seconds)
     log.info(
         "run %s round %d closed (%s): %d contributions, eval loss %.4f, update norm %.4g, %.2f s",
         run_id,

@@ -1,0 +1,1 @@
+"""The volunteer client and the `diloco` command line."""

@@ -1,0 +1,407 @@
+"""The server's REST API (``docs/api.md``) as typed async calls over one aiohttp session.
+
+Every call has an explicit timeout: short for JSON calls, long (with a per-read timeout, so a
+stalled transfer still fails) for checkpoint/shard downloads and contribution uploads.
+Connection errors, timeouts and 5xx answers are retried with exponential backoff and jitter,
+within a bounded number of attempts and a bounded total time; a 4xx is never retried, it is
+raised at once as an :class:`ApiError` carrying the server's ``error`` code.
+
+Calls that are not idempotent (register, create a run, pause/resume/cancel) are retried only
+when the request cannot have taken effect: the connection could not be opened, or the server
+answered 503 ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+
+from client.credentials import normalize_server_url
+from client.lease import Lease, ProtocolError, require
+
+__all__ = [
+    "ApiError",
+    "DownloadError",
+    "Lease",
+    "ProtocolError",
+    "RetryPolicy",
+    "ServerAPI",
+    "ServerUnreachable",
+    "Timeouts",
+    "UploadReceipt",
+    "backoff_delay",
+]
+
+API_PREFIX = "/api/v1"
+CHUNK = 1 << 20
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    """The server answered with an error status; ``code`` is its ``error`` field."""
+
+    def __init__(self, status: int, code: str, detail: str, body: Mapping[str, Any]) -> None:
+        super().__init__(f"server refused ({status} {code}): {detail}")
+        self.status, self.code, self.detail, self.body = status, code, detail, dict(body)
+
+    @property
+    def retryable(self) -> bool:
+        return self.status >= 500
+
+
+class ServerUnreachable(Exception):
+    """No answer from the server (connection refused, DNS, timeout), after every retry."""
+
+
+class DownloadError(Exception):
+    """A downloaded file does not match the sha256 the server announced."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6  # tries in all, the first included
+    base_delay_s: float = 0.5  # delay before the second try
+    max_delay_s: float = 30.0  # cap on one delay
+    total_s: float = 300.0  # no new try starts after this long since the first
+    jitter: float = 0.5  # each delay is shortened by up to this fraction, at random
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"retry attempts must be at least 1, got {self.attempts}")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"retry jitter must be in [0, 1], got {self.jitter}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 10.0
+    call_s: float = 30.0  # a whole JSON call
+    transfer_s: float = 3600.0  # a whole upload or download
+    transfer_read_s: float = 120.0  # silence allowed between two reads of a transfer
+
+
+def backoff_delay(attempt: int, policy: RetryPolicy, rand: float) -> float:
+    """Seconds to wait after failed try ``attempt`` (1-based): base · 2^(attempt−1), capped
+    at ``max_delay_s``, then shortened by ``jitter · rand`` of itself (``rand`` in [0, 1))."""
+    if attempt < 1:
+        raise ValueError(f"attempt counts from 1, got {attempt}")
+    if not 0.0 <= rand < 1.0:
+        raise ValueError(f"rand must be in [0, 1), got {rand}")
+    delay = min(policy.max_delay_s, policy.base_delay_s * 2.0 ** (attempt - 1))
+    return delay * (1.0 - policy.jitter * rand)
+
+
+@dataclass(frozen=True)
+class UploadReceipt:
+    contribution_id: str
+    round: int
+    sha256: str
+    accepted: bool
+    repeated: bool  # 200: the server already held this very body (an idempotent retry)
+
+
+class _Retry(Exception):
+    """One try failed in a way worth another try; ``cause`` is what to raise at the end."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def _error_from(resp: aiohttp.ClientResponse) -> ApiError:
+    text = await resp.text(errors="replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return ApiError(resp.status, body["error"], str(body.get("detail", "")), body)
+    snippet = " ".join(text.split())[:200] or "(empty body)"
+    detail = f"{resp.method} {resp.url} answered {resp.status} {resp.reason}: {snippet}"
+    return ApiError(resp.status, "http_error", detail, {})
+
+
+async def _json_object(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        data = await resp.json(content_type=None)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        raise ProtocolError(
+            f"{resp.method} {resp.url} did not answer a JSON object; is this a DiLoCo Hub server?"
+        )
+    return data
+
+
+class ServerAPI:
+    """One server, one token, one ``aiohttp.ClientSession`` (opened on first use)."""
+
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        token: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.server_url = normalize_server_url(server_url)
+        self.token = token
+        self.retry = retry or RetryPolicy()
+        self.timeouts = timeouts or Timeouts()
+        self._session: aiohttp.ClientSession | None = None
+        t = self.timeouts
+        self._call_timeout = aiohttp.ClientTimeout(total=t.call_s, sock_connect=t.connect_s)
+        self._transfer_timeout = aiohttp.ClientTimeout(
+            total=t.transfer_s, sock_connect=t.connect_s, sock_read=t.transfer_read_s
+        )
+
+    async def __aenter__(self) -> ServerAPI:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def url(self, path: str) -> str:
+        """An absolute URL for an API path (``/runs``) or a server path from a lease."""
+        if path.startswith(("http://", "https://")):
+            return path
+        if not path.startswith(API_PREFIX):
+            path = API_PREFIX + path
+        return self.server_url + path
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers | dict(extra or {})
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(raise_for_status=False)
+        return self._session
+
+    async def _with_retries(
+        self,
+        what: str,
+        attempt_once: Callable[[], Awaitable[T]],
+        *,
+        idempotent: bool = True,
+        retry: RetryPolicy | None = None,
+    ) -> T:
+        """Run ``attempt_once`` until it succeeds, raises a non-retryable error, or the
+        policy's attempts or total time run out."""
+        policy, started = retry or self.retry, time.monotonic()
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return await attempt_once()
+            except ApiError as err:
+                if not (err.status == 503 or (idempotent and err.status >= 500)):
+                    raise
+                last: Exception = err
+            except _Retry as err:
+                last = err.cause
+            except aiohttp.ClientConnectorError as err:  # never reached the server
+                last = ServerUnreachable(f"cannot connect to {self.server_url} ({what}): {err}")
+            except (aiohttp.ClientError, TimeoutError) as err:
+                reason = str(err) or type(err).__name__
+                last = ServerUnreachable(f"{what} on {self.server_url} failed: {reason}")
+                if not idempotent:  # the server may have acted on it: do not repeat it blindly
+                    raise ServerUnreachable(
+                        f"{last}; it may or may not have taken effect, check before repeating it"
+                    ) from err
+            delay = backoff_delay(attempt, policy, random.random())
+            if attempt == policy.attempts or time.monotonic() - started + delay > policy.total_s:
+                break
+            await asyncio.sleep(delay)
+        if isinstance(last, ServerUnreachable):
+            raise ServerUnreachable(
+                f"{last} (gave up after {attempt} tries in {time.monotonic() - started:.0f} s); "
+                "check the URL and that the server is running"
+            )
+        raise last
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        idempotent: bool = True,
+        retry: RetryPolicy | None = None,
+    ) -> dict[str, Any]:
+        url = self.url(path)
+
+        async def once() -> dict[str, Any]:
+            async with self._http().request(
+                method, url, json=body, headers=self._headers(), timeout=self._call_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await _error_from(resp)
+                return await _json_object(resp)
+
+        return await self._with_retries(
+            f"{method} {path}", once, idempotent=idempotent, retry=retry
+        )
+
+    # ---------------------------------------------------------------- contributors
+
+    async def register(self, name: str) -> tuple[str, str]:
+        """Create a contributor; returns ``(id, token)``. The token is shown only once."""
+        data = await self._json("POST", "/contributors", body={"name": name}, idempotent=False)
+        where = "the registration answer"
+        return require(data, "id", str, where), require(data, "token", str, where)
+
+    async def me(self) -> dict[str, Any]:
+        """``{"id", "name", "created_at"}`` for this token; 401 if the server does not know it."""
+        return await self._json("GET", "/contributors/me")
+
+    # ---------------------------------------------------------------- a volunteer's round
+
+    async def join(self, run_id: str) -> Lease:
+        return Lease.from_json(await self._json("POST", f"/runs/{run_id}/join"))
+
+    async def heartbeat(
+        self,
+        run_id: str,
+        round: int,
+        lease_id: str,
+        step: int | None = None,
+        loss: float | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+    ) -> dict[str, Any]:
+        """Keep the lease alive; 409 ``round_closed`` means stop and join again."""
+        body: dict[str, Any] = {"lease_id": lease_id}
+        if step is not None:
+            body["step"] = step
+        if loss is not None:
+            body["loss"] = loss
+        path = f"/runs/{run_id}/rounds/{round}/heartbeat"
+        return await self._json("POST", path, body=body, retry=retry)
+
+    async def upload(
+        self,
+        run_id: str,
+        round: int,
+        chunks_factory: Callable[[], Iterable[bytes]],
+        nbytes: int,
+    ) -> UploadReceipt:
+        """PUT a contribution body, streamed chunk by chunk; ``chunks_factory`` makes a fresh
+        iterator for every try, so a retry re-sends the same bytes (the server is idempotent)."""
+        url = self.url(f"/runs/{run_id}/rounds/{round}/contribution")
+        headers = self._headers(
+            {"Content-Type": "application/octet-stream", "Content-Length": str(nbytes)}
+        )
+
+        async def body() -> AsyncIterator[bytes]:
+            for chunk in chunks_factory():
+                yield chunk
+                await asyncio.sleep(0)  # let heartbeats through between chunks
+
+        async def once() -> UploadReceipt:
+            async with self._http().put(
+                url, data=body(), headers=headers, timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await _error_from(resp)
+                data, where = await _json_object(resp), "the upload answer"
+                return UploadReceipt(
+                    contribution_id=require(data, "contribution_id", str, where),
+                    round=require(data, "round", int, where),
+                    sha256=require(data, "sha256", str, where),
+                    accepted=require(data, "accepted", bool, where),
+                    repeated=resp.status == 200,
+                )
+
+        return await self._with_retries(f"upload of round {round}", once)
+
+    async def download(self, url: str, dest: Path, expected_sha256: str) -> Path:
+        """GET ``url`` into ``dest``: streamed to a temp file beside it, checked against
+        ``expected_sha256``, then renamed into place (a reader never sees a partial file)."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        full = self.url(url)
+
+        async def once() -> Path:
+            tmp = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
+            digest = hashlib.sha256()
+            try:
+                async with self._http().get(
+                    full, headers=self._headers(), timeout=self._transfer_timeout
+                ) as resp:
+                    if resp.status >= 400:
+                        raise await _error_from(resp)
+                    with open(tmp, "wb") as f:
+                        async for chunk in resp.content.iter_chunked(CHUNK):
+                            digest.update(chunk)
+                            f.write(chunk)
+                if digest.hexdigest() != expected_sha256:
+                    raise _Retry(
+                        DownloadError(
+                            f"{full} arrived with sha256 {digest.hexdigest()} but the server "
+                            f"announced {expected_sha256}; the file was discarded. Try again; "
+                            "if it persists, tell the run's operator"
+                        )
+                    )
+                os.replace(tmp, dest)
+                return dest
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        return await self._with_retries(f"download of {url}", once)
+
+    # ---------------------------------------------------------------- runs (admin for writes)
+
+    async def create_run(self, config: Mapping[str, Any], data_path: Path) -> dict[str, Any]:
+        """POST /runs as multipart: ``config`` (JSON text) and ``data`` (the file, streamed)."""
+        url, data_path = self.url("/runs"), Path(data_path)
+
+        async def once() -> dict[str, Any]:
+            with open(data_path, "rb") as f:
+                form = aiohttp.FormData()
+                form.add_field("config", json.dumps(config), content_type="application/json")
+                form.add_field("data", f, filename=data_path.name, content_type="text/plain")
+                async with self._http().post(
+                    url, data=form, headers=self._headers(), timeout=self._transfer_timeout
+                ) as resp:
+                    if resp.status >= 400:
+                        raise await _error_from(resp)
+                    return await _json_object(resp)
+
+        return await self._with_retries("create run", once, idempotent=False)
+
+    async def list_runs(self) -> list[dict[str, Any]]:
+        """Every run, newest first."""
+        return require(await self._json("GET", "/runs"), "runs", list, "the run list")
+
+    async def get_run(self, run_id: str) -> dict[str, Any]:
+        return await self._json("GET", f"/runs/{run_id}")
+
+    async def run_action(self, run_id: str, action: str) -> dict[str, Any]:
+        """``pause``, ``resume`` or ``cancel``; returns the run."""
+        if action not in ("pause", "resume", "cancel"):
+            raise ValueError(f"run action must be pause, resume or cancel, not {action!r}")
+        return await self._json("POST", f"/runs/{run_id}/{action}", idempotent=False)
+
+    async def list_rounds(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's rounds, oldest first."""
+        data = await self._json("GET", f"/runs/{run_id}/rounds")
+        return require(data, "rounds", list, "the round list")

@@ -1,0 +1,215 @@
+"""``diloco run ...``: create and manage runs on a server (writes need the admin token).
+
+Exit codes are those of ``client.cli_support.ExitStatus``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from client.api import ServerAPI
+from client.cli_support import ExitStatus, fail, run_api
+from diloco.config import ConfigError, load_config
+
+run_app = typer.Typer(
+    help="Create and manage training runs on a server (writes need the admin token).",
+    no_args_is_help=True,
+)
+
+Server = Annotated[
+    str,
+    typer.Option(
+        "--server", help="Server URL, e.g. http://localhost:8000.", envvar="DILOCO_SERVER"
+    ),
+]
+AdminToken = Annotated[
+    str | None,
+    typer.Option(
+        "--admin-token",
+        help="Admin token (printed by `diloco serve` on first start).",
+        envvar="DILOCO_ADMIN_TOKEN",
+    ),
+]
+AsJson = Annotated[
+    bool, typer.Option("--json", help="Print the server's JSON.", envvar="DILOCO_JSON")
+]
+RunId = Annotated[str, typer.Argument(help="The run's id (run_…).", envvar="DILOCO_RUN")]
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _num(value: Any, fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _round_line(cur: dict[str, Any] | None) -> str:
+    if not cur:
+        return "none"
+    target = f", target {cur['target']}" if cur.get("target") else ""
+    line = (
+        f"{cur.get('index')} {cur.get('state')}  accepted {cur.get('accepted')}/"
+        f"{cur.get('quorum')}{target}  deadline {cur.get('deadline')}"
+    )
+    return f"{line}\n{'':20}{cur['reason']}" if cur.get("reason") else line
+
+
+def show_run(run: dict[str, Any]) -> None:
+    """Key lines of a run for a person."""
+    latest = run.get("latest") or {}
+    rows = [
+        ("run", f"{run.get('id')}  {run.get('name')}"),
+        ("status", str(run.get("status"))),
+        ("checkpoint version", str(run.get("checkpoint_version"))),
+        ("current round", _round_line(run.get("current_round"))),
+        (
+            "latest eval loss",
+            f"{_num(latest.get('eval_loss'))} (round {latest.get('round')}, "
+            f"train {_num(latest.get('train_loss'))})"
+            if latest
+            else "-",
+        ),
+    ]
+    for key, value in rows:
+        typer.echo(f"{key:<20}{value}")
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> None:
+    table = Table(*columns, box=None, pad_edge=False, header_style="bold")
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # piped: wide lines for grep rather than wrapped cells
+        console = Console(width=200)
+    console.print(table)
+
+
+@run_app.command("create")
+def create(
+    config: Annotated[Path, typer.Argument(help="Run config (TOML).", envvar="DILOCO_CONFIG")],
+    server: Server,
+    admin_token: AdminToken = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create a run from a TOML config; the data file it names is uploaded with it."""
+    try:
+        cfg = load_config(config)  # fail fast, naming the key, before anything is sent
+    except ConfigError as err:
+        fail(str(err), ExitStatus.USAGE)
+    data_path = Path(cfg.data.path)
+    if not data_path.is_file():
+        fail(f"data file {data_path} (data.path in {config}) does not exist", ExitStatus.DATA)
+    raw = tomllib.loads(config.read_text(encoding="utf-8"))
+    raw["data"]["path"] = data_path.name  # the server keeps the original file name
+
+    async def call(api: ServerAPI) -> dict[str, Any]:
+        return await api.create_run(raw, data_path)
+
+    run = run_api(server, admin_token, call)
+    if as_json:
+        _print_json(run)
+    else:
+        typer.echo(run["id"])
+
+
+@run_app.command("list")
+def list_runs(server: Server, admin_token: AdminToken = None, as_json: AsJson = False) -> None:
+    """List the runs, newest first."""
+    runs = run_api(server, admin_token, lambda api: api.list_runs())
+    if as_json:
+        _print_json(runs)
+        return
+    rows = []
+    for r in runs:
+        cur, latest = r.get("current_round") or {}, r.get("latest") or {}
+        rnd = f"{cur.get('index')} {cur.get('state')}" if cur else "-"
+        acc = f"{cur.get('accepted')}/{cur.get('quorum')}" if cur else "-"
+        rows.append(
+            [
+                str(r.get("id")),
+                str(r.get("name")),
+                str(r.get("status")),
+                str(r.get("checkpoint_version")),
+                rnd,
+                acc,
+                _num(latest.get("eval_loss")),
+                str(r.get("created_at", ""))[:16].replace("T", " "),
+            ]
+        )
+    _table(["ID", "NAME", "STATUS", "VERSION", "ROUND", "ACCEPTED", "EVAL", "CREATED"], rows)
+
+
+@run_app.command("show")
+def show(
+    run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False
+) -> None:
+    """Show a run: status, checkpoint version, current round, latest eval loss."""
+    _print_run(run_api(server, admin_token, lambda api: api.get_run(run_id)), as_json)
+
+
+def _print_run(run: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(run)
+    else:
+        show_run(run)
+
+
+def _action(action: str, run_id: str, server: str, admin_token: str | None, as_json: bool) -> None:
+    _print_run(run_api(server, admin_token, lambda api: api.run_action(run_id, action)), as_json)
+
+
+@run_app.command("pause")
+def pause(
+    run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False
+) -> None:
+    """Pause a run: no new leases, the open round waits."""
+    _action("pause", run_id, server, admin_token, as_json)
+
+
+@run_app.command("resume")
+def resume(
+    run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False
+) -> None:
+    """Resume a paused run; its open round gets a fresh deadline."""
+    _action("resume", run_id, server, admin_token, as_json)
+
+
+@run_app.command("cancel")
+def cancel(
+    run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False
+) -> None:
+    """Cancel a run (final)."""
+    _action("cancel", run_id, server, admin_token, as_json)
+
+
+@run_app.command("rounds")
+def rounds(
+    run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False
+) -> None:
+    """List a run's rounds, oldest first, with their losses and why each closed."""
+    items = run_api(server, admin_token, lambda api: api.list_rounds(run_id))
+    if as_json:
+        _print_json(items)
+        return
+    rows = [
+        [
+            str(r.get("index")),
+            str(r.get("state")),
+            str(r.get("accepted")),
+            f"{r.get('tokens') or 0:,}",
+            _num(r.get("train_loss")),
+            _num(r.get("eval_loss")),
+            _num(r.get("update_norm")),
+            str(r.get("close_reason") or ""),
+        ]
+        for r in items
+    ]
+    _table(["ROUND", "STATE", "ACCEPTED", "TOKENS", "TRAIN", "EVAL", "UPDATE", "REASON"], rows)

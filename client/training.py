@@ -1,0 +1,200 @@
+"""The volunteer's compute, with no HTTP in it: what one simulated worker does in
+``diloco.simulate._run_diloco``, for one lease at a time.
+
+One :class:`LocalTrainer` lives as long as the worker stays in a run, so AdamW's moments
+carry over from round to round (DiLoCo); each round starts by loading the global
+parameters θ(t−1) into the model. These functions block: the worker calls them in a
+thread so the event loop keeps sending heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.lease import Lease, ProtocolError
+from diloco.checkpoint import CheckpointError, checkpoint_params_only
+from diloco.codec import EncodedTensor
+from diloco.config import ConfigError, RunConfig, parse_config
+from diloco.data import random_batch
+from diloco.exchange import encode_delta
+from diloco.model import GPT
+from diloco.outer import pseudo_gradient
+from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
+from diloco.wire import ContributionMeta, contribution_nbytes
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+class DeviceError(ValueError):
+    """The device asked for is not usable on this machine."""
+
+
+class DivergedError(ValueError):
+    """The inner loop produced a non-finite loss or Δ; nothing can be uploaded."""
+
+
+class StopTraining(Exception):
+    """Raised from the step callback to end the inner loop early (round closed, Ctrl+C)."""
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda if available, else mps, else cpu; an explicit device must exist."""
+    if name not in DEVICES:
+        raise DeviceError(f"--device must be one of {', '.join(DEVICES)}, not {name!r}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if _mps_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            "--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            "install a CUDA build of torch or use --device cpu"
+        )
+    if name == "mps" and not _mps_available():
+        raise DeviceError("--device mps: this machine or torch build has no MPS; use --device cpu")
+    return torch.device(name)
+
+
+def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:
+    """The shard file as uint8 tokens ``(nbytes / chunk_len, chunk_len)``."""
+    ref = lease.shard
+    if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len:
+        raise ProtocolError(
+            f"shard {ref.index}: chunk_len {ref.chunk_len} must exceed block_size {block_size} "
+            f"and divide nbytes {ref.nbytes}; tell the run's operator"
+        )
+    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    if tokens.numel() != ref.nbytes:
+        raise ProtocolError(
+            f"shard {path} holds {tokens.numel()} bytes, the lease says {ref.nbytes}"
+        )
+    return tokens.view(ref.nbytes // ref.chunk_len, ref.chunk_len)  # (n_chunks, chunk_len)
+
+
+def load_checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
+    """θ(t−1) in fp32 on the CPU; a cached file that no longer reads is deleted first."""
+    try:
+        params = checkpoint_params_only(path)
+    except CheckpointError:
+        path.unlink(missing_ok=True)  # the next join downloads it again
+        raise
+    return {n: t.float() for n, t in params.items()}
+
+
+@dataclass(frozen=True)
+class Contribution:
+    meta: ContributionMeta
+    tensors: dict[str, EncodedTensor]
+    nbytes: int  # the body's exact size: the upload's Content-Length
+
+
+class LocalTrainer:
+    """The model and AdamW for one run config; rebuilt only when the config changes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cfg: RunConfig | None = None
+        self.trainer: InnerTrainer | None = None
+        self._key: str | None = None
+
+    def prepare(self, config: Mapping[str, Any]) -> tuple[RunConfig, bool]:
+        """Build the model for ``config`` unless it is already built; True if (re)built."""
+        key = json.dumps(config, sort_keys=True)
+        if self.cfg is not None and key == self._key:
+            return self.cfg, False
+        try:
+            cfg = parse_config(dict(config))
+        except ConfigError as err:
+            raise ProtocolError(
+                f"the run's config from the server does not validate here ({err}); "
+                "upgrade the client (pip install -U diloco-hub)"
+            ) from None
+        model = GPT(cfg.model.gpt_config())
+        self.trainer = InnerTrainer(
+            model, cfg.inner, total_steps=cfg.total_inner_steps, device=self.device
+        )
+        self.cfg, self._key = cfg, key
+        return cfg, True
+
+    def reset(self) -> None:
+        """Forget the model and AdamW state (after a divergence): the next round starts fresh."""
+        self.cfg = self.trainer = self._key = None
+
+    def train(
+        self,
+        lease: Lease,
+        params: Mapping[str, torch.Tensor],
+        shard: torch.Tensor,
+        *,
+        on_step: Callable[[int, float, int], None],
+        stop: Callable[[], bool],
+    ) -> InnerResult:
+        """Load θ(t−1), then H AdamW steps on batches drawn with ``lease.seed``.
+        ``on_step(done, loss, tokens)`` reports; ``stop()`` true ends the loop early."""
+        if self.trainer is None or self.cfg is None:
+            raise RuntimeError("LocalTrainer.prepare must run before train")
+        cfg, trainer = self.cfg, self.trainer
+        load_parameters(trainer.model, params)
+        gen = torch.Generator().manual_seed(lease.seed)
+        tokens_per_step = cfg.inner.batch_size * cfg.model.block_size
+        steps = lease.inner_steps
+
+        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:  # (B, T), (B, T)
+            return random_batch(
+                shard,
+                batch_size=cfg.inner.batch_size,
+                block_size=cfg.model.block_size,
+                generator=gen,
+            )
+
+        def step_done(i: int, loss: float) -> None:
+            on_step(i + 1, loss, (i + 1) * tokens_per_step)
+            if i + 1 < steps and stop():
+                raise StopTraining
+
+        return trainer.run(
+            steps, start_step=lease.start_step, next_batch=next_batch, on_step=step_done
+        )
+
+    def contribution(
+        self, lease: Lease, params: Mapping[str, torch.Tensor], result: InnerResult
+    ) -> Contribution:
+        """Δ = θ(t−1) − θi, compressed by the run's codec, with the header's fields."""
+        if self.trainer is None or self.cfg is None:
+            raise RuntimeError("LocalTrainer.prepare must run before contribution")
+        if not math.isfinite(result.mean_loss):
+            raise DivergedError(f"the inner loop diverged (mean loss {result.mean_loss})")
+        new = {n: p.detach().float().cpu() for n, p in parameters_of(self.trainer.model).items()}
+        delta = pseudo_gradient(params, new)
+        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
+            raise DivergedError("the inner loop diverged (Δ holds NaN or Inf)")
+        comp = self.cfg.compression
+        encoded, codec = encode_delta(delta, kind=comp.kind, block_size=comp.block_size)
+        meta = ContributionMeta(
+            run_id=lease.run_id,
+            round=lease.round,
+            base_version=lease.base_version,
+            tokens=result.tokens,
+            inner_steps=result.steps,
+            loss=result.mean_loss,
+            codec=codec,
+        )
+        return Contribution(meta, encoded, contribution_nbytes(meta, encoded))
+
+
+def stop_flag(*events: threading.Event) -> Callable[[], bool]:
+    return lambda: any(e.is_set() for e in events)

@@ -1,0 +1,208 @@
+"""End to end with real processes: `diloco serve`, `diloco run create`, `diloco join` x 3,
+on tinyshakespeare from ../shared/data, with a tiny model; and a volunteer SIGKILLed while
+it holds a live lease, so that its round must close at the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.conftest import SHARED_DATA
+from tests.support.contribute import API
+from tests.support.live import ADMIN_TOKEN, Proc, ServerProcess, wait_for
+
+TINYSHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+pytestmark = pytest.mark.skipif(
+    not TINYSHAKESPEARE.exists(), reason=f"{TINYSHAKESPEARE} is not there"
+)
+
+
+def write_config(path: Path, *, steps: int, quorum: int, target: int, timeout_s: float,
+                 max_rounds: int) -> Path:  # fmt: skip
+    path.write_text(
+        f"""name = "e2e"
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 64
+[data]
+path = "{TINYSHAKESPEARE}"
+chunk_size = 4096
+[inner]
+steps = {steps}
+batch_size = 8
+lr = 3e-3
+warmup_steps = 5
+schedule = "constant"
+[rounds]
+quorum = {quorum}
+target = {target}
+timeout_s = {timeout_s}
+max_rounds = {max_rounds}
+"""
+    )
+    return path
+
+
+def create_run(server: ServerProcess, config: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "client.cli", "run", "create", str(config),
+         "--server", server.url, "--admin-token", ADMIN_TOKEN],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.strip()
+    assert re.fullmatch(r"run_[0-9a-f]{12}", run_id), out.stdout
+    return run_id
+
+
+class Volunteers:
+    def __init__(self, root: Path) -> None:
+        self.root, self.procs = root, {}  # type: ignore[var-annotated]
+
+    def start(self, name: str, server: ServerProcess, run_id: str) -> Proc:
+        home = self.root / name
+        home.mkdir(parents=True)
+        proc = Proc(
+            [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id,
+             "--name", name, "--threads", "1", "--quiet"],
+            log=home / "join.log",
+            env={"DILOCO_CONFIG_DIR": str(home / "config"),
+                 "DILOCO_CACHE_DIR": str(home / "cache")},
+        )  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def volunteers(tmp_path: Path) -> Iterator[Volunteers]:
+    v = Volunteers(tmp_path / "volunteers")
+    yield v
+    v.stop_all()
+
+
+@pytest.fixture
+def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        data_dir=tmp_path / "srv",
+        database_url=database_url,
+        heartbeat_interval_s=1,
+        lease_ttl_s=120,  # a killed volunteer's lease outlives the round deadline
+        n_shards=4,
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
+    # Prepare: a run created with the CLI, three `diloco join` processes
+    config = write_config(
+        tmp_path / "run.toml", steps=30, quorum=2, target=3, timeout_s=120, max_rounds=6
+    )
+    run_id = create_run(server, config)
+    for name in ("v1", "v2", "v3"):
+        volunteers.start(name, server, run_id)
+    http = httpx.Client(base_url=server.url, timeout=30)
+
+    # Execute: wait for the run to complete (every volunteer exits when it does)
+    wait_for(
+        lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
+        timeout=400,
+        what="the run to complete",
+        every=1.0,
+    )
+    for proc in volunteers.procs.values():
+        wait_for(lambda p=proc: not p.alive(), timeout=60, what="volunteers to exit")
+        assert proc.popen.returncode == 0, proc.output()[-2000:]
+
+    # Assert: rounds, quorum, loss, versions, bytes per parameter
+    run = http.get(f"{API}/runs/{run_id}").json()
+    rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
+    assert len(rounds) == 6 and all(r["state"] == "closed" for r in rounds)
+    assert all(r["accepted"] >= 2 for r in rounds), [r["accepted"] for r in rounds]
+    assert rounds[-1]["eval_loss"] <= 0.9 * rounds[0]["eval_loss"], [r["eval_loss"] for r in rounds]
+    assert run["checkpoint_version"] == len(rounds)
+    for r in rounds:  # round i trained from version i-1 and published version i
+        assert r["base_version"] == r["index"] - 1
+        head = http.get(
+            f"{API}/runs/{run_id}/checkpoints/{r['index']}", headers={"Range": "bytes=0-0"}
+        )
+        assert head.headers["x-checkpoint-version"] == str(r["index"])
+    metrics = http.get("/metrics").text
+    accepted = sum(r["accepted"] for r in rounds)
+    per_upload = metric(metrics, "diloco_upload_bytes_total") / accepted
+    assert 1.0 <= per_upload / run["n_params"] < 1.1, per_upload / run["n_params"]
+    board = http.get(f"{API}/contributors").json()["contributors"]
+    assert sorted(c["name"] for c in board if c["accepted"]) == ["v1", "v2", "v3"]
+
+
+async def _lease_held(database_url: str, run_id: str, index: int, name: str) -> bool:
+    conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        found = await conn.fetchval(
+            "SELECT count(*) FROM leases l JOIN contributors c ON c.id = l.contributor_id "
+            "WHERE l.run_id = $1 AND l.round_index = $2 AND c.name = $3",
+            run_id, index, name,
+        )  # fmt: skip
+        return bool(found)
+    finally:
+        await conn.close()
+
+
+def test_volunteer_killed_mid_round_lets_the_round_close_at_its_deadline(
+    server, volunteers, database_url, tmp_path
+):
+    # Prepare: target 3 would close at once; one volunteer will never deliver round 2
+    config = write_config(
+        tmp_path / "run.toml", steps=60, quorum=2, target=3, timeout_s=20, max_rounds=3
+    )
+    run_id = create_run(server, config)
+    victim = volunteers.start("victim", server, run_id)
+    for name in ("v1", "v2"):
+        volunteers.start(name, server, run_id)
+    http = httpx.Client(base_url=server.url, timeout=30)
+
+    # Execute: SIGKILL the victim as soon as it holds a lease on round 2
+    wait_for(
+        lambda: asyncio.run(_lease_held(database_url, run_id, 2, "victim")),
+        timeout=180,
+        what="the victim to lease round 2",
+        every=0.05,
+    )
+    victim.kill()
+    wait_for(
+        lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
+        timeout=300,
+        what="the run to complete without the victim",
+        every=1.0,
+    )
+
+    # Assert: round 2 closed at its deadline, with quorum, and says so
+    rounds = {r["index"]: r for r in http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]}
+    assert rounds[1]["close_code"] == "target" and rounds[1]["accepted"] == 3
+    second = rounds[2]
+    assert second["accepted"] == 2, second
+    assert second["close_code"] == "deadline_quorum", second
+    assert "deadline passed with quorum: 2 accepted, quorum 2" in second["close_reason"]
+    assert rounds[3]["accepted"] >= 2
