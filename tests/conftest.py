@@ -82,3 +82,23 @@ def server_run_config(**sections: dict) -> dict:
     for name, values in sections.items():
         raw[name].update(values)
     return raw
+
+
+@pytest.fixture(scope="module")
+def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One `diloco serve` process per test module, on its own migrated database."""
+    from tests.support.live import ServerProcess
+    from tests.support.pg import fresh_database
+
+    with fresh_database(pg_admin_url) as url:
+        proc = ServerProcess(data_dir=tmp_path_factory.mktemp("srv"), database_url=url)
+        try:
+            yield proc.wait_ready()
+        finally:
+            proc.stop()
+
+
+@pytest.fixture
+def http(server):  # type: ignore[no-untyped-def]
+    with server.client() as client:
+        yield client

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,24 +13,7 @@ from safetensors.torch import load as safetensors_load
 
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, register
-from tests.support.live import ServerProcess, admin_headers
-from tests.support.pg import fresh_database
-
-
-@pytest.fixture(scope="module")
-def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with fresh_database(pg_admin_url) as url:
-        proc = ServerProcess(data_dir=tmp_path_factory.mktemp("srv"), database_url=url)
-        try:
-            yield proc.wait_ready()
-        finally:
-            proc.stop()
-
-
-@pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as client:
-        yield client
+from tests.support.live import admin_headers
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -18,23 +17,6 @@ from diloco.wire import MAGIC
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, Work, auth, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
-from tests.support.pg import fresh_database
-
-
-@pytest.fixture(scope="module")
-def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with fresh_database(pg_admin_url) as url:
-        proc = ServerProcess(data_dir=tmp_path_factory.mktemp("srv"), database_url=url)
-        try:
-            yield proc.wait_ready()
-        finally:
-            proc.stop()
-
-
-@pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
