@@ -2,6 +2,12 @@
 
 Tokens are 256-bit random strings; only their sha256 is stored (a leaked database holds no
 usable token). Comparisons of the admin token are constant-time.
+
+A contributor's actions (``ContributorAuth``: join, heartbeat, upload, lease release, profile
+update) move its ``last_seen_at`` in the same statement that finds it: one
+``UPDATE ... RETURNING`` in its own short transaction, committed at once. So the time counts
+even when the action itself is refused, and no row lock is held through a long upload.
+Reads of one's own profile (``ContributorReadAuth``) leave it alone.
 """
 
 from __future__ import annotations
@@ -9,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server.contributors.models import Contributor
-from server.db import SessionDep
 from server.errors import Forbidden, Unauthorized
 
 
@@ -44,15 +51,36 @@ def require_admin(request: Request) -> None:
         raise Unauthorized("the admin token is wrong; it is in <data-dir>/admin-token")
 
 
-async def require_contributor(request: Request, session: SessionDep) -> Contributor:
-    token = bearer_token(request)
-    found = await session.scalar(
-        select(Contributor).where(Contributor.token_hash == hash_token(token))
-    )
+async def _find_contributor(request: Request, *, touch: bool) -> Contributor:
+    token_hash = hash_token(bearer_token(request))
+    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    async with sessions() as session, session.begin():
+        if touch:
+            found = await session.scalar(
+                update(Contributor)
+                .where(Contributor.token_hash == token_hash)
+                .values(last_seen_at=datetime.now(UTC))
+                .returning(Contributor)
+            )
+        else:
+            found = await session.scalar(
+                select(Contributor).where(Contributor.token_hash == token_hash)
+            )
     if found is None:
         raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
     return found
 
 
+async def require_contributor(request: Request) -> Contributor:
+    """The contributor behind the token, marked as seen now."""
+    return await _find_contributor(request, touch=True)
+
+
+async def read_contributor(request: Request) -> Contributor:
+    """The contributor behind the token, without marking it as seen."""
+    return await _find_contributor(request, touch=False)
+
+
 AdminAuth = Annotated[None, Depends(require_admin)]
 ContributorAuth = Annotated[Contributor, Depends(require_contributor)]
+ContributorReadAuth = Annotated[Contributor, Depends(read_contributor)]

@@ -62,6 +62,14 @@ class NotFound(HubError):
     code = "not_found"
 
 
+class RunNotFound(NotFound):
+    code = "run_not_found"
+
+
+class LeaseNotFound(NotFound):
+    code = "no_lease"  # releasing a lease this contributor never held (409 no_lease: uploads)
+
+
 class RoundClosed(HubError):
     status = 409
     code = "round_closed"
@@ -110,6 +118,11 @@ class LengthRequired(HubError):
 class UploadTooLarge(HubError):
     status = 413
     code = "upload_too_large"
+
+
+class BodyTooLarge(HubError):
+    status = 413
+    code = "body_too_large"
 
 
 class InvalidConfig(HubError):

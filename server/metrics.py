@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UPLOADS = Counter("diloco_uploads_total", "Contribution uploads by outcome", ["outcome"])
 UPLOAD_BYTES = Counter("diloco_upload_bytes_total", "Bytes of accepted contribution bodies")
@@ -19,3 +20,35 @@ CLOSE_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+
+
+class RequestMetrics:
+    """Count every HTTP request in ``REQUESTS`` by method, route template and status.
+
+    The label is the matched route's template (``/api/v1/runs/{run_id}/checkpoints/{version}``),
+    which the router leaves in ``scope["route"]``, never the raw path: one series per
+    endpoint, however many runs and versions there are. No match: ``unmatched``. A pure ASGI
+    middleware, so streamed downloads pass through untouched; counted once the response ends
+    (500 if the app raised before it started one).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            REQUESTS.labels(scope["method"], route, str(status)).inc()

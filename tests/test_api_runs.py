@@ -134,7 +134,12 @@ def test_contributor_token_is_shown_once_and_identifies_its_owner(http):
     assert me.json()["id"] == r.json()["id"] and me.json()["name"] == "alice"
     board = http.get(f"{API}/contributors").json()["contributors"]
     assert r.json()["token"] not in json.dumps(board)
-    assert all(set(entry) == {"id", "name", "accepted", "tokens"} for entry in board)
+    assert all(
+        set(entry)
+        == {"rank", "id", "name", "accepted", "aggregated", "tokens", "credit", "last_seen_at",
+            "created_at", "device"}
+        for entry in board
+    )  # fmt: skip
     bad = http.get(f"{API}/contributors/me", headers=auth("ctr_forged"))
     assert bad.status_code == 401 and bad.json()["error"] == "unauthorized"
     assert http.get(f"{API}/contributors/me").status_code == 401

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import String, func
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from server.db import Base
@@ -17,3 +19,7 @@ class Contributor(Base):
     # (no salt or slow hash needed) and lets a request find its contributor by index
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # the last join, heartbeat, upload, lease release or profile update; None: never active
+    last_seen_at: Mapped[datetime | None] = mapped_column(default=None)
+    # what the volunteer client reports about its machine (contributors.schemas.Hardware)
+    hardware: Mapped[dict[str, Any] | None] = mapped_column(JSONB, default=None)

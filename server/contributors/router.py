@@ -1,14 +1,19 @@
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Query
 
-from server.auth import ContributorAuth
+from server.auth import ContributorAuth, ContributorReadAuth
 from server.contributors import service
 from server.contributors.schemas import (
     ContributorCreate,
     ContributorCreated,
-    ContributorOut,
     Leaderboard,
+    Order,
+    Profile,
+    ProfileUpdate,
+    SortKey,
 )
 from server.db import SessionDep
 
@@ -23,12 +28,38 @@ async def register(body: ContributorCreate, session: SessionDep) -> ContributorC
 
 
 @router.get("/me")
-async def me(contributor: ContributorAuth) -> ContributorOut:
-    return ContributorOut(
-        id=contributor.id, name=contributor.name, created_at=contributor.created_at
+async def me(contributor: ContributorReadAuth, session: SessionDep) -> Profile:
+    """Your record: totals, per run, the newest contributions. Does not count as activity."""
+    return await service.profile(session=session, contributor=contributor)
+
+
+@router.patch("/me")
+async def update_me(
+    body: ProfileUpdate, contributor: ContributorAuth, session: SessionDep
+) -> Profile:
+    """Report your machine (the client does this when it starts)."""
+    updated = await service.set_hardware(
+        session=session, contributor_id=contributor.id, hardware=body.hardware
     )
+    return await service.profile(session=session, contributor=updated)
 
 
 @router.get("")
-async def leaderboard(session: SessionDep, limit: int = Query(100, ge=1, le=1000)) -> Leaderboard:
-    return Leaderboard(contributors=await service.leaderboard(session=session, limit=limit))
+async def leaderboard(
+    session: SessionDep,
+    run: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
+    sort: SortKey = SortKey.CREDIT,
+    order: Order | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
+) -> Leaderboard:
+    """Contributors ranked by credit (training FLOPs put into outer steps) or another key;
+    with ``run``, only that run's contributors and figures."""
+    return await service.leaderboard(
+        session=session,
+        run_id=run,
+        sort=sort,
+        order=order or service.default_order(sort),
+        limit=limit,
+        offset=offset,
+    )

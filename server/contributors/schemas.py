@@ -1,8 +1,14 @@
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+# printable text without control characters: these strings end up on the dashboard
+_Text = r"^[^\x00-\x1f\x7f]*$"
+_Count = Annotated[int, Field(ge=0, le=1 << 62)]
 
 
 class ContributorCreate(BaseModel):
@@ -15,18 +21,97 @@ class ContributorCreated(BaseModel):
     token: str  # shown once: only its hash is stored
 
 
-class ContributorOut(BaseModel):
+class Hardware(BaseModel):
+    """What a volunteer client reports about its machine; every field optional."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    device: str | None = Field(None, max_length=16, pattern=_Text)  # "cuda", "mps", "cpu"
+    device_name: str | None = Field(None, max_length=128, pattern=_Text)
+    memory_bytes: _Count | None = None  # memory of the training device
+    ram_bytes: _Count | None = None
+    cpu_count: int | None = Field(None, ge=0, le=4096)
+    os: str | None = Field(None, max_length=128, pattern=_Text)
+    python: str | None = Field(None, max_length=32, pattern=_Text)
+    torch: str | None = Field(None, max_length=64, pattern=_Text)
+    client_version: str | None = Field(None, max_length=32, pattern=_Text)
+
+
+class ProfileUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hardware: Hardware  # replaces what was stored
+
+
+class Totals(BaseModel):
+    accepted: int  # contributions stored (uploads accepted)
+    aggregated: int  # of those, the ones that went into an outer step
+    tokens: int  # tokens of the aggregated ones
+    credit: float  # training FLOPs of the aggregated ones: tokens x 6 x n_params
+
+
+class RunTotals(BaseModel):
+    run_id: str
+    run_name: str
+    accepted: int
+    aggregated: int
+    tokens: int
+    credit: float
+    last_round: int  # the latest round this contributor contributed to
+
+
+class RecentContribution(BaseModel):
+    run_id: str
+    round: int
+    tokens: int
+    loss: float
+    created_at: datetime
+    aggregated: bool
+    credit: float
+
+
+class Profile(BaseModel):
     id: str
     name: str
     created_at: datetime
+    last_seen_at: datetime | None
+    hardware: Hardware | None
+    totals: Totals
+    runs: list[RunTotals]  # by credit, highest first
+    recent: list[RecentContribution]  # newest first
+
+
+class SortKey(StrEnum):
+    CREDIT = "credit"
+    TOKENS = "tokens"
+    ACCEPTED = "accepted"
+    AGGREGATED = "aggregated"
+    LAST_SEEN = "last_seen"
+    NAME = "name"
+    CREATED = "created"
+
+
+class Order(StrEnum):
+    DESC = "desc"
+    ASC = "asc"
 
 
 class LeaderboardEntry(BaseModel):
+    rank: int  # 1-based, counted across pages
     id: str
     name: str
     accepted: int
+    aggregated: int
     tokens: int
+    credit: float
+    last_seen_at: datetime | None
+    created_at: datetime
+    device: str | None  # hardware.device, when reported
 
 
 class Leaderboard(BaseModel):
+    run_id: str | None  # None: every run
+    sort: SortKey
+    order: Order
+    total: int  # contributors on the board, across pages
     contributors: list[LeaderboardEntry]

@@ -166,6 +166,7 @@ async def finish_close(
         session.add(
             checkpoints_service.row_for(result.files, run_id=run_id, eval_loss=result.eval_loss)
         )
+        await award_credit(session=session, run=run, contributions=contributions, now=now)
         run.checkpoint_version = index
         if index >= cfg.rounds.max_rounds:
             run.status = RunStatus.COMPLETED
@@ -186,6 +187,27 @@ async def finish_close(
         (now - started).total_seconds(),
     )
     return True
+
+
+# Training a transformer costs about 6 FLOPs per parameter per token (forward 2, backward 4)
+TRAIN_FLOPS_PER_PARAM_TOKEN = 6
+
+
+async def award_credit(
+    *, session: AsyncSession, run: Run, contributions: list[Contribution], now: datetime
+) -> None:
+    """Credit exactly the contributions that went into this outer step, in the transaction
+    that publishes it: the training FLOPs they did, tokens x 6 x n_params. Nothing else ever
+    earns credit (a round that never closes leaves its contributions at 0)."""
+    if not contributions:
+        return
+    flops_per_token = float(TRAIN_FLOPS_PER_PARAM_TOKEN * run.n_params)
+    await session.execute(
+        update(Contribution)
+        .where(Contribution.id.in_([c.id for c in contributions]))
+        .values(aggregated_at=now, credit=Contribution.tokens * flops_per_token)
+        .execution_options(synchronize_session=False)
+    )
 
 
 async def sweep_once(
@@ -288,4 +310,11 @@ class Sweeper:
             self._wake.clear()
 
 
-__all__ = ["Checkpoint", "Sweeper", "apply_outer_step", "finish_close", "sweep_once"]
+__all__ = [
+    "Checkpoint",
+    "Sweeper",
+    "apply_outer_step",
+    "award_credit",
+    "finish_close",
+    "sweep_once",
+]

@@ -8,11 +8,13 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     ForeignKeyConstraint,
+    Index,
     Integer,
     String,
     Text,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -75,7 +77,8 @@ class Lease(Base):
 
 
 class Contribution(Base):
-    """An accepted upload: its blob is fsynced before this row is committed (invariant 1)."""
+    """An accepted upload: its blob is fsynced before this row is committed (invariant 1).
+    Its credit is the training FLOPs it put into an outer step: tokens x 6 x n_params."""
 
     __tablename__ = "contributions"
     __table_args__ = (
@@ -83,13 +86,15 @@ class Contribution(Base):
         ForeignKeyConstraint(
             ["run_id", "round_index"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
         ),
+        # a contributor's own contributions, newest first (GET /contributors/me)
+        Index("ix_contributions_contributor_id_created_at", "contributor_id", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     run_id: Mapped[str] = mapped_column(String(32))
     round_index: Mapped[int] = mapped_column(Integer)
     contributor_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), index=True
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE")
     )
     lease_id: Mapped[str] = mapped_column(String(32), ForeignKey("leases.id", ondelete="CASCADE"))
     base_version: Mapped[int] = mapped_column(Integer)
@@ -100,3 +105,7 @@ class Contribution(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     blob_key: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # set in the transaction that closes the round with this contribution in its outer step;
+    # a contribution whose round never closes keeps None and earns no credit
+    aggregated_at: Mapped[datetime | None] = mapped_column(default=None)
+    credit: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # FLOPs

@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
 
 from server.auth import ContributorAuth
 from server.db import SessionDep
 from server.errors import HubError
 from server.metrics import UPLOAD_BYTES, UPLOADS
-from server.rounds import ingest
+from server.rounds import ingest, leases
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
     ContributionOut,
@@ -20,6 +21,8 @@ from server.rounds.schemas import (
 from server.runs import service as runs_service
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["rounds"])
+
+MAX_INDEX = (1 << 31) - 1  # rounds.index is a Postgres integer
 
 
 @router.get("/rounds")
@@ -34,7 +37,7 @@ async def join(
 ) -> LeaseOut:
     """A lease on the open round: what to download, how many steps, until when."""
     run = await runs_service.get(session=session, run_id=run_id)
-    return await rounds_service.join(
+    return await leases.join(
         session=session,
         settings=request.app.state.settings,
         run=run,
@@ -52,7 +55,7 @@ async def heartbeat(
     session: SessionDep,
     contributor: ContributorAuth,
 ) -> HeartbeatOut:
-    lease, rnd = await rounds_service.heartbeat(
+    lease, rnd = await leases.heartbeat(
         session=session,
         settings=request.app.state.settings,
         run_id=run_id,
@@ -66,6 +69,28 @@ async def heartbeat(
     return HeartbeatOut(
         lease_expires_at=lease.expires_at, round_state=rnd.state, deadline=rnd.deadline
     )
+
+
+@router.delete("/rounds/{index}/lease", status_code=204)
+async def release_lease(
+    run_id: str,
+    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    request: Request,
+    session: SessionDep,
+    contributor: ContributorAuth,
+    after: BackgroundTasks,
+) -> None:
+    """Give up your lease on the round now (you are stopping), so that a round waiting only
+    for you can close. Idempotent; 404 no_lease if you never held one."""
+    await runs_service.get(session=session, run_id=run_id)
+    await leases.release(
+        session=session,
+        run_id=run_id,
+        index=index,
+        contributor_id=contributor.id,
+        now=datetime.now(UTC),
+    )
+    after.add_task(request.app.state.sweeper.wake)  # after the commit: the sweep must see it
 
 
 @router.put(

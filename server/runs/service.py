@@ -17,7 +17,7 @@ from diloco.model import GPT
 from diloco.outer import OuterOptimizer
 from diloco.train import parameters_of
 from server.checkpoints import service as checkpoints_service
-from server.errors import InvalidTransition, NotFound
+from server.errors import InvalidTransition, RunNotFound
 from server.rounds import service as rounds_service
 from server.runs import data as run_data
 from server.runs.models import Run, RunStatus
@@ -98,7 +98,7 @@ async def get(*, session: AsyncSession, run_id: str, lock: bool = False) -> Run:
     query = select(Run).where(Run.id == run_id)
     run = await session.scalar(query.with_for_update() if lock else query)
     if run is None:
-        raise NotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+        raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
     return run
 
 
