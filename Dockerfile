@@ -6,7 +6,8 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    DILOCO_DATA_DIR=/data
+    DILOCO_DATA_DIR=/data \
+    DILOCO_CLIENT_WHEEL=/opt/diloco/wheels
 
 WORKDIR /app
 # the CPU build of torch first, pinned, so the range in pyproject.toml never pulls CUDA wheels
@@ -16,7 +17,9 @@ COPY diloco ./diloco
 COPY server ./server
 COPY client ./client
 COPY migrations ./migrations
+# the client wheel that GET /install.sh hands to volunteers: this very code and version
 RUN pip install ".[server]" \
+    && pip wheel --no-deps -w /opt/diloco/wheels . \
     && useradd --create-home --uid 1000 diloco \
     && mkdir -p /data && chown diloco /data
 USER diloco

@@ -1,12 +1,17 @@
 """Where the client keeps things: contributor tokens (config dir) and downloads (cache dir).
 
-- Tokens: ``$DILOCO_CONFIG_DIR`` or ``$XDG_CONFIG_HOME/diloco`` (default ``~/.config/diloco``),
-  file ``credentials.json``, one entry per server keyed by its normalised URL, mode 0600,
-  written atomically (temp file, fsync, rename) so a crash never leaves half a file.
-- Cache: ``$DILOCO_CACHE_DIR`` or ``$XDG_CACHE_HOME/diloco`` (default ``~/.cache/diloco``):
+- Tokens: ``$DILOCO_CONFIG_DIR``, else ``$DILOCO_HOME/config``, else
+  ``$XDG_CONFIG_HOME/diloco`` (default ``~/.config/diloco``); file ``credentials.json``,
+  one entry per server keyed by its normalised URL, mode 0600, written atomically
+  (temp file, fsync, rename) so a crash never leaves half a file.
+- Cache: ``$DILOCO_CACHE_DIR``, else ``$DILOCO_HOME/cache``, else ``$XDG_CACHE_HOME/diloco``
+  (default ``~/.cache/diloco``):
   ``runs/<run>/checkpoints/v<version>-<sha256>.safetensors`` and
   ``runs/<run>/shards/<index>-<sha256>.bin``. Content-addressed: a file whose name matches
   the lease's sha256 was verified when it was downloaded and is used as it is.
+- ``$DILOCO_HOME`` is the one folder the installer (``GET /install.sh``) puts everything in:
+  ``venv/``, ``bin/diloco``, ``config/`` and ``cache/``. The more specific variables win.
+  The client config file (``client.toml``, see ``client.config_file``) lives in the config dir.
 """
 
 from __future__ import annotations
@@ -35,19 +40,22 @@ class ServerURLError(ValueError):
     """A server URL that cannot be used (bad scheme, no host, ...)."""
 
 
-def _xdg(env_override: str, xdg_var: str, fallback: str) -> Path:
+def _xdg(env_override: str, xdg_var: str, fallback: str, home_sub: str | None = None) -> Path:
+    """``$env_override``, else ``$DILOCO_HOME/home_sub`` (when given), else the XDG dir."""
     if override := os.environ.get(env_override):
         return Path(override).expanduser()
+    if home_sub and (home := os.environ.get("DILOCO_HOME")):
+        return Path(home).expanduser() / home_sub
     base = os.environ.get(xdg_var) or str(Path.home() / fallback)
     return Path(base).expanduser() / "diloco"
 
 
 def config_dir() -> Path:
-    return _xdg("DILOCO_CONFIG_DIR", "XDG_CONFIG_HOME", ".config")
+    return _xdg("DILOCO_CONFIG_DIR", "XDG_CONFIG_HOME", ".config", "config")
 
 
 def cache_dir() -> Path:
-    return _xdg("DILOCO_CACHE_DIR", "XDG_CACHE_HOME", ".cache")
+    return _xdg("DILOCO_CACHE_DIR", "XDG_CACHE_HOME", ".cache", "cache")
 
 
 def default_data_dir() -> Path:

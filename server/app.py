@@ -20,11 +20,14 @@ from server import status_page
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
+from server.downloads.router import router as downloads_router
 from server.errors import HubError
+from server.metrics import RequestMetrics
 from server.rounds.closing import Sweeper
 from server.rounds.router import router as rounds_router
 from server.runs.router import router as runs_router
 from server.settings import Settings
+from server.speedtest import router as speedtest_router
 from server.storage import LocalStorage
 
 log = logging.getLogger("diloco.server")
@@ -95,7 +98,15 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(OperationalError, _database_error)
     app.add_exception_handler(DBAPIError, _database_error)
-    for router in (runs_router, rounds_router, checkpoints_router, contributors_router):
+    app.add_middleware(RequestMetrics)
+    for router in (
+        runs_router,
+        rounds_router,
+        checkpoints_router,
+        contributors_router,
+        speedtest_router,
+        downloads_router,
+    ):
         app.include_router(router)
 
     @app.get("/healthz", tags=["service"])

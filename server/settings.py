@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
     torch_threads: int = Field(0, ge=0)  # 0: torch's default
 
+    # the volunteer installer (GET /install.sh) and the client wheel under /downloads/
+    public_url: str | None = None  # what volunteers reach us at; None: each request's base URL
+    client_wheel: Path | None = None  # a prebuilt diloco_hub-*.whl; None: build from source
+
+    @field_validator("public_url", "client_wheel", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # KEY= in a compose file means "not set"
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, url: str) -> str:

@@ -1,0 +1,146 @@
+"""``diloco register``: a contributor identity on a server, and the client's defaults.
+
+The installer (``GET /install.sh``) runs it; a volunteer can run it by hand too. It stores the
+token with the other credentials and writes ``client.toml`` so that a bare ``diloco join``
+knows the server, device and run. Exit codes are those of ``client.cli_support.ExitStatus``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+
+from client import credentials
+from client.api import ApiError, ServerAPI
+from client.cli_support import ExitStatus, fail, run_api
+from client.config_file import (
+    ClientConfig,
+    ClientConfigError,
+    load_client_config,
+    save_client_config,
+)
+from client.credentials import Credentials, CredentialsError, ServerURLError
+
+
+class Device(StrEnum):  # client.config_file.DEVICES
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+NO_SERVER = (
+    "no server given and none configured; pass SERVER_URL or run the installer / diloco register"
+)
+
+
+def client_config() -> ClientConfig:
+    """``client.toml``, or exit 2 with the file and key that are wrong."""
+    try:
+        return load_client_config()
+    except ClientConfigError as err:
+        fail(str(err), ExitStatus.USAGE)
+
+
+def server_url(given: str | None, cfg: ClientConfig) -> str:
+    """The server to talk to: the argument, else the configured one; normalised."""
+    url = given or cfg.server
+    if not url:
+        fail(NO_SERVER, ExitStatus.USAGE)
+    try:
+        return credentials.normalize_server_url(url)
+    except ServerURLError as err:
+        fail(str(err), ExitStatus.USAGE)
+
+
+def _check_token(url: str, token: str) -> dict[str, Any]:
+    async def me(api: ServerAPI) -> dict[str, Any]:
+        try:
+            return await api.me()
+        except ApiError as err:
+            if err.status != 401:
+                raise
+            where = credentials.config_dir() / credentials.CREDENTIALS_FILE
+            raise ApiError(
+                401,
+                err.code,
+                f"the token stored for {url} was refused by the server; delete its entry in "
+                f"{where} to register again",
+                err.body,
+            ) from None
+
+    return run_api(url, token, me)
+
+
+def register(
+    server: Annotated[
+        str | None,
+        typer.Argument(
+            help="Server URL, e.g. http://localhost:8000 (default: the configured server).",
+            envvar="DILOCO_SERVER",
+            metavar="SERVER_URL",
+            show_default=False,
+        ),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Register under this name (default: the configured name, else "
+            "volunteer@HOSTNAME).",
+            envvar="DILOCO_NAME",
+        ),
+    ] = None,
+    device: Annotated[
+        Device | None,
+        typer.Option(help="Default device for `diloco join`.", envvar="DILOCO_DEVICE"),
+    ] = None,
+    run: Annotated[
+        str | None,
+        typer.Option(help="Default run for `diloco join`.", envvar="DILOCO_RUN"),
+    ] = None,
+) -> None:
+    """Register as a contributor (once per server) and save the defaults `diloco join` uses."""
+    cfg = client_config()
+    url = server_url(server, cfg)
+    try:
+        stored = credentials.load_credentials(url)
+    except CredentialsError as err:
+        fail(str(err), ExitStatus.USAGE)
+
+    # who we are: the stored identity if the server still knows it, else a new one
+    if stored is not None:
+        me = _check_token(url, stored.token)
+        known = me.get("name", stored.name)
+        typer.echo(
+            f"already registered on {url} as {known} ({me.get('id', stored.contributor_id)})"
+        )
+        if name and name != known:
+            typer.echo(f"note: --name {name!r} is used only when registering; kept the old name")
+    else:
+        from client.worker import default_name  # imports torch: only when registering
+
+        who = name or cfg.name or default_name()
+        contributor_id, token = run_api(url, None, lambda api: api.register(who))
+        try:
+            path = credentials.save_credentials(url, Credentials(contributor_id, who, token))
+        except CredentialsError as err:
+            fail(f"registered as {who} ({contributor_id}) but {err}", ExitStatus.ERROR)
+        typer.echo(f"registered on {url} as {who} ({contributor_id}); token stored in {path}")
+
+    # the defaults for a bare `diloco join`; a run id belongs to its server
+    same_server = cfg.server == url
+    updated = dataclasses.replace(
+        cfg,
+        server=url,
+        name=name or cfg.name,
+        device=device.value if device else cfg.device,
+        run=run or (cfg.run if same_server else None),
+    )
+    try:
+        path = save_client_config(updated)
+    except ClientConfigError as err:
+        fail(str(err), ExitStatus.ERROR)
+    typer.echo(f"defaults for `diloco join` written to {path}")
