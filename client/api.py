@@ -14,11 +14,9 @@ answered 503 ``unavailable``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import random
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,11 +26,25 @@ from typing import Any, TypeVar
 import aiohttp
 
 from client.credentials import normalize_server_url
+from client.download import Fetched, fetch_once
+from client.http import (
+    CHUNK,
+    ApiError,
+    DownloadError,
+    RetryableError,
+    RetryPolicy,
+    ServerUnreachable,
+    Timeouts,
+    backoff_delay,
+    error_from,
+    json_object,
+)
 from client.lease import Lease, ProtocolError, require
 
 __all__ = [
     "ApiError",
     "DownloadError",
+    "Fetched",
     "Lease",
     "ProtocolError",
     "RetryPolicy",
@@ -44,62 +56,7 @@ __all__ = [
 ]
 
 API_PREFIX = "/api/v1"
-CHUNK = 1 << 20
 T = TypeVar("T")
-
-
-class ApiError(Exception):
-    """The server answered with an error status; ``code`` is its ``error`` field."""
-
-    def __init__(self, status: int, code: str, detail: str, body: Mapping[str, Any]) -> None:
-        super().__init__(f"server refused ({status} {code}): {detail}")
-        self.status, self.code, self.detail, self.body = status, code, detail, dict(body)
-
-    @property
-    def retryable(self) -> bool:
-        return self.status >= 500
-
-
-class ServerUnreachable(Exception):
-    """No answer from the server (connection refused, DNS, timeout), after every retry."""
-
-
-class DownloadError(Exception):
-    """A downloaded file does not match the sha256 the server announced."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 6  # tries in all, the first included
-    base_delay_s: float = 0.5  # delay before the second try
-    max_delay_s: float = 30.0  # cap on one delay
-    total_s: float = 300.0  # no new try starts after this long since the first
-    jitter: float = 0.5  # each delay is shortened by up to this fraction, at random
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"retry attempts must be at least 1, got {self.attempts}")
-        if not 0.0 <= self.jitter <= 1.0:
-            raise ValueError(f"retry jitter must be in [0, 1], got {self.jitter}")
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    connect_s: float = 10.0
-    call_s: float = 30.0  # a whole JSON call
-    transfer_s: float = 3600.0  # a whole upload or download
-    transfer_read_s: float = 120.0  # silence allowed between two reads of a transfer
-
-
-def backoff_delay(attempt: int, policy: RetryPolicy, rand: float) -> float:
-    """Seconds to wait after failed try ``attempt`` (1-based): base · 2^(attempt−1), capped
-    at ``max_delay_s``, then shortened by ``jitter · rand`` of itself (``rand`` in [0, 1))."""
-    if attempt < 1:
-        raise ValueError(f"attempt counts from 1, got {attempt}")
-    if not 0.0 <= rand < 1.0:
-        raise ValueError(f"rand must be in [0, 1), got {rand}")
-    delay = min(policy.max_delay_s, policy.base_delay_s * 2.0 ** (attempt - 1))
-    return delay * (1.0 - policy.jitter * rand)
 
 
 @dataclass(frozen=True)
@@ -109,39 +66,6 @@ class UploadReceipt:
     sha256: str
     accepted: bool
     repeated: bool  # 200: the server already held this very body (an idempotent retry)
-
-
-class _Retry(Exception):
-    """One try failed in a way worth another try; ``cause`` is what to raise at the end."""
-
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-async def _error_from(resp: aiohttp.ClientResponse) -> ApiError:
-    text = await resp.text(errors="replace")
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return ApiError(resp.status, body["error"], str(body.get("detail", "")), body)
-    snippet = " ".join(text.split())[:200] or "(empty body)"
-    detail = f"{resp.method} {resp.url} answered {resp.status} {resp.reason}: {snippet}"
-    return ApiError(resp.status, "http_error", detail, {})
-
-
-async def _json_object(resp: aiohttp.ClientResponse) -> dict[str, Any]:
-    try:
-        data = await resp.json(content_type=None)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        data = None
-    if not isinstance(data, dict):
-        raise ProtocolError(
-            f"{resp.method} {resp.url} did not answer a JSON object; is this a DiLoCo Hub server?"
-        )
-    return data
 
 
 class ServerAPI:
@@ -216,7 +140,7 @@ class ServerAPI:
                 if not (err.status == 503 or (idempotent and err.status >= 500)):
                     raise
                 last: Exception = err
-            except _Retry as err:
+            except RetryableError as err:
                 last = err.cause
             except aiohttp.ClientConnectorError as err:  # never reached the server
                 last = ServerUnreachable(f"cannot connect to {self.server_url} ({what}): {err}")
@@ -254,8 +178,8 @@ class ServerAPI:
                 method, url, json=body, headers=self._headers(), timeout=self._call_timeout
             ) as resp:
                 if resp.status >= 400:
-                    raise await _error_from(resp)
-                return await _json_object(resp)
+                    raise await error_from(resp)
+                return await json_object(resp)
 
         return await self._with_retries(
             f"{method} {path}", once, idempotent=idempotent, retry=retry
@@ -321,8 +245,8 @@ class ServerAPI:
                 url, data=body(), headers=headers, timeout=self._transfer_timeout
             ) as resp:
                 if resp.status >= 400:
-                    raise await _error_from(resp)
-                data, where = await _json_object(resp), "the upload answer"
+                    raise await error_from(resp)
+                data, where = await json_object(resp), "the upload answer"
                 return UploadReceipt(
                     contribution_id=require(data, "contribution_id", str, where),
                     round=require(data, "round", int, where),
@@ -333,40 +257,91 @@ class ServerAPI:
 
         return await self._with_retries(f"upload of round {round}", once)
 
-    async def download(self, url: str, dest: Path, expected_sha256: str) -> Path:
-        """GET ``url`` into ``dest``: streamed to a temp file beside it, checked against
-        ``expected_sha256``, then renamed into place (a reader never sees a partial file)."""
+    async def download(self, url: str, dest: Path, expected_sha256: str) -> Fetched:
+        """GET ``url`` into ``dest``, verified against ``expected_sha256``; an interrupted
+        attempt is resumed with a Range request (``client.download``), also after a restart."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         full = self.url(url)
 
-        async def once() -> Path:
-            tmp = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
-            digest = hashlib.sha256()
-            try:
-                async with self._http().get(
-                    full, headers=self._headers(), timeout=self._transfer_timeout
-                ) as resp:
-                    if resp.status >= 400:
-                        raise await _error_from(resp)
-                    with open(tmp, "wb") as f:
-                        async for chunk in resp.content.iter_chunked(CHUNK):
-                            digest.update(chunk)
-                            f.write(chunk)
-                if digest.hexdigest() != expected_sha256:
-                    raise _Retry(
-                        DownloadError(
-                            f"{full} arrived with sha256 {digest.hexdigest()} but the server "
-                            f"announced {expected_sha256}; the file was discarded. Try again; "
-                            "if it persists, tell the run's operator"
-                        )
-                    )
-                os.replace(tmp, dest)
-                return dest
-            finally:
-                tmp.unlink(missing_ok=True)
+        async def once() -> Fetched:
+            return await fetch_once(
+                self._http(),
+                full,
+                dest,
+                expected_sha256,
+                headers=self._headers({"Accept": "*/*"}),
+                timeout=self._transfer_timeout,
+            )
 
         return await self._with_retries(f"download of {url}", once)
+
+    async def release(self, run_id: str, round: int) -> None:
+        """Give back this contributor's lease on ``round`` (we are leaving): the round need
+        not wait for it. 404 ``no_lease`` means there was nothing to give back."""
+        url = self.url(f"/runs/{run_id}/rounds/{round}/lease")
+
+        async def once() -> None:
+            async with self._http().delete(
+                url, headers=self._headers(), timeout=self._call_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+
+        quick = RetryPolicy(attempts=2, base_delay_s=0.5, max_delay_s=1.0, total_s=5.0)
+        await self._with_retries(f"release of round {round}", once, retry=quick)
+
+    async def update_me(self, hardware: Mapping[str, Any]) -> dict[str, Any]:
+        """Report this machine's hardware summary on the contributor's profile."""
+        return await self._json("PATCH", "/contributors/me", body={"hardware": dict(hardware)})
+
+    async def healthz(self) -> dict[str, Any]:
+        return await self._json("GET", self.server_url + "/healthz")
+
+    async def speedtest_download(self, nbytes: int) -> tuple[int, float]:
+        """Fetch ``nbytes`` from the server's speed test; ``(bytes received, seconds)``."""
+        url = self.url(f"/speedtest?bytes={nbytes}")
+
+        async def once() -> tuple[int, float]:
+            started, got = time.perf_counter(), 0
+            async with self._http().get(
+                url, headers=self._headers({"Accept": "*/*"}), timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    got += len(chunk)
+            return got, time.perf_counter() - started
+
+        return await self._with_retries("download speed test", once)
+
+    async def speedtest_upload(self, nbytes: int) -> tuple[int, float]:
+        """Send ``nbytes`` to the server's speed test; ``(bytes it received, seconds)``."""
+        url = self.url("/speedtest")
+        block = os.urandom(min(CHUNK, nbytes))
+        headers = self._headers(
+            {"Content-Type": "application/octet-stream", "Content-Length": str(nbytes)}
+        )
+
+        async def body() -> AsyncIterator[bytes]:
+            left = nbytes
+            while left > 0:
+                yield block[: min(left, len(block))]
+                left -= min(left, len(block))
+
+        async def once() -> tuple[int, float]:
+            started = time.perf_counter()
+            async with self._http().post(
+                url, data=body(), headers=headers, timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                data = await json_object(resp)
+            return require(data, "bytes", int, "the speed test answer"), (
+                time.perf_counter() - started
+            )
+
+        return await self._with_retries("upload speed test", once)
 
     # ---------------------------------------------------------------- runs (admin for writes)
 
@@ -383,8 +358,8 @@ class ServerAPI:
                     url, data=form, headers=self._headers(), timeout=self._transfer_timeout
                 ) as resp:
                     if resp.status >= 400:
-                        raise await _error_from(resp)
-                    return await _json_object(resp)
+                        raise await error_from(resp)
+                    return await json_object(resp)
 
         return await self._with_retries("create run", once, idempotent=False)
 

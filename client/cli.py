@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, cast
 
 import typer
 
+from client import account_cli, volunteer_cli
 from client.cli_support import ExitStatus, exit_status_for, fail
 from client.run_cli import run_app
 from diloco.config import ConfigError, RunConfig, load_config, parse_config
@@ -29,6 +30,9 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(run_app, name="run")
+app.command()(account_cli.register)
+app.command()(volunteer_cli.doctor)
+app.command()(volunteer_cli.me)
 
 
 class SimMode(StrEnum):
@@ -191,21 +195,27 @@ def plot_cmd(
 @app.command()
 def join(
     server: Annotated[
-        str,
+        str | None,
         typer.Argument(
-            help="Server URL, e.g. http://localhost:8000.",
+            help="Server URL, e.g. http://localhost:8000 (default: the one in client.toml, "
+            "written by the installer or `diloco register`).",
             envvar="DILOCO_SERVER",
             metavar="SERVER_URL",
+            show_default=False,
         ),
-    ],
+    ] = None,
     run: Annotated[
         str | None,
-        typer.Option(help="Run id to join (default: the newest active run).", envvar="DILOCO_RUN"),
+        typer.Option(
+            help="Run id to join (default: client.toml's, else the newest active run).",
+            envvar="DILOCO_RUN",
+        ),
     ] = None,
     name: Annotated[
         str | None,
         typer.Option(
-            help="Register under this name on first use (default: volunteer@HOSTNAME).",
+            help="Register under this name on first use (default: client.toml's, else "
+            "volunteer@HOSTNAME).",
             envvar="DILOCO_NAME",
         ),
     ] = None,
@@ -216,12 +226,25 @@ def join(
         ),
     ] = None,
     device: Annotated[
-        Device, typer.Option(help="Where to train (auto: cuda, mps, cpu).", envvar="DILOCO_DEVICE")
-    ] = Device.auto,
+        Device | None,
+        typer.Option(
+            help="Where to train (auto: cuda, mps, cpu) [default: client.toml's, else auto].",
+            envvar="DILOCO_DEVICE",
+            show_default=False,
+        ),
+    ] = None,
     max_rounds: Annotated[
         int | None,
         typer.Option(
             min=1, help="Stop after this many accepted contributions.", envvar="DILOCO_MAX_ROUNDS"
+        ),
+    ] = None,
+    max_hours: Annotated[
+        float | None,
+        typer.Option(
+            help="Stop after this many hours (a round in progress is dropped, its lease given "
+            "back).",
+            envvar="DILOCO_MAX_HOURS",
         ),
     ] = None,
     threads: Annotated[
@@ -239,13 +262,17 @@ def join(
 
     if name and token:
         fail("pass --name (to register) or --token (to reuse a token), not both", ExitStatus.USAGE)
+    if max_hours is not None and not max_hours > 0:
+        fail(f"--max-hours must be more than 0, got {max_hours}", ExitStatus.USAGE)
+    defaults = account_cli.client_config()  # flags and DILOCO_* variables win over client.toml
     opts = WorkerOptions(
-        server_url=server,
-        run_id=run,
-        name=name,
+        server_url=account_cli.server_url(server, defaults),
+        run_id=run or defaults.run,
+        name=name or (None if token else defaults.name),
         token=token,
-        device=device.value,
+        device=device.value if device else defaults.device or Device.auto.value,
         max_rounds=max_rounds,
+        max_hours=max_hours,
         threads=threads,
         quiet=quiet,
     )

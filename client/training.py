@@ -9,6 +9,7 @@ thread so the event loop keeps sending heartbeats.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import threading
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from client.lease import Lease, ProtocolError
+from client.optimizer_state import SavedState, load_state, save_state
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.codec import EncodedTensor
 from diloco.config import ConfigError, RunConfig, parse_config
@@ -110,6 +112,7 @@ class LocalTrainer:
         self.cfg: RunConfig | None = None
         self.trainer: InnerTrainer | None = None
         self._key: str | None = None
+        self.steps_taken = 0  # inner steps taken with this AdamW state (restored ones included)
 
     def prepare(self, config: Mapping[str, Any]) -> tuple[RunConfig, bool]:
         """Build the model for ``config`` unless it is already built; True if (re)built."""
@@ -127,12 +130,48 @@ class LocalTrainer:
         self.trainer = InnerTrainer(
             model, cfg.inner, total_steps=cfg.total_inner_steps, device=self.device
         )
-        self.cfg, self._key = cfg, key
+        self.cfg, self._key, self.steps_taken = cfg, key, 0
         return cfg, True
 
     def reset(self) -> None:
         """Forget the model and AdamW state (after a divergence): the next round starts fresh."""
         self.cfg = self.trainer = self._key = None
+        self.steps_taken = 0
+
+    @property
+    def config_key(self) -> str:
+        """Identifies the run config the model and AdamW state were built for."""
+        if self._key is None:
+            raise RuntimeError("LocalTrainer.prepare must run first")
+        return hashlib.sha256(self._key.encode()).hexdigest()
+
+    def save_state(self, path: Path, *, run_id: str, round: int) -> Path:
+        """Write the AdamW state to ``path`` (atomically) for a restart to resume from."""
+        if self.trainer is None:
+            raise RuntimeError("LocalTrainer.prepare must run before save_state")
+        return save_state(
+            path,
+            self.trainer.model,
+            self.trainer.optimizer,
+            run_id=run_id,
+            config_key=self.config_key,
+            steps=self.steps_taken,
+            round=round,
+        )
+
+    def restore_state(self, path: Path, *, run_id: str) -> SavedState:
+        """Load the AdamW state saved at ``path``; OptimizerStateError if it does not fit."""
+        if self.trainer is None:
+            raise RuntimeError("LocalTrainer.prepare must run before restore_state")
+        saved = load_state(
+            path,
+            self.trainer.model,
+            self.trainer.optimizer,
+            run_id=run_id,
+            config_key=self.config_key,
+        )
+        self.steps_taken = saved.steps
+        return saved
 
     def train(
         self,
@@ -162,6 +201,7 @@ class LocalTrainer:
             )
 
         def step_done(i: int, loss: float) -> None:
+            self.steps_taken += 1
             on_step(i + 1, loss, (i + 1) * tokens_per_step)
             if i + 1 < steps and stop():
                 raise StopTraining

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,20 +20,13 @@ from pathlib import Path
 
 import torch
 
-from client import credentials
+from client import identity
 from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable, Timeouts
-from client.credentials import Credentials
+from client.fetch import Fetcher
 from client.lease import Lease
+from client.optimizer_state import OptimizerStateError
 from client.progress import Reporter, RoundBar
-from client.training import (
-    DivergedError,
-    LocalTrainer,
-    StopTraining,
-    load_checkpoint_params,
-    load_shard,
-    resolve_device,
-    stop_flag,
-)
+from client.training import DivergedError, LocalTrainer, StopTraining, resolve_device, stop_flag
 from diloco.train import InnerResult
 from diloco.wire import encode_contribution
 
@@ -50,6 +42,9 @@ REJECTED_CODES = frozenset(
 )
 # a heartbeat answer that means the lease is no longer worth training for
 LOST_LEASE_CODES = frozenset({"round_closed", "no_lease"})
+# the server refused our upload itself (not the round's timing): worth a few more rounds,
+# in case it was one bad round, but not forever (a client the server cannot read)
+MAX_INVALID_IN_A_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -60,6 +55,7 @@ class WorkerOptions:
     token: str | None = None  # use this contributor token instead of the stored one
     device: str = "auto"  # auto | cpu | cuda | mps
     max_rounds: int | None = None  # stop after this many accepted contributions
+    max_hours: float | None = None  # stop (releasing the lease) after this long
     threads: int | None = None  # torch CPU threads
     quiet: bool = False  # no progress bar, no per-round lines
     progress_bar: bool | None = None  # None: when stderr is a terminal and not quiet
@@ -81,6 +77,7 @@ class WorkerSummary:
     tokens: int = 0  # trained on in accepted contributions
     stopped_because: str = "stopped"
     signal: int | None = None  # the signal that stopped the worker, if one did
+    time_up: bool = False  # --max-hours stopped it
     started: float = field(default_factory=time.monotonic)
 
     def line(self) -> str:
@@ -92,12 +89,11 @@ class WorkerSummary:
         )
 
 
+default_name = identity.default_name  # re-exported: the CLI's --name default
+
+
 class NoActiveRun(Exception):
     """``--run`` was not given and the server has no active run to join."""
-
-
-def default_name() -> str:
-    return f"volunteer@{socket.gethostname()}"[:64]
 
 
 class _Worker:
@@ -106,9 +102,16 @@ class _Worker:
         self.summary = WorkerSummary()
         self.interrupted = threading.Event()  # a signal arrived: stop at the next step
         self.local = LocalTrainer(resolve_device(opts.device))
+        self.fetcher = Fetcher(api, reporter, opts.cache_dir)
+        self.holding: Lease | None = None  # a lease we train for and have not uploaded to
+        self.invalid_in_a_row = 0
 
     async def run(self) -> None:
-        await self.authenticate()
+        o = self.opts
+        await identity.sign_in(
+            self.api, token=o.token, name=o.name, config_dir=o.config_dir, say=self.say
+        )
+        await identity.report_hardware(self.api, self.local.device, say=self.say)
         run_id = self.opts.run_id or await self.pick_run()
         self.say.info(f"joining run {run_id} on {self.api.server_url} ({self.local.device})")
         while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
@@ -120,37 +123,23 @@ class _Worker:
 
     # ---------------------------------------------------------------- who we are, which run
 
-    async def authenticate(self) -> None:
-        url, cfg_dir = self.opts.server_url, self.opts.config_dir
-        if self.opts.token:
-            self.api.token = self.opts.token
-            await self.check_token("the token given with --token")
+    async def release(self) -> None:
+        """Give back the lease we hold (we are stopping); it would expire on its own."""
+        lease, self.holding = self.holding, None
+        if lease is None:
             return
-        stored = credentials.load_credentials(url, cfg_dir)
-        if stored is not None:
-            self.api.token = stored.token
-            await self.check_token(f"the token stored for {self.api.server_url}")
-            return
-        name = self.opts.name or default_name()
-        contributor_id, token = await self.api.register(name)
-        path = credentials.save_credentials(url, Credentials(contributor_id, name, token), cfg_dir)
-        self.api.token = token
-        self.say.always(f"registered as {name!r} ({contributor_id}); token stored in {path}")
-
-    async def check_token(self, what: str) -> None:
         try:
-            await self.api.me()
-        except ApiError as err:
-            if err.status != 401:
-                raise
-            raise ApiError(
-                401,
-                err.code,
-                f"{what} was refused by the server; pass a valid --token, or delete its entry "
-                f"in {(self.opts.config_dir or credentials.config_dir()) / 'credentials.json'} "
-                "to register again",
-                err.body,
-            ) from None
+            await self.api.release(lease.run_id, lease.round)
+        except ApiError as err:  # the round closed or the lease expired meanwhile: nothing held
+            self.say.info(f"lease on round {lease.round} not released: {err.code}")
+            return
+        except ServerUnreachable as err:
+            self.say.warn(
+                f"could not give back our lease on round {lease.round} ({err}); "
+                f"it expires by itself at {lease.lease_expires_at:%H:%M:%S} UTC"
+            )
+            return
+        self.say.always(f"gave back our lease on round {lease.round}: the round need not wait")
 
     async def pick_run(self) -> str:
         active = [r for r in await self.api.list_runs() if r.get("status") == "active"]
@@ -192,36 +181,43 @@ class _Worker:
         lost = threading.Event()  # set by a heartbeat answer: the round went on without us
         bar = self.say.round_bar(lease.round, lease.inner_steps)
         beats = asyncio.create_task(self.heartbeats(lease, bar, lost))
+        self.holding = lease
         try:
             cfg, rebuilt = await asyncio.to_thread(self.local.prepare, lease.config)
             if rebuilt:
-                self.say.info(f"model built: {cfg.name}, fresh AdamW on {self.local.device}")
-            params, shard = await self.fetch(lease, cfg.model.block_size)
+                await self.restore_optimizer(lease, cfg.name)
+            params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
             trained = None if lost.is_set() else await self.train(lease, params, shard, bar, lost)
             if trained is None:
+                if self.interrupted.is_set():
+                    return  # stopping: run_worker gives the lease back
                 self.summary.abandoned += 1
+                self.holding = None
                 self.say.info(f"round {lease.round} closed before we finished; joining again")
                 return
             await self.contribute(lease, params, *trained)
+            self.holding = None
         finally:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
 
-    async def fetch(
-        self, lease: Lease, block_size: int
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        root, ck, sh = self.opts.cache_dir, lease.checkpoint, lease.shard
-        ck_path = credentials.checkpoint_path(lease.run_id, ck.version, ck.sha256, root)
-        if not ck_path.exists():
-            await self.api.download(ck.url, ck_path, ck.sha256)
-            credentials.prune_checkpoints(lease.run_id, ck.version, root)
-        sh_path = credentials.shard_path(lease.run_id, sh.index, sh.sha256, root)
-        if not sh_path.exists():
-            await self.api.download(sh.url, sh_path, sh.sha256)
-        params = await asyncio.to_thread(load_checkpoint_params, ck_path)
-        shard = await asyncio.to_thread(load_shard, sh_path, lease, block_size)
-        return params, shard
+    async def restore_optimizer(self, lease: Lease, name: str) -> None:
+        """After (re)building the model: resume the AdamW state a previous session of this
+        client saved for the run, or say why we start fresh."""
+        path, device = self.fetcher.state_path(lease.run_id), self.local.device
+        if not path.exists():
+            self.say.info(f"model built: {name}, fresh AdamW on {device}")
+            return
+        try:
+            saved = await asyncio.to_thread(self.local.restore_state, path, run_id=lease.run_id)
+        except OptimizerStateError as err:
+            self.say.warn(f"not resuming the saved AdamW state ({err}); starting fresh")
+            return
+        self.say.info(
+            f"model built: {name}; AdamW state restored from {path} "
+            f"(step {saved.steps}, saved after round {saved.round}) on {device}"
+        )
 
     async def train(
         self,
@@ -269,23 +265,28 @@ class _Worker:
     async def contribute(
         self, lease: Lease, params: dict[str, torch.Tensor], result: InnerResult, rate: float
     ) -> None:
-        """Encode Δ and upload it; a 409 that says the round moved on counts as rejected."""
+        """Encode Δ, keep the AdamW state on disk, upload; a refusal is one line saying why."""
+        state = self.fetcher.state_path(lease.run_id)
         try:
             body = await asyncio.to_thread(self.local.contribution, lease, params, result)
         except DivergedError as err:
             self.local.reset()
+            state.unlink(missing_ok=True)
             self.say.warn(f"round {lease.round}: {err}; starting over with a fresh optimizer")
             return
+        await asyncio.to_thread(
+            self.local.save_state, state, run_id=lease.run_id, round=lease.round
+        )
         head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s"
-        if body.nbytes > lease.max_upload_bytes:
-            raise ApiError(
-                413,
-                "upload_too_large",
-                f"our upload would be {body.nbytes:,} bytes but the round takes at most "
-                f"{lease.max_upload_bytes:,}; tell the run's operator",
-                {},
-            )
         try:
+            if body.nbytes > lease.max_upload_bytes:
+                raise ApiError(
+                    413,
+                    "upload_too_large",
+                    f"our upload would be {body.nbytes:,} bytes but the round takes at most "
+                    f"{lease.max_upload_bytes:,}; tell the run's operator",
+                    {},
+                )
             receipt = await self.api.upload(
                 lease.run_id,
                 lease.round,
@@ -293,20 +294,39 @@ class _Worker:
                 body.nbytes,
             )
         except ApiError as err:
-            if err.code not in REJECTED_CODES:
+            if err.status >= 500 or err.status in (401, 403):
                 raise
-            self.summary.rejected += 1
-            self.say.info(f"{head}  upload {body.nbytes:,} B  rejected: {err.code} ({err.detail})")
+            self.reject(head, body.nbytes, err)
             return
+        self.invalid_in_a_row = 0
         self.summary.accepted += 1
         self.summary.tokens += result.tokens
         note = " (already held)" if receipt.repeated else ""
         self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
 
+    def reject(self, head: str, nbytes: int, err: ApiError) -> None:
+        """One line for a refused contribution; the round moving on is normal, the server
+        refusing our body is not, and a few of those in a row stop the worker."""
+        self.summary.rejected += 1
+        self.say.always(f"{head}  upload {nbytes:,} B  rejected: {err.code}: {err.detail}")
+        if err.code in REJECTED_CODES:
+            return
+        self.invalid_in_a_row += 1
+        if self.invalid_in_a_row >= MAX_INVALID_IN_A_ROW:
+            raise ApiError(
+                err.status,
+                err.code,
+                f"the server refused {self.invalid_in_a_row} contributions in a row "
+                f"(last: {err.detail}); this client may not match the server's version: "
+                "re-run the installer or pip install -U diloco-hub",
+                err.body,
+            )
+
 
 async def run_worker(opts: WorkerOptions) -> WorkerSummary:
-    """The volunteer loop until ``max_rounds`` accepted contributions, the run's end, or a
-    signal (SIGINT/SIGTERM: ``summary.signal`` says which). Other failures raise, after the
+    """The volunteer loop until ``max_rounds`` accepted contributions, ``max_hours``, the
+    run's end, or a signal (SIGINT/SIGTERM: ``summary.signal`` says which). Stopping early
+    gives the lease back, so the round need not wait for us. Other failures raise, after the
     summary line: ApiError (4xx), ServerUnreachable, ProtocolError, DeviceError, ..."""
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -315,32 +335,48 @@ async def run_worker(opts: WorkerOptions) -> WorkerSummary:
     worker = _Worker(opts, api, reporter)
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
 
+    def stop() -> None:
+        worker.interrupted.set()  # the training thread stops at its next step
+        if task is not None:
+            task.cancel()
+
     def on_signal(signum: int) -> None:
         if worker.summary.signal is not None:  # a second Ctrl+C: stop waiting politely
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         worker.summary.signal = signum
-        worker.interrupted.set()  # the training thread stops at its next step
-        if task is not None:
-            task.cancel()
+        stop()
+
+    def on_time_up() -> None:
+        worker.summary.time_up = True
+        stop()
 
     handled = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # Windows, non-main thread
             loop.add_signal_handler(sig, on_signal, sig)
             handled.append(sig)
+    timer = loop.call_later(opts.max_hours * 3600, on_time_up) if opts.max_hours else None
     try:
         await worker.run()
     except asyncio.CancelledError:
-        if worker.summary.signal is None:
+        if worker.summary.signal is None and not worker.summary.time_up:
             raise
         if task is not None:
             task.uncancel()
-        worker.summary.stopped_because = f"stopped by {signal.Signals(worker.summary.signal).name}"
+        if worker.summary.signal is not None:
+            worker.summary.stopped_because = (
+                f"stopped by {signal.Signals(worker.summary.signal).name}"
+            )
+        else:
+            worker.summary.stopped_because = f"stopped after --max-hours {opts.max_hours:g}"
+        await worker.release()
     except BaseException as err:
         worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
         raise
     finally:
+        if timer is not None:
+            timer.cancel()
         for sig in handled:
             loop.remove_signal_handler(sig)
         await api.close()

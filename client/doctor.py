@@ -1,0 +1,309 @@
+"""``diloco doctor``: can this machine usefully join this server's run, and if not, why?
+
+Checks, in order: the device torch will train on; the server (reachable, same version); the
+run to size the dry run by; one real inner step at the run's model size (speed, memory,
+the round it implies against the round timeout); download and upload throughput (what a
+round's checkpoint and contribution cost). Every problem comes with advice. A check that
+needs an earlier one that failed is skipped, saying so.
+
+The judgements are pure functions (``assess_*``) so their thresholds are tested directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from client.api import ApiError, ServerAPI, ServerUnreachable
+from client.hardware import client_version, describe
+from client.http import RetryPolicy
+from client.training import DeviceError, resolve_device
+from diloco.config import ConfigError, RunConfig, parse_config
+from diloco.model import GPT, VOCAB_SIZE
+from diloco.train import InnerTrainer
+
+Status = Literal["ok", "warn", "fail", "skip"]
+DOCTOR_RETRY = RetryPolicy(attempts=2, base_delay_s=0.5, max_delay_s=1.0, total_s=10.0)
+PROBE_BYTES = 8 << 20
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    result: str
+    advice: str | None = None
+    figures: dict[str, float] | None = None  # the measured numbers, for --json
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    advice: str | None = None
+
+
+# ---------------------------------------------------------------- pure judgements
+
+
+def assess_round_time(step_s: float, inner_steps: int, timeout_s: float) -> Verdict:
+    """H steps must fit well inside the round deadline, with room for transfers."""
+    need = step_s * inner_steps
+    if need > timeout_s:
+        return Verdict(
+            "fail",
+            f"H={inner_steps} steps would take {need:.0f} s here but rounds time out after "
+            f"{timeout_s:.0f} s, so no contribution could count: use a faster device "
+            "(--device cuda), or ask the run's operator for a longer round timeout",
+        )
+    if need > 0.5 * timeout_s:
+        return Verdict(
+            "warn",
+            f"H={inner_steps} steps take {need:.0f} s of the {timeout_s:.0f} s round timeout: "
+            "a slow download or a busy machine may make you miss rounds",
+        )
+    return Verdict("ok")
+
+
+def assess_transfer(
+    direction: str, bytes_per_s: float, per_round_bytes: int, timeout_s: float
+) -> Verdict:
+    """A round's transfer should take a small share of the round timeout."""
+    need = per_round_bytes / max(bytes_per_s, 1.0)
+    if need > 0.5 * timeout_s:
+        return Verdict(
+            "fail" if need > timeout_s else "warn",
+            f"each round's {direction} of {per_round_bytes / MB:.1f} MB would take {need:.0f} s "
+            f"of the {timeout_s:.0f} s round timeout: use a faster or wired connection, or "
+            "a machine closer to the server",
+        )
+    return Verdict("ok")
+
+
+def assess_device(device: torch.device, has_nvidia_smi: bool) -> Verdict:
+    if device.type != "cpu":
+        return Verdict("ok")
+    if has_nvidia_smi:
+        return Verdict(
+            "warn",
+            "an NVIDIA GPU is present (nvidia-smi) but torch cannot use it: this torch is a "
+            "CPU build. Re-run the installer with DILOCO_TORCH_SPEC naming a CUDA build of "
+            "torch, see https://pytorch.org/get-started/locally/",
+        )
+    return Verdict(
+        "warn",
+        "no GPU: training runs on the CPU, which is fine for small models but slow for "
+        "large ones; the dry run below says whether this run's rounds fit",
+    )
+
+
+def assess_versions(client: str, server: str) -> Verdict:
+    if client == server:
+        return Verdict("ok")
+    return Verdict(
+        "warn",
+        f"this client is {client} and the server {server}: re-run the installer "
+        "(curl -fsSL SERVER/install.sh | sh) to get the server's own client",
+    )
+
+
+# ---------------------------------------------------------------- measurements
+
+
+@dataclass(frozen=True)
+class DryRun:
+    step_s: float
+    tokens_per_s: float
+    peak_bytes: int | None
+
+
+def dry_run(cfg: RunConfig, device: torch.device, *, steps: int = 3) -> DryRun:
+    """One warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
+    random tokens (no data needed)."""
+    model = GPT(cfg.model.gpt_config())
+    trainer = InnerTrainer(model, cfg.inner, total_steps=max(steps + 1, 2), device=device)
+    shape = (cfg.inner.batch_size, cfg.model.block_size)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, VOCAB_SIZE, (shape[0], shape[1] + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.run(1, start_step=0, next_batch=batch)  # warm-up: allocation, kernels
+    times: list[float] = []
+
+    def timed(i: int, loss: float) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter())
+
+    started = time.perf_counter()
+    trainer.run(steps, start_step=1, next_batch=batch, on_step=timed)
+    laps = [b - a for a, b in zip([started, *times[:-1]], times, strict=True)]
+    step_s = statistics.median(laps)
+    if device.type == "cuda":
+        peak: int | None = int(torch.cuda.max_memory_allocated(device))
+    else:  # the process's peak RSS (Linux reports KiB, macOS bytes)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = rss if sys.platform == "darwin" else rss * 1024
+    return DryRun(step_s, shape[0] * shape[1] / step_s, peak)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+class _Doctor:
+    def __init__(self, api: ServerAPI, run_id: str | None, device: str, probe_bytes: int):
+        self.api, self.run_id, self.device_name, self.probe = api, run_id, device, probe_bytes
+        self.checks: list[Check] = []
+        self.device: torch.device | None = None
+        self.cfg: RunConfig | None = None
+        self.n_params = 0
+        self.server_ok = False
+
+    def add(self, name: str, verdict: Verdict, result: str, **figures: float) -> None:
+        self.checks.append(Check(name, verdict.status, result, verdict.advice, figures or None))
+
+    def skip(self, name: str, why: str) -> None:
+        self.checks.append(Check(name, "skip", why))
+
+    def check_device(self) -> None:
+        try:
+            self.device = resolve_device(self.device_name)
+        except DeviceError as err:
+            self.add("device", Verdict("fail", "use --device auto or --device cpu"), str(err))
+            return
+        hw = describe(self.device)
+        verdict = assess_device(self.device, shutil.which("nvidia-smi") is not None)
+        self.add("device", verdict, hw.summary())
+
+    async def check_server(self) -> None:
+        started = time.perf_counter()
+        try:
+            health = await self.api.healthz()
+        except (ServerUnreachable, ApiError) as err:
+            advice = (
+                "check the URL, that the server is running, and that no firewall or proxy "
+                "blocks it (try: curl -fsS SERVER/healthz)"
+            )
+            self.add("server", Verdict("fail", advice), str(err))
+            return
+        latency = time.perf_counter() - started
+        server_version = str(health.get("version", "unknown"))
+        verdict = assess_versions(client_version(), server_version)
+        self.server_ok = True
+        self.add(
+            "server",
+            verdict,
+            f"{self.api.server_url} answers in {latency * 1000:.0f} ms, "
+            f"version {server_version} (client {client_version()})",
+            latency_s=latency,
+        )
+
+    async def check_run(self) -> None:
+        if not self.server_ok:
+            return self.skip("run", "needs the server")
+        try:
+            if self.run_id is None:
+                active = [r for r in await self.api.list_runs() if r.get("status") == "active"]
+                if not active:
+                    advice = "pass --run ID to size the dry run by a run that is not active"
+                    return self.add("run", Verdict("warn", advice), "the server has no active run")
+                run = active[0]
+            else:
+                run = await self.api.get_run(self.run_id)
+            self.cfg = parse_config(dict(run["config"]))
+        except ApiError as err:
+            return self.add("run", Verdict("fail", "check the run id: diloco run list"), str(err))
+        except (ConfigError, KeyError, TypeError) as err:
+            advice = "the server runs another version: re-run the installer"
+            return self.add("run", Verdict("fail", advice), f"cannot read the run's config: {err}")
+        self.n_params = int(run.get("n_params") or 0)
+        c = self.cfg
+        self.add(
+            "run",
+            Verdict("ok"),
+            f"{run.get('id')} ({c.name}): {self.n_params:,} parameters, H={c.inner.steps}, "
+            f"batch {c.inner.batch_size}x{c.model.block_size}, "
+            f"round timeout {c.rounds.timeout_s:.0f} s",
+        )
+
+    async def check_dry_run(self) -> None:
+        if self.cfg is None or self.device is None:
+            return self.skip("dry run", "needs a device and a run")
+        cfg, device = self.cfg, self.device
+        try:
+            res = await asyncio.to_thread(dry_run, cfg, device)
+        except RuntimeError as err:  # CUDA's OutOfMemoryError is one, and so is MPS's
+            if "out of memory" not in str(err).lower():
+                raise
+            advice = (
+                f"the model does not fit on {device}; free memory (close other jobs) or use "
+                "another device"
+            )
+            return self.add("dry run", Verdict("fail", advice), f"out of memory: {err}")
+        verdict = assess_round_time(res.step_s, cfg.inner.steps, cfg.rounds.timeout_s)
+        peak = f", peak memory {res.peak_bytes / 2**20:,.0f} MiB" if res.peak_bytes else ""
+        self.add(
+            "dry run",
+            verdict,
+            f"one inner step {res.step_s * 1000:,.0f} ms ({res.tokens_per_s:,.0f} tokens/s){peak}; "
+            f"a round of H={cfg.inner.steps} steps ≈ {res.step_s * cfg.inner.steps:,.0f} s",
+            step_s=res.step_s,
+            tokens_per_s=res.tokens_per_s,
+        )
+
+    async def check_transfer(self, direction: str) -> None:
+        if not self.server_ok:
+            return self.skip(direction, "needs the server")
+        probe: Callable[[int], Any] = (
+            self.api.speedtest_download if direction == "download" else self.api.speedtest_upload
+        )
+        try:
+            nbytes, seconds = await probe(self.probe)
+        except (ServerUnreachable, ApiError) as err:
+            advice = "the server may be too old for a speed test, or the connection drops"
+            return self.add(direction, Verdict("warn", advice), str(err))
+        rate = nbytes / max(seconds, 1e-9)
+        # per round: the fp32 checkpoint down, about one int8 byte per parameter up
+        per_round = self.n_params * (4 if direction == "download" else 1)
+        timeout = self.cfg.rounds.timeout_s if self.cfg else float("inf")
+        verdict = (
+            assess_transfer(direction, rate, per_round, timeout) if per_round else Verdict("ok")
+        )
+        each = f"; ≈ {per_round / rate:,.1f} s per round" if per_round else ""
+        self.add(
+            direction,
+            verdict,
+            f"{rate / MB:,.1f} MB/s ({nbytes / MB:.1f} MB in {seconds:.2f} s){each}",
+            bytes_per_s=rate,
+        )
+
+
+async def run_doctor(
+    server_url: str, *, run_id: str | None, device: str, probe_bytes: int = PROBE_BYTES
+) -> list[Check]:
+    async with ServerAPI(server_url, retry=DOCTOR_RETRY) as api:
+        doctor = _Doctor(api, run_id, device, probe_bytes)
+        doctor.check_device()
+        await doctor.check_server()
+        await doctor.check_run()
+        await doctor.check_dry_run()
+        await doctor.check_transfer("download")
+        await doctor.check_transfer("upload")
+        return doctor.checks
+
+
+def as_json(checks: list[Check]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in checks]

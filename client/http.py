@@ -1,0 +1,107 @@
+"""HTTP plumbing the API client shares: errors, retry policy with jittered backoff, timeouts,
+and reading the server's JSON and error answers.
+
+A 4xx is never retried: it is raised at once as an :class:`ApiError` carrying the server's
+``error`` code. Connection errors, timeouts and 5xx answers are retried with exponential
+backoff and jitter (``backoff_delay``), within a bounded number of attempts and total time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from client.lease import ProtocolError
+
+CHUNK = 1 << 20
+
+
+class ApiError(Exception):
+    """The server answered with an error status; ``code`` is its ``error`` field."""
+
+    def __init__(self, status: int, code: str, detail: str, body: Mapping[str, Any]) -> None:
+        super().__init__(f"server refused ({status} {code}): {detail}")
+        self.status, self.code, self.detail, self.body = status, code, detail, dict(body)
+
+    @property
+    def retryable(self) -> bool:
+        return self.status >= 500
+
+
+class ServerUnreachable(Exception):
+    """No answer from the server (connection refused, DNS, timeout), after every retry."""
+
+
+class DownloadError(Exception):
+    """A downloaded file does not match the sha256 the server announced."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6  # tries in all, the first included
+    base_delay_s: float = 0.5  # delay before the second try
+    max_delay_s: float = 30.0  # cap on one delay
+    total_s: float = 300.0  # no new try starts after this long since the first
+    jitter: float = 0.5  # each delay is shortened by up to this fraction, at random
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"retry attempts must be at least 1, got {self.attempts}")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"retry jitter must be in [0, 1], got {self.jitter}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 10.0
+    call_s: float = 30.0  # a whole JSON call
+    transfer_s: float = 3600.0  # a whole upload or download
+    transfer_read_s: float = 120.0  # silence allowed between two reads of a transfer
+
+
+def backoff_delay(attempt: int, policy: RetryPolicy, rand: float) -> float:
+    """Seconds to wait after failed try ``attempt`` (1-based): base · 2^(attempt−1), capped
+    at ``max_delay_s``, then shortened by ``jitter · rand`` of itself (``rand`` in [0, 1))."""
+    if attempt < 1:
+        raise ValueError(f"attempt counts from 1, got {attempt}")
+    if not 0.0 <= rand < 1.0:
+        raise ValueError(f"rand must be in [0, 1), got {rand}")
+    delay = min(policy.max_delay_s, policy.base_delay_s * 2.0 ** (attempt - 1))
+    return delay * (1.0 - policy.jitter * rand)
+
+
+class RetryableError(Exception):
+    """One try failed in a way worth another try; ``cause`` is what to raise at the end."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def error_from(resp: aiohttp.ClientResponse) -> ApiError:
+    text = await resp.text(errors="replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return ApiError(resp.status, body["error"], str(body.get("detail", "")), body)
+    snippet = " ".join(text.split())[:200] or "(empty body)"
+    detail = f"{resp.method} {resp.url} answered {resp.status} {resp.reason}: {snippet}"
+    return ApiError(resp.status, "http_error", detail, {})
+
+
+async def json_object(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        data = await resp.json(content_type=None)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        raise ProtocolError(
+            f"{resp.method} {resp.url} did not answer a JSON object; is this a DiLoCo Hub server?"
+        )
+    return data

@@ -1,0 +1,131 @@
+"""The inner AdamW state on disk, one file per run, so a restarted volunteer resumes with the
+moments it had (DiLoCo: a contributor that stays keeps its AdamW state across rounds).
+
+Format: safetensors (never pickle). Tensors are the optimizer's per-parameter state under
+``state.<index>.<key>`` (``step``, ``exp_avg``, ``exp_avg_sq``); the metadata holds the
+format version, the run, the run-config key the state belongs to, the parameter names and
+shapes in optimizer order, the param groups (JSON), and ``steps``: inner steps taken with
+this state. Written atomically (temp file, fsync, rename): a crash leaves the old file or
+the new one. A file for another config or model is refused with a reason, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT = "diloco-adamw/1"
+STATE_FILE = "adamw.safetensors"
+
+
+class OptimizerStateError(ValueError):
+    """A saved optimizer state that cannot be used here (why is in the message)."""
+
+
+@dataclass(frozen=True)
+class SavedState:
+    steps: int  # inner steps taken with this state, over every round
+    round: int  # the round whose training produced it
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def save_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    run_id: str,
+    config_key: str,
+    steps: int,
+    round: int,
+) -> Path:
+    """Write ``optimizer``'s state for ``model`` to ``path`` (atomically)."""
+    sd = optimizer.state_dict()
+    tensors = {
+        f"state.{index}.{key}": value.detach().to("cpu", copy=True).contiguous()
+        for index, per_param in sd["state"].items()
+        for key, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    }
+    names = _param_names(model, optimizer)
+    params = dict(model.named_parameters())
+    metadata = {
+        "format": FORMAT,
+        "run_id": run_id,
+        "config_key": config_key,
+        "steps": str(steps),
+        "round": str(round),
+        "params": json.dumps([[n, list(params[n].shape)] for n in names]),
+        "param_groups": json.dumps(sd["param_groups"]),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    return dict(meta or {})
+
+
+def load_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    run_id: str,
+    config_key: str,
+) -> SavedState:
+    """Load the state saved at ``path`` into ``optimizer``; :class:`OptimizerStateError` if
+    it belongs to another run, config or model (the optimizer is then left untouched)."""
+    try:
+        meta = _read_metadata(path)
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise OptimizerStateError(f"{path} does not read as a saved AdamW state: {err}") from err
+    if meta.get("format") != FORMAT:
+        raise OptimizerStateError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}")
+    if meta.get("run_id") != run_id or meta.get("config_key") != config_key:
+        raise OptimizerStateError(f"{path} was saved for another run or run config")
+    params = dict(model.named_parameters())
+    try:
+        saved = [(str(n), tuple(s)) for n, s in json.loads(meta["params"])]
+        groups = json.loads(meta["param_groups"])
+        steps, round_ = int(meta["steps"]), int(meta["round"])
+    except (KeyError, ValueError, TypeError) as err:
+        raise OptimizerStateError(f"{path} has unreadable metadata ({err})") from err
+    current = [(n, tuple(params[n].shape)) for n in _param_names(model, optimizer)]
+    if saved != current:
+        raise OptimizerStateError(f"{path} was saved for a model with other parameters")
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        _, position, name = key.split(".", 2)
+        state.setdefault(int(position), {})[name] = value
+    for index, per_param in state.items():
+        shape = current[index][1] if 0 <= index < len(current) else None
+        if any(k != "step" and tuple(v.shape) != shape for k, v in per_param.items()):
+            raise OptimizerStateError(f"{path}: the state of parameter {index} has the wrong shape")
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise OptimizerStateError(f"{path} does not fit this optimizer: {err}") from err
+    return SavedState(steps=steps, round=round_)
