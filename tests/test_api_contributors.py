@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.errors import BodyTooLarge
 from server.speedtest import MAX_BYTES, drain
-from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API, Work, auth, register, train, upload
+from tests.conftest import server_run_config
+from tests.support.contribute import API, Work, auth, create_run, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
 
 FLOPS = 6  # training FLOPs per parameter per token
@@ -40,15 +40,7 @@ def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def new_run(http: httpx.Client, **rounds: object) -> dict:
-    config = server_run_config(rounds={"quorum": 1, "timeout_s": 600, **rounds})
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": ("corpus.txt", make_corpus(120_000).encode(), "text/plain")},
-        headers=admin_headers(),
-    )
-    assert r.status_code == 201, r.text
-    return dict(r.json())
+    return create_run(http, server_run_config(rounds={"quorum": 1, "timeout_s": 600, **rounds}))
 
 
 def board(http: httpx.Client, **params: object) -> dict:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from client.volunteer_cli import flops, render_profile
-from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API
-from tests.support.live import admin_headers, free_port
+from tests.conftest import server_run_config
+from tests.support.contribute import API, create_run
+from tests.support.live import free_port
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,7 @@ def run_id(server) -> str:  # type: ignore[no-untyped-def]
         inner={"steps": 4}, rounds={"quorum": 1, "target": 1, "max_rounds": 2, "timeout_s": 300}
     )
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        r = http.post(
-            f"{API}/runs",
-            data={"config": json.dumps(config)},
-            files={"data": ("corpus.txt", make_corpus(60_000).encode(), "text/plain")},
-            headers=admin_headers(),
-        )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
+        return str(create_run(http, config)["id"])
 
 
 def diloco(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,8 @@ import pytest_asyncio
 
 from client.api import ApiError, DownloadError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.download import part_path
-from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API, auth, register
-from tests.support.live import admin_headers
+from tests.conftest import server_run_config
+from tests.support.contribute import API, auth, create_run, register
 
 FAST = RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05, total_s=30.0)
 ONCE = RetryPolicy(attempts=1)
@@ -101,15 +99,9 @@ def checkpoint(server) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """A run's checkpoint 0 as a lease announces it: url, sha256, nbytes."""
     config = server_run_config(model={"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32})
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        r = http.post(
-            f"{API}/runs",
-            data={"config": json.dumps(config)},
-            files={"data": ("corpus.txt", make_corpus(60_000).encode(), "text/plain")},
-            headers=admin_headers(),
-        )
-        assert r.status_code == 201, r.text
+        run = create_run(http, config)
         token = register(http, "downloader")
-        lease = http.post(f"{API}/runs/{r.json()['id']}/join", headers=auth(token))
+        lease = http.post(f"{API}/runs/{run['id']}/join", headers=auth(token))
         assert lease.status_code == 200, lease.text
         ck = lease.json()["checkpoint"]
         body = http.get(ck["url"]).content

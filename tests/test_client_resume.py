@@ -8,7 +8,6 @@ Real processes: `diloco serve` on a fresh database and `diloco join` twice on on
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import sys
@@ -20,9 +19,9 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API
-from tests.support.live import Proc, ServerProcess, admin_headers, wait_for
+from tests.conftest import server_run_config
+from tests.support.contribute import API, create_run
+from tests.support.live import Proc, ServerProcess, wait_for
 
 H = 1500  # inner steps: long enough (seconds) to stop the client in the middle of a round
 
@@ -72,6 +71,16 @@ def lease_step(database_url: str, run_id: str, index: int) -> tuple[int, bool] |
     return asyncio.run(_lease_step(database_url, run_id, index))
 
 
+def volunteer(
+    home: Path, server: ServerProcess, run_id: str
+) -> tuple[Path, dict[str, str], list[str]]:
+    """A volunteer's own dirs, its environment, and its `diloco join` command line."""
+    home.mkdir()
+    env = {"DILOCO_CONFIG_DIR": str(home / "config"), "DILOCO_CACHE_DIR": str(home / "cache")}
+    args = [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id]
+    return home, env, [*args, "--name", home.name, "--threads", "1"]
+
+
 def saved_state(cache: Path, run_id: str) -> dict[str, str]:
     with safe_open(str(cache / "runs" / run_id / "adamw.safetensors"), framework="pt") as f:
         return dict(f.metadata())
@@ -84,19 +93,8 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
         rounds={"quorum": 1, "target": 1, "timeout_s": 600, "max_rounds": 3},
     )
     http = httpx.Client(base_url=server.url, timeout=30)
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": ("corpus.txt", make_corpus(60_000).encode(), "text/plain")},
-        headers=admin_headers(),
-    )
-    assert r.status_code == 201, r.text
-    run_id = r.json()["id"]
-    home = tmp_path / "alice"
-    home.mkdir()
-    env = {"DILOCO_CONFIG_DIR": str(home / "config"), "DILOCO_CACHE_DIR": str(home / "cache")}
-    args = [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id]
-    args += ["--name", "alice", "--threads", "1"]
+    run_id = create_run(http, config)["id"]
+    home, env, args = volunteer(tmp_path / "alice", server, run_id)
 
     # Execute: round 1 in full, then Ctrl+C in the middle of round 2
     first = Proc(args, log=home / "first.log", env=env)
@@ -150,19 +148,9 @@ def test_max_hours_stops_mid_round_gives_the_lease_back_and_exits_0(server, data
         rounds={"quorum": 1, "timeout_s": 600, "max_rounds": 2},
     )
     http = httpx.Client(base_url=server.url, timeout=30)
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": ("corpus.txt", make_corpus(60_000).encode(), "text/plain")},
-        headers=admin_headers(),
-    )
-    assert r.status_code == 201, r.text
-    run_id = r.json()["id"]
-    home = tmp_path / "bob"
-    home.mkdir()
-    env = {"DILOCO_CONFIG_DIR": str(home / "config"), "DILOCO_CACHE_DIR": str(home / "cache")}
-    args = [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id]
-    args += ["--name", "bob", "--threads", "1", "--max-hours", "0.003"]  # 10.8 s
+    run_id = create_run(http, config)["id"]
+    home, env, args = volunteer(tmp_path / "bob", server, run_id)
+    args += ["--max-hours", "0.003"]  # 10.8 s
 
     proc = Proc(args, log=home / "join.log", env=env)
     try:

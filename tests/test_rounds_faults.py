@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,23 +20,16 @@ from safetensors.torch import load as safetensors_load
 from diloco.config import parse_config
 from diloco.exchange import aggregate_upload
 from diloco.outer import Aggregator, OuterOptimizer
-from tests.conftest import make_corpus, server_run_config
+from tests.conftest import server_run_config
 from tests.support.contribute import API, Work, register, train, upload
-from tests.support.live import ServerProcess, admin_headers, wait_for
+from tests.support.contribute import create_run as post_run
+from tests.support.live import ServerProcess, wait_for
 
 CLOSED_LINE = re.compile(r"run (run_\w+) round (\d+) closed")
 
 
 def create_run(http: httpx.Client, **rounds: object) -> dict:
-    config = server_run_config(rounds={"timeout_s": 600, **rounds})
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": ("corpus.txt", make_corpus(120_000).encode(), "text/plain")},
-        headers=admin_headers(),
-    )
-    assert r.status_code == 201, r.text
-    return dict(r.json())
+    return post_run(http, server_run_config(rounds={"timeout_s": 600, **rounds}))
 
 
 def reference_step(run: dict, base: dict[str, torch.Tensor], works: list[Work]) -> dict:

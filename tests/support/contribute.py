@@ -7,6 +7,7 @@ reference check); the end-to-end tests run the real ``diloco join`` processes in
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,24 @@ API = "/api/v1"
 
 def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def create_run(
+    http: httpx.Client, config: Mapping[str, Any], data: bytes | None = None
+) -> dict[str, Any]:
+    """``POST /runs`` as the admin, with a generated corpus unless ``data`` is given; the
+    created run (the 201 is asserted)."""
+    from tests.conftest import make_corpus
+    from tests.support.live import admin_headers
+
+    r = http.post(
+        f"{API}/runs",
+        data={"config": json.dumps(dict(config))},
+        files={"data": ("corpus.txt", data or make_corpus(120_000).encode(), "text/plain")},
+        headers=admin_headers(),
+    )
+    assert r.status_code == 201, r.text
+    return dict(r.json())
 
 
 def register(http: httpx.Client, name: str) -> str:
