@@ -17,6 +17,7 @@ COPY diloco ./diloco
 COPY server ./server
 COPY client ./client
 COPY migrations ./migrations
+COPY web ./web
 # the client wheel that GET /install.sh hands to volunteers: this very code and version
 RUN pip install ".[server]" \
     && pip wheel --no-deps -w /opt/diloco/wheels . \

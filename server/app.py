@@ -10,13 +10,12 @@ from importlib.metadata import version as pkg_version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
-from server import status_page
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
@@ -29,6 +28,7 @@ from server.runs.router import router as runs_router
 from server.settings import Settings
 from server.speedtest import router as speedtest_router
 from server.storage import LocalStorage
+from server.web import router as web
 
 log = logging.getLogger("diloco.server")
 
@@ -106,6 +106,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         contributors_router,
         speedtest_router,
         downloads_router,
+        web.router,
     ):
         app.include_router(router)
 
@@ -122,9 +123,5 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def index(request: Request) -> HTMLResponse:
-        async with request.app.state.sessions() as session:
-            return HTMLResponse(await status_page.render(session))
-
+    app.mount("/web", web.static_files(), name="web")
     return app

@@ -2,7 +2,7 @@
 
 from server.checkpoints.models import Checkpoint
 from server.contributors.models import Contributor
-from server.rounds.models import Contribution, Lease, Round
+from server.rounds.models import Contribution, Lease, Round, UploadRejection
 from server.runs.models import Run
 
-__all__ = ["Checkpoint", "Contribution", "Contributor", "Lease", "Round", "Run"]
+__all__ = ["Checkpoint", "Contribution", "Contributor", "Lease", "Round", "Run", "UploadRejection"]

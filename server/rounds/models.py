@@ -109,3 +109,22 @@ class Contribution(Base):
     # a contribution whose round never closes keeps None and earns no credit
     aggregated_at: Mapped[datetime | None] = mapped_column(default=None)
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # FLOPs
+
+
+class UploadRejection(Base):
+    """A refused upload, for the dashboard: who, which round, the error code and sentence.
+    A log beside the run's state, not part of it (invariant 4): nothing reads it to train,
+    close rounds or give credit, and it is pruned to the newest ``rejections.KEEP`` per run."""
+
+    __tablename__ = "upload_rejections"
+    __table_args__ = (Index("ix_upload_rejections_run_id_round_index", "run_id", "round_index"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32), ForeignKey("runs.id", ondelete="CASCADE"))
+    round_index: Mapped[int] = mapped_column(Integer)  # as the URL named it: may not exist
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE")
+    )
+    code: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column()

@@ -9,13 +9,14 @@ from server.auth import ContributorAuth
 from server.db import SessionDep
 from server.errors import HubError
 from server.metrics import UPLOAD_BYTES, UPLOADS
-from server.rounds import ingest, leases
+from server.rounds import ingest, leases, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
     ContributionOut,
     HeartbeatIn,
     HeartbeatOut,
     LeaseOut,
+    RoundContributions,
     RoundList,
 )
 from server.runs import service as runs_service
@@ -29,6 +30,15 @@ MAX_INDEX = (1 << 31) - 1  # rounds.index is a Postgres integer
 async def list_rounds(run_id: str, session: SessionDep) -> RoundList:
     await runs_service.get(session=session, run_id=run_id)
     return RoundList(rounds=await rounds_service.list_rounds(session=session, run_id=run_id))
+
+
+@router.get("/rounds/{index}/contributions")
+async def round_contributions(
+    run_id: str, index: Annotated[int, Path(ge=1, le=MAX_INDEX)], session: SessionDep
+) -> RoundContributions:
+    """The round's accepted contributions and its latest refused uploads, with reasons."""
+    await runs_service.get(session=session, run_id=run_id)
+    return await rejections.round_contributions(session=session, run_id=run_id, index=index)
 
 
 @router.post("/join")
@@ -116,6 +126,14 @@ async def contribution(
         )
     except HubError as err:
         UPLOADS.labels(err.code).inc()
+        await rejections.record(
+            sessions=state.sessions,
+            run_id=run_id,
+            index=index,
+            contributor_id=contributor.id,
+            error=err,
+            now=datetime.now(UTC),
+        )
         raise
     UPLOADS.labels("accepted" if accepted.created else "retry").inc()
     if accepted.created:

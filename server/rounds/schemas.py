@@ -76,3 +76,31 @@ class ContributionOut(BaseModel):
     round: int
     sha256: str
     accepted: bool = True
+
+
+class RoundContribution(BaseModel):
+    id: str
+    contributor_id: str
+    contributor_name: str
+    tokens: int
+    inner_steps: int
+    loss: float  # the contributor's mean inner training loss
+    created_at: datetime  # when the upload was accepted
+    aggregated: bool  # went into the round's outer step
+    credit: float  # FLOPs; 0 until aggregated
+
+
+class RoundRejection(BaseModel):
+    contributor_id: str
+    contributor_name: str
+    error: str  # the error code the upload was answered with
+    detail: str
+    created_at: datetime
+
+
+class RoundContributions(BaseModel):
+    run_id: str
+    round: int
+    state: str
+    contributions: list[RoundContribution]  # oldest first
+    rejections: list[RoundRejection]  # newest first, at most rejections.LIST per round

@@ -20,6 +20,7 @@ from diloco.config import RunConfig, parse_config
 from diloco.model import GPT
 from diloco.train import parameters_of
 from diloco.wire_header import DIGEST_BYTES, PREFIX
+from server.contributors.models import Contributor
 from server.errors import NotFound, RoundClosed
 from server.rounds.models import Contribution, Lease, Round
 from server.rounds.policy import (
@@ -33,7 +34,7 @@ from server.rounds.policy import (
 )
 from server.rounds.schemas import RoundOut
 from server.runs.models import Run, RunStatus
-from server.runs.schemas import CurrentRound
+from server.runs.schemas import CurrentRound, LeaseState
 from server.settings import Settings
 
 
@@ -208,7 +209,43 @@ async def current_view(
         quorum=cfg.rounds.quorum,
         target=cfg.rounds.target,
         reason=reason,
+        leases=await lease_states(session=session, rnd=rnd, now=now),
     )
+
+
+async def lease_states(*, session: AsyncSession, rnd: Round, now: datetime) -> list[LeaseState]:
+    """Every lease on the round with its contributor's name and heartbeat age."""
+    contributed = (
+        select(Contribution.id)
+        .where(
+            Contribution.run_id == Lease.run_id,
+            Contribution.round_index == Lease.round_index,
+            Contribution.contributor_id == Lease.contributor_id,
+        )
+        .exists()
+    )
+    rows = await session.execute(
+        select(Lease, Contributor.name, contributed)
+        .join(Contributor, Contributor.id == Lease.contributor_id)
+        .where(Lease.run_id == rnd.run_id, Lease.round_index == rnd.index)
+        .order_by(Lease.issued_at, Lease.id)
+    )
+    return [
+        LeaseState(
+            contributor_id=lease.contributor_id,
+            contributor_name=name,
+            shard=lease.shard,
+            issued_at=lease.issued_at,
+            last_heartbeat=lease.last_heartbeat,
+            heartbeat_age_s=max(0.0, (now - lease.last_heartbeat).total_seconds()),
+            expires_at=lease.expires_at,
+            live=lease.expires_at > now,
+            contributed=bool(done),
+            last_step=lease.last_step,
+            last_loss=lease.last_loss,
+        )
+        for lease, name, done in rows
+    ]
 
 
 async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:

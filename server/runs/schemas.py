@@ -6,6 +6,22 @@ from typing import Any
 from pydantic import BaseModel
 
 
+class LeaseState(BaseModel):
+    """A contributor's lease on the current round, as the dashboard shows it."""
+
+    contributor_id: str
+    contributor_name: str
+    shard: int
+    issued_at: datetime
+    last_heartbeat: datetime
+    heartbeat_age_s: float  # seconds since the last join or heartbeat, as of this request
+    expires_at: datetime
+    live: bool  # not expired: the round counts it as outstanding until it contributes
+    contributed: bool  # its upload for this round was accepted
+    last_step: int | None  # as its last heartbeat reported
+    last_loss: float | None
+
+
 class CurrentRound(BaseModel):
     index: int
     state: str
@@ -15,6 +31,7 @@ class CurrentRound(BaseModel):
     quorum: int
     target: int | None
     reason: str | None  # decide_close's sentence, as of this request
+    leases: list[LeaseState]  # every lease on this round, oldest first
 
 
 class LatestMetrics(BaseModel):

@@ -1,0 +1,293 @@
+"""The dashboard in real headless Chromium (Debian's, driven by Playwright) against a real
+server whose run has closed rounds made of real contributions; plus how its files are
+served and shipped."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import server_run_config
+from tests.support.contribute import API, create_run, register, train, upload
+from tests.support.live import ADMIN_TOKEN, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = Path(os.environ.get("DILOCO_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu",
+    "--disable-background-networking", "--disable-component-update",
+]  # fmt: skip
+PAGES = ("#/runs", "#/runs/{run}", "#/contributors", "#/join")
+EVIL_NAME = "<img src=x onerror=alert(1)>"
+CLOSED_ROUNDS = 2
+
+
+def expect(locator: Any) -> Any:
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+# ---------------------------------------------------------------- static files, no browser
+
+
+def test_dashboard_files_are_served_with_their_content_types(http):
+    index = http.get("/")
+    assert index.status_code == 200
+    assert index.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in index.headers["content-security-policy"]
+    assert '<main id="app"' in index.text
+    for name, kind in [
+        ("app.js", "javascript"),
+        ("run.js", "javascript"),
+        ("style.css", "text/css"),
+    ]:
+        r = http.get(f"/web/{name}")
+        assert r.status_code == 200 and kind in r.headers["content-type"], (name, r.headers)
+    missing = http.get("/web/nothing.js")
+    assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+
+
+def test_hub_endpoint_gives_the_install_command_for_this_server(http, server):
+    hub = http.get(f"{API}/hub").json()
+    assert hub["public_url"] == server.url
+    install = f"curl -fsSL {server.url}/install.sh | sh -s -- --name YOUR_NAME"
+    assert hub["install_command"] == install
+    assert hub["join_command"] == f"diloco join {server.url}"
+
+
+def test_every_package_is_listed_and_the_wheel_carries_the_dashboard(tmp_path):
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for top in ("diloco", "server", "client", "migrations")
+        for p in (REPO / top).rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == on_disk | {"server.web.static"}
+    assert setuptools["package-dir"] == {"server.web.static": "web"}
+
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".*")
+    for name in ("diloco", "server", "client", "migrations", "web"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in (REPO / "web").iterdir():
+        assert f"server/web/static/{f.name}" in names, f.name
+
+    # installed, the router finds them there (no checkout next to it)
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    probe = "from server.web.router import static_dir; print(static_dir())"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}, timeout=60, check=False,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == tmp_path / "site" / "server" / "web" / "static"
+
+
+# ---------------------------------------------------------------- a run with closed rounds
+
+
+@pytest.fixture(scope="module")
+def run(server) -> Iterator[dict[str, Any]]:
+    """quorum 2, target 3: two volunteers close rounds 1 and 2; round 3 stays open."""
+    with server.client() as http:
+        created = create_run(
+            http, server_run_config(rounds={"quorum": 2, "target": 3, "max_rounds": 10})
+        )
+        run_id = created["id"]
+        tokens = {name: register(http, name) for name in ("alice", EVIL_NAME, "carol")}
+        for index in range(1, CLOSED_ROUNDS + 1):
+            for name in ("alice", EVIL_NAME):
+                r = upload(http, tokens[name], train(http, tokens[name], run_id))
+                assert r.status_code == 201, r.text
+
+            def closed(index: int = index) -> bool:
+                rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
+                return any(r["index"] == index and r["state"] == "closed" for r in rounds)
+
+            wait_for(closed, timeout=60, what=f"round {index} to close")
+        # a rejected upload on the open round: its reason shows on the dashboard
+        work = train(http, tokens["carol"], run_id)
+        bad = upload(http, tokens["carol"], work, body=work.body(base_version=0))
+        assert bad.status_code == 409 and bad.json()["error"] == "base_version_mismatch"
+        yield {"id": run_id, "tokens": tokens}
+
+
+def test_round_contributions_list_accepted_and_rejected_uploads(http, run):
+    closed = http.get(f"{API}/runs/{run['id']}/rounds/1/contributions").json()
+    assert closed["state"] == "closed"
+    assert sorted(c["contributor_name"] for c in closed["contributions"]) == sorted(
+        ["alice", EVIL_NAME]
+    )
+    assert all(c["aggregated"] and c["credit"] > 0 for c in closed["contributions"])
+    assert closed["rejections"] == []
+
+    open_ = http.get(f"{API}/runs/{run['id']}/rounds/{CLOSED_ROUNDS + 1}/contributions").json()
+    (rejection,) = open_["rejections"]
+    assert rejection["contributor_name"] == "carol"
+    assert rejection["error"] == "base_version_mismatch"
+    assert "version 0" in rejection["detail"]
+    assert http.get(f"{API}/runs/{run['id']}/rounds/99/contributions").status_code == 404
+    assert http.get(f"{API}/runs/run_nope/rounds/1/contributions").status_code == 404
+
+
+def test_run_view_lists_the_current_rounds_leases_with_heartbeat_ages(http, run):
+    current = http.get(f"{API}/runs/{run['id']}").json()["current_round"]
+    (lease,) = current["leases"]
+    assert lease["contributor_name"] == "carol"
+    assert lease["live"] is True and lease["contributed"] is False
+    assert 0 <= lease["heartbeat_age_s"] < 120
+
+
+# ---------------------------------------------------------------- in the browser
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium (or set DILOCO_CHROMIUM)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class Console:
+    """Every console message and page error of a page, to assert none is an error."""
+
+    def __init__(self, page: Any) -> None:
+        self.errors: list[str] = []
+        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        page.on("dialog", lambda d: self.errors.append(f"dialog: {d.message}") or d.dismiss())
+
+
+@pytest.fixture
+def page(browser, server) -> Iterator[tuple[Any, Console]]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800}, base_url=server.url)
+    pg = context.new_page()
+    console = Console(pg)
+    try:
+        yield pg, console
+    finally:
+        context.close()
+    assert console.errors == [], console.errors
+
+
+def open_page(pg: Any, fragment: str) -> None:
+    pg.goto(f"/{fragment}")
+    pg.wait_for_selector("body[data-ready='1']", timeout=15_000)
+
+
+def test_chart_has_one_point_per_closed_round(page, run, http):
+    pg, _ = page
+    open_page(pg, f"#/runs/{run['id']}")
+    closed = [
+        r for r in http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
+        if r["state"] == "closed"
+    ]  # fmt: skip
+    assert len(closed) == CLOSED_ROUNDS
+    points = pg.locator("svg.chart g[data-series='eval'] circle[data-round]")
+    assert points.count() == len(closed)
+    rounds = sorted(int(points.nth(i).get_attribute("data-round")) for i in range(points.count()))
+    assert rounds == [r["index"] for r in closed]
+    pg.get_by_role("button", name="By tokens").click()
+    assert pg.locator("svg.chart g[data-series='eval'] circle[data-round]").count() == len(closed)
+
+
+def test_round_progress_changes_without_a_reload_when_a_contribution_is_accepted(page, run, server):
+    pg, _ = page
+    open_page(pg, f"#/runs/{run['id']}")
+    progress = pg.get_by_role("progressbar")
+    before = int(progress.get_attribute("aria-valuenow"))
+    pg.evaluate("window.__sameDocument = true")
+
+    with server.client() as http:
+        token = run["tokens"]["alice"]
+        assert upload(http, token, train(http, token, run["id"])).status_code == 201
+
+    # (wait_for_function would evaluate a string: the page's CSP forbids that)
+    expect(progress).to_have_attribute("aria-valuenow", str(before + 1), timeout=10_000)
+    assert pg.evaluate("window.__sameDocument") is True  # no navigation, no reload
+    text = pg.text_content("#round-progress-text")
+    assert re.match(rf"{before + 1} accepted · quorum 2 · target 3", text or "")
+
+
+def test_pausing_from_the_ui_pauses_the_run(page, run, http):
+    pg, _ = page
+    open_page(pg, f"#/runs/{run['id']}")
+    pause = pg.get_by_role("button", name="Pause", exact=True)
+    assert pause.is_disabled()  # until a token is entered
+    pg.get_by_label("Admin token").fill(ADMIN_TOKEN)
+    pg.get_by_role("button", name="Use token").click()
+    pause.click()
+    expect(pg.locator("#run-status")).to_have_text("paused", timeout=10_000)
+    assert http.get(f"{API}/runs/{run['id']}").json()["status"] == "paused"
+    resume = pg.get_by_role("button", name="Resume")
+    assert resume.is_enabled()
+    resume.click()
+    wait_for(
+        lambda: http.get(f"{API}/runs/{run['id']}").json()["status"] == "active",
+        timeout=10, what="the run to resume",
+    )  # fmt: skip
+
+
+def test_every_page_renders_at_phone_width_without_errors_or_overflow(browser, server, run):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, base_url=server.url)
+    try:
+        pg = context.new_page()
+        console = Console(pg)
+        for fragment in PAGES:
+            open_page(pg, fragment.format(run=run["id"]))
+            width = pg.evaluate("[document.scrollingElement.scrollWidth, window.innerWidth]")
+            assert width[0] <= width[1], (fragment, width)
+            assert pg.get_by_role("heading", level=1).count() == 1
+        assert console.errors == [], console.errors
+    finally:
+        context.close()
+
+
+def test_user_provided_names_show_as_text(page, run):
+    pg, _ = page
+    open_page(pg, "#/contributors")
+    assert pg.get_by_text(EVIL_NAME, exact=True).count() == 1
+    assert pg.locator("main img").count() == 0
+    open_page(pg, f"#/runs/{run['id']}")
+    pg.get_by_role("button", name="Contributions of round 1").click()
+    pg.wait_for_selector("text=Contributions to round 1")
+    assert pg.get_by_text(EVIL_NAME, exact=True).count() >= 1
+    assert pg.locator("main img").count() == 0
+
+
+def test_join_page_shows_this_servers_install_command(page, server):
+    pg, _ = page
+    open_page(pg, "#/join")
+    command = pg.text_content("#install-command")
+    assert command == f"curl -fsSL {server.url}/install.sh | sh -s -- --name YOUR_NAME"
+    assert httpx.get(f"{server.url}/install.sh", timeout=30).status_code == 200
