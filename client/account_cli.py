@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
-from client import credentials
-from client.api import ApiError, ServerAPI
+from client import credentials, identity
+from client.api import ServerAPI
 from client.cli_support import ExitStatus, fail, run_api
 from client.config_file import (
     ClientConfig,
@@ -58,19 +58,7 @@ def server_url(given: str | None, cfg: ClientConfig) -> str:
 
 def _check_token(url: str, token: str) -> dict[str, Any]:
     async def me(api: ServerAPI) -> dict[str, Any]:
-        try:
-            return await api.me()
-        except ApiError as err:
-            if err.status != 401:
-                raise
-            where = credentials.config_dir() / credentials.CREDENTIALS_FILE
-            raise ApiError(
-                401,
-                err.code,
-                f"the token stored for {url} was refused by the server; delete its entry in "
-                f"{where} to register again",
-                err.body,
-            ) from None
+        return dict(await identity.check_token(api, f"the token stored for {url}", None))
 
     return run_api(url, token, me)
 
