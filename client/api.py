@@ -39,7 +39,8 @@ from client.http import (
     error_from,
     json_object,
 )
-from client.lease import Lease, ProtocolError, require
+from client.lease import Lease, ProtocolError, parse, parse_lease, require
+from diloco.protocol.messages import Receipt
 
 __all__ = [
     "ApiError",
@@ -61,10 +62,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class UploadReceipt:
-    contribution_id: str
-    round: int
-    sha256: str
-    accepted: bool
+    receipt: Receipt
     repeated: bool  # 200: the server already held this very body (an idempotent retry)
 
 
@@ -200,7 +198,7 @@ class ServerAPI:
     # ---------------------------------------------------------------- a volunteer's round
 
     async def join(self, run_id: str) -> Lease:
-        return Lease.from_json(await self._json("POST", f"/runs/{run_id}/join"))
+        return parse_lease(await self._json("POST", f"/runs/{run_id}/join"))
 
     async def heartbeat(
         self,
@@ -246,14 +244,8 @@ class ServerAPI:
             ) as resp:
                 if resp.status >= 400:
                     raise await error_from(resp)
-                data, where = await json_object(resp), "the upload answer"
-                return UploadReceipt(
-                    contribution_id=require(data, "contribution_id", str, where),
-                    round=require(data, "round", int, where),
-                    sha256=require(data, "sha256", str, where),
-                    accepted=require(data, "accepted", bool, where),
-                    repeated=resp.status == 200,
-                )
+                receipt = parse(Receipt, await json_object(resp), "the upload answer")
+                return UploadReceipt(receipt, repeated=resp.status == 200)
 
         return await self._with_retries(f"upload of round {round}", once)
 

@@ -254,6 +254,9 @@ def join(
         bool,
         typer.Option(help="No progress bar and no per-round lines.", envvar="DILOCO_QUIET"),
     ] = False,
+    faults: Annotated[
+        str, typer.Option(hidden=True, envvar="DILOCO_FAULTS", help="Tests only (diloco.faults).")
+    ] = "",
 ) -> None:
     """Volunteer: train on a run's rounds and upload the results until stopped (Ctrl+C)."""
     import asyncio
@@ -275,6 +278,7 @@ def join(
         max_hours=max_hours,
         threads=threads,
         quiet=quiet,
+        faults=faults,
     )
     try:
         summary = asyncio.run(run_worker(opts))
@@ -310,8 +314,17 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    role: Annotated[
+        str,
+        typer.Option(
+            help="all: API, dashboard and round work; api: the API and dashboard only; "
+            "worker: decide and close rounds only (serves /healthz and /metrics). Several "
+            "processes may share one database.",
+            envvar="DILOCO_ROLE",
+        ),
+    ] = "all",
 ) -> None:
-    """Run the server: REST API, dashboard and the background round sweeper."""
+    """Run the server: REST API, dashboard and the background round work."""
     from client.credentials import default_data_dir
 
     try:
@@ -322,8 +335,14 @@ def serve(
             "pip install 'diloco-hub[server]'",
             ExitStatus.USAGE,
         )
+    if role not in ("all", "api", "worker"):
+        fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
     serve_app(
-        host=host, port=port, data_dir=data_dir or default_data_dir(), database_url=database_url
+        host=host,
+        port=port,
+        data_dir=data_dir or default_data_dir(),
+        database_url=database_url,
+        role=role,
     )
 
 

@@ -27,21 +27,24 @@ from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
 from client.progress import Reporter, RoundBar
 from client.training import DivergedError, LocalTrainer, StopTraining, resolve_device, stop_flag
+from diloco.faults import FaultInjector
+from diloco.protocol.messages import ErrorCode
 from diloco.train import InnerResult
 from diloco.wire import encode_contribution
 
 # the round moved on without us: drop this round's work and join again
 REJECTED_CODES = frozenset(
     {
-        "round_closed",
-        "base_version_mismatch",
-        "no_lease",
-        "duplicate_contribution",
-        "run_not_active",
+        ErrorCode.ROUND_CLOSED,
+        ErrorCode.BASE_VERSION_MISMATCH,
+        ErrorCode.NO_LEASE,
+        ErrorCode.DUPLICATE_CONTRIBUTION,
+        ErrorCode.RUN_NOT_ACTIVE,
     }
 )
-# a heartbeat answer that means the lease is no longer worth training for
-LOST_LEASE_CODES = frozenset({"round_closed", "no_lease"})
+# a heartbeat answer that means the lease is no longer worth training for (a paused or
+# ended run takes no upload: the join that follows waits or stops)
+LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
 # the server refused our upload itself (not the round's timing): worth a few more rounds,
 # in case it was one bad round, but not forever (a client the server cannot read)
 MAX_INVALID_IN_A_ROW = 3
@@ -67,6 +70,7 @@ class WorkerOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     config_dir: Path | None = None  # None: credentials.config_dir()
     cache_dir: Path | None = None  # None: credentials.cache_dir()
+    faults: str = ""  # tests only: points where this volunteer fails or dies (diloco.faults)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class _Worker:
         self.local = LocalTrainer(resolve_device(opts.device))
         self.fetcher = Fetcher(api, reporter, opts.cache_dir)
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
+        self.faults = FaultInjector.parse(opts.faults)
         self.invalid_in_a_row = 0
 
     async def run(self) -> None:
@@ -158,12 +163,12 @@ class _Worker:
             try:
                 return await self.api.join(run_id)
             except ApiError as err:
-                if err.code == "run_not_active" and err.body.get("status") == "paused":
+                if err.code == ErrorCode.RUN_NOT_ACTIVE and err.body.get("status") == "paused":
                     wait, why = self.opts.poll_s, f"run {run_id} is paused; waiting"
-                elif err.code == "run_not_active":
+                elif err.code == ErrorCode.RUN_NOT_ACTIVE:
                     self.summary.stopped_because = f"run {run_id} is {err.body.get('status')}"
                     return None
-                elif err.code in ("already_contributed", "round_closing"):
+                elif err.code in (ErrorCode.ALREADY_CONTRIBUTED, ErrorCode.ROUND_CLOSING):
                     after = err.body.get("retry_after_s")
                     wait = float(after) if isinstance(after, int | float) else self.opts.poll_s
                     wait = min(max(wait, 0.5), self.opts.max_wait_s)
@@ -287,6 +292,7 @@ class _Worker:
                     f"{lease.max_upload_bytes:,}; tell the run's operator",
                     {},
                 )
+            self.faults.hit("volunteer.upload")
             receipt = await self.api.upload(
                 lease.run_id,
                 lease.round,

@@ -104,6 +104,9 @@ class CompressionSection(_Section):
 
 class RunConfig(_Section):
     name: str = Field(min_length=1, max_length=200)
+    # seeds the initial model and every lease's shard and batch sampling; None: the server
+    # draws one at creation and records it here, so any run can be reproduced
+    seed: int | None = Field(None, ge=0, le=(1 << 31) - 1)
     model: ModelSection = ModelSection()
     data: DataSection
     inner: InnerSection = InnerSection()

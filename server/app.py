@@ -16,16 +16,18 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
+from diloco.faults import FaultInjector
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
 from server.downloads.router import router as downloads_router
 from server.errors import HubError
 from server.metrics import RequestMetrics
-from server.rounds.closing import Sweeper
+from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
+from server.rounds.sweeper import Sweeper
 from server.runs.router import router as runs_router
-from server.settings import Settings
+from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
 from server.storage import LocalStorage
 from server.web import router as web
@@ -66,8 +68,12 @@ async def _database_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
+    """The app for the process's role: the API and dashboard (``all``, ``api``) and the
+    round worker (``all``, ``worker``); a worker serves only /healthz and /metrics."""
     if not settings.database_url:
         raise ValueError("database_url: create_app needs a resolved database URL")
+    serves_api = settings.role in (Role.ALL, Role.API)
+    works_rounds = settings.role in (Role.ALL, Role.WORKER)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,14 +81,21 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         app.state.engine = engine
         app.state.sessions = make_sessionmaker(engine)
         app.state.storage = LocalStorage(settings.data_dir / "blobs")
-        app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings)
-        task = asyncio.create_task(app.state.sweeper.run(), name="round-sweeper")
+        faults = FaultInjector.parse(settings.faults)
+        app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)
+        tasks = []
+        if works_rounds:
+            listener = Listener(settings.database_url, app.state.sweeper.wake)
+            tasks.append(asyncio.create_task(app.state.sweeper.run(), name="round-sweeper"))
+            tasks.append(asyncio.create_task(listener.run(), name="round-notifications"))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await engine.dispose()
 
     app = FastAPI(
@@ -99,7 +112,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     app.add_exception_handler(OperationalError, _database_error)
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_middleware(RequestMetrics)
-    for router in (
+    routers = (
         runs_router,
         rounds_router,
         checkpoints_router,
@@ -107,7 +120,8 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         speedtest_router,
         downloads_router,
         web.router,
-    ):
+    )
+    for router in routers if serves_api else ():
         app.include_router(router)
 
     @app.get("/healthz", tags=["service"])
@@ -117,11 +131,14 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
                 await conn.execute(text("SELECT 1"))
         except (OSError, DBAPIError) as err:
             return _error(503, "unavailable", f"database unreachable: {err.__class__.__name__}")
-        return JSONResponse({"status": "ok", "database": "ok", "version": app.version})
+        return JSONResponse(
+            {"status": "ok", "database": "ok", "version": app.version, "role": settings.role}
+        )
 
     @app.get("/metrics", tags=["service"])
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    app.mount("/web", web.static_files(), name="web")
+    if serves_api:
+        app.mount("/web", web.static_files(), name="web")
     return app

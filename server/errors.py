@@ -1,17 +1,23 @@
 """Domain errors: each carries its HTTP status, a stable code and a sentence.
 
 Services raise them; one handler in ``server.app`` turns them into
-``{"error": code, "detail": sentence, ...extra}``. docs/api.md lists every code.
+``{"error": code, "detail": sentence, ...extra}``. The codes are
+``diloco.protocol.messages.ErrorCode`` (the client branches on the same enum);
+docs/api.md lists every one. A refusal of the round protocol (``diloco.protocol.rules``)
+becomes the matching error through ``refused``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from diloco.protocol.messages import ErrorCode
+from diloco.protocol.state import Refusal
+
 
 class HubError(Exception):
     status = 500
-    code = "internal"
+    code: str = ErrorCode.INTERNAL
 
     def __init__(self, detail: str, **extra: Any) -> None:
         super().__init__(detail)
@@ -24,122 +30,146 @@ class HubError(Exception):
 
 class MalformedUpload(HubError):
     status = 400
-    code = "malformed_upload"
+    code = ErrorCode.MALFORMED_UPLOAD
 
 
 class NonFiniteUpload(HubError):
     status = 400
-    code = "non_finite"
+    code = ErrorCode.NON_FINITE
 
 
 class WrongTensors(HubError):
     status = 400
-    code = "wrong_tensors"
+    code = ErrorCode.WRONG_TENSORS
 
 
 class WrongCodec(HubError):
     status = 400
-    code = "wrong_codec"
+    code = ErrorCode.WRONG_CODEC
 
 
 class HeaderMismatch(HubError):
     status = 400
-    code = "header_mismatch"
+    code = ErrorCode.HEADER_MISMATCH
 
 
 class Unauthorized(HubError):
     status = 401
-    code = "unauthorized"
+    code = ErrorCode.UNAUTHORIZED
 
 
 class Forbidden(HubError):
     status = 403
-    code = "forbidden"
+    code = ErrorCode.FORBIDDEN
 
 
 class NotFound(HubError):
     status = 404
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
 
 class RunNotFound(NotFound):
-    code = "run_not_found"
+    code = ErrorCode.RUN_NOT_FOUND
 
 
 class LeaseNotFound(NotFound):
-    code = "no_lease"  # releasing a lease this contributor never held (409 no_lease: uploads)
+    # releasing a lease this contributor never held (uploads without one: 409 NoLease)
+    code = ErrorCode.NO_LEASE
 
 
 class RoundClosed(HubError):
     status = 409
-    code = "round_closed"
+    code = ErrorCode.ROUND_CLOSED
 
 
 class BaseVersionMismatch(HubError):
     status = 409
-    code = "base_version_mismatch"
+    code = ErrorCode.BASE_VERSION_MISMATCH
 
 
 class DuplicateContribution(HubError):
     status = 409
-    code = "duplicate_contribution"
+    code = ErrorCode.DUPLICATE_CONTRIBUTION
 
 
 class NoLease(HubError):
     status = 409
-    code = "no_lease"
+    code = ErrorCode.NO_LEASE
 
 
 class RunNotActive(HubError):
     status = 409
-    code = "run_not_active"
+    code = ErrorCode.RUN_NOT_ACTIVE
 
 
 class RoundClosing(HubError):
     status = 409
-    code = "round_closing"
+    code = ErrorCode.ROUND_CLOSING
 
 
 class AlreadyContributed(HubError):
     status = 409
-    code = "already_contributed"
+    code = ErrorCode.ALREADY_CONTRIBUTED
 
 
 class InvalidTransition(HubError):
     status = 409
-    code = "invalid_transition"
+    code = ErrorCode.INVALID_TRANSITION
 
 
 class LengthRequired(HubError):
     status = 411
-    code = "length_required"
+    code = ErrorCode.LENGTH_REQUIRED
 
 
 class UploadTooLarge(HubError):
     status = 413
-    code = "upload_too_large"
+    code = ErrorCode.UPLOAD_TOO_LARGE
 
 
 class BodyTooLarge(HubError):
     status = 413
-    code = "body_too_large"
+    code = ErrorCode.BODY_TOO_LARGE
 
 
 class InvalidConfig(HubError):
     status = 422
-    code = "invalid_config"
+    code = ErrorCode.INVALID_CONFIG
 
 
 class InvalidRequest(HubError):
     status = 422
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class InvalidData(HubError):
     status = 422
-    code = "invalid_data"
+    code = ErrorCode.INVALID_DATA
 
 
 class Unavailable(HubError):
     status = 503
-    code = "unavailable"
+    code = ErrorCode.UNAVAILABLE
+
+
+# the error each refusal code of the round protocol is answered with
+_REFUSALS: dict[str, type[HubError]] = {
+    cls.code: cls
+    for cls in (
+        MalformedUpload,
+        HeaderMismatch,
+        NotFound,
+        RoundClosed,
+        RoundClosing,
+        BaseVersionMismatch,
+        DuplicateContribution,
+        NoLease,
+        RunNotActive,
+        AlreadyContributed,
+    )
+}
+
+
+def refused(refusal: Refusal) -> HubError:
+    """The HTTP error for a refusal of the round protocol, with its extra answer fields."""
+    return _REFUSALS[refusal.code](refusal.reason, **refusal.extra)

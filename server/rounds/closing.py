@@ -1,13 +1,21 @@
-"""Closing a round: aggregate -> outer step -> checkpoint files -> one transaction.
+"""Closing a round: claim, compute, publish. Exactly once, whatever crashes and however
+many worker processes share the database.
 
-Exactly once, also with several servers and crashes at any point:
-- ``open -> closing`` is a guarded ``UPDATE ... WHERE state = 'open'``: one sweeper wins.
-- The work on a ``closing`` round happens under ``SELECT ... FOR UPDATE SKIP LOCKED``:
-  whoever holds the row lock does it, the others skip; if the worker dies, Postgres drops
-  its lock and the next sweep redoes the work from the same inputs (the step is
-  deterministic, and the files are written by atomic rename, so a rewrite is harmless).
-- The checkpoint files exist before the transaction that marks the round closed, publishes
-  the version and opens the next round commits (commit or discard, never half-apply).
+1. **Claim** (one short transaction): a ``closing`` round whose claim is free or expired,
+   and whose retry time has come, gets this worker's claim token until
+   ``claim_expires_at``. The worker renews the claim while it computes; a worker that dies
+   stops renewing, and another one takes the round over once the claim expires.
+2. **Compute** (``server.rounds.outer_step``, in a thread): no transaction, row lock or
+   pooled connection is held while the contributions are summed, the step applied, the
+   model evaluated and the version's files written (temp name, fsync, rename: a rewrite
+   after a crash writes the same bytes).
+3. **Publish** (one short transaction, guarded by the claim token): the round closed with
+   its figures, the checkpoint row, credit, the run's status and the next round, all from
+   ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
+   nothing.
+
+A close that fails is recorded on the round (``error_code``, ``error``) and tried again
+with backoff; it never stops another round's close.
 """
 
 from __future__ import annotations
@@ -15,27 +23,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.sql.elements import ColumnElement
 
-from diloco.codec import make_codec
-from diloco.config import RunConfig
-from diloco.exchange import aggregate_upload
-from diloco.model import GPT
-from diloco.outer import Aggregator, OuterOptimizer
-from diloco.train import evaluate, load_parameters
+from diloco.faults import FaultInjector, InjectedFault
+from diloco.protocol.rules import close_effects, close_retry_at
+from diloco.protocol.state import Aggregated, Decision, RetryPolicy, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
-from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
+from server.metrics import CLOSE_FAILURES, CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Round
-from server.rounds.policy import Action, RoundState
-from server.runs import data as run_data
-from server.runs.models import Run, RunStatus
+from server.rounds.outer_step import OuterResult, StepInputs, apply_outer_step
+from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage import Storage
 
@@ -43,62 +48,11 @@ log = logging.getLogger("diloco.rounds")
 
 
 @dataclass(frozen=True)
-class OuterResult:
-    files: checkpoints_service.VersionFiles
-    update_norm: float
-    eval_loss: float
-    seconds: dict[str, float]  # by stage: load, aggregate, step, eval, write
-
-
-def apply_outer_step(
-    storage: Storage,
-    *,
-    run_id: str,
-    cfg: RunConfig,
-    base_state_key: str,
-    blobs: list[str],
-    version: int,
-    eval_windows: int,
-) -> OuterResult:
-    """Read the base state, add the contributions one at a time (memory O(model)), step,
-    evaluate on the validation split and write version ``version``. Pure given its inputs."""
-    clock = _StageClock()
-    base = checkpoints_service.load_checkpoint(storage.path(base_state_key))
-    outer = OuterOptimizer(
-        base.params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-    )
-    if base.outer_state is not None:
-        outer.load_state_dict(base.outer_state)
-    shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
-    codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
-    aggregator = Aggregator(shapes)
-    clock.lap("load")
-    for key in blobs:  # each weighted by the tokens in its header
-        aggregate_upload(storage.read_chunks(key), aggregator, expected=shapes, codec=codec)
-    clock.lap("aggregate")
-    update_norm = outer.step(aggregator.result())
-    clock.lap("step")
-    model = GPT(cfg.model.gpt_config())
-    load_parameters(model, outer.params)
-    val = run_data.load_val(storage, run_id)
-    eval_loss = evaluate(model, val, block_size=cfg.model.block_size, max_windows=eval_windows)
-    clock.lap("eval")
-    files = checkpoints_service.write_version(
-        storage, run_id=run_id, version=version, params=outer.params, outer_state=outer.state_dict()
-    )
-    clock.lap("write")
-    return OuterResult(files, update_norm, eval_loss, clock.seconds)
-
-
-class _StageClock:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.seconds[stage] = now - self._last
-        self._last = now
+class Claim:
+    run_id: str
+    index: int
+    token: str  # this worker's, for this attempt
+    attempt: int  # claims taken on the round so far, this one included
 
 
 async def mark_closing(
@@ -114,207 +68,307 @@ async def mark_closing(
     return won is not None
 
 
-async def finish_close(
+async def claim_next(
+    *, sessions: async_sessionmaker[AsyncSession], settings: Settings, now: datetime
+) -> Claim | None:
+    """Claim one closing round that is free (or whose claim expired) and due; None if none."""
+    token = secrets.token_hex(8)
+    due = (
+        select(Round.run_id, Round.index)
+        .where(
+            Round.state == RoundState.CLOSING,
+            or_(Round.claim_expires_at.is_(None), Round.claim_expires_at <= now),
+            or_(Round.retry_at.is_(None), Round.retry_at <= now),
+        )
+        .order_by(Round.retry_at.asc().nulls_first(), Round.opened_at)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .cte("due")
+    )
+    taken_over = Round.claim_token.is_not(None)  # its holder stopped renewing: it died
+    async with sessions() as session, session.begin():
+        row = (
+            await session.execute(
+                update(Round)
+                .where(Round.run_id == due.c.run_id, Round.index == due.c.index)
+                .values(
+                    claim_token=token,
+                    claim_expires_at=now + timedelta(seconds=settings.claim_ttl_s),
+                    close_attempts=Round.close_attempts + 1,
+                    error_code=case((taken_over, "claim_expired"), else_=Round.error_code),
+                    error=case(
+                        (taken_over, "the worker closing it stopped renewing its claim"),
+                        else_=Round.error,
+                    ),
+                    error_at=case((taken_over, now), else_=Round.error_at),
+                )
+                .returning(Round.run_id, Round.index, Round.close_attempts)
+            )
+        ).one_or_none()
+    if row is None:
+        return None
+    return Claim(run_id=row[0], index=row[1], token=token, attempt=row[2])
+
+
+async def close_claimed(
     *,
     sessions: async_sessionmaker[AsyncSession],
     storage: Storage,
     settings: Settings,
-    run_id: str,
-    index: int,
+    faults: FaultInjector,
+    claim: Claim,
 ) -> bool:
-    """closing -> closed, with the outer step; False when someone else holds the round."""
-    async with sessions() as session, session.begin():
-        rnd = await session.scalar(
-            select(Round)
-            .where(Round.run_id == run_id, Round.index == index, Round.state == RoundState.CLOSING)
-            .with_for_update(skip_locked=True)
+    """Compute and publish a claimed round; True when this worker published it. Any failure
+    is recorded on the round (retried later) instead of raised."""
+    started = datetime.now(UTC)
+    renewal = asyncio.create_task(_renew(sessions, settings, claim))
+    try:
+        inputs, aggregated = await _read_inputs(sessions, claim)
+        faults.hit("close.claim")
+        result = await asyncio.to_thread(
+            apply_outer_step, storage, inputs, eval_windows=settings.eval_windows, faults=faults
         )
-        if rnd is None:
+        if result.files is None:
+            assert result.decision is not None
+            await _reopen(sessions, claim, result)
             return False
-        run = await session.get_one(Run, run_id)
+        kept = [a for a in aggregated if a.contribution_id not in result.excluded]
+        code = await _publish(sessions, claim, result, kept)
+        if code is not None:
+            faults.hit("close.publish")
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # recorded on the round and retried: never stops other rounds
+        log.exception(
+            "run %s round %d: close attempt %d failed", claim.run_id, claim.index, claim.attempt
+        )
+        await _record_failure(sessions, settings, claim, err)
+        return False
+    finally:
+        renewal.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewal
+    if code is None:
+        return False
+    _observe(claim, code, result, (datetime.now(UTC) - started).total_seconds())
+    return True
+
+
+async def _read_inputs(
+    sessions: async_sessionmaker[AsyncSession], claim: Claim
+) -> tuple[StepInputs, list[Aggregated]]:
+    async with sessions() as session:
+        rnd = await session.get_one(Round, (claim.run_id, claim.index))
+        run = await runs_service.get(session=session, run_id=claim.run_id)
         cfg = rounds_service.run_config(run)
-        contributions = list(
+        rows = list(
             await session.scalars(
                 select(Contribution)
-                .where(Contribution.run_id == run_id, Contribution.round_index == index)
+                .where(
+                    Contribution.run_id == claim.run_id,
+                    Contribution.round_index == claim.index,
+                    Contribution.excluded_code.is_(None),
+                )
                 .order_by(Contribution.created_at, Contribution.id)  # a fixed order: determinism
             )
         )
         base = await checkpoints_service.get(
-            session=session, run_id=run_id, version=rnd.base_version
+            session=session, run_id=claim.run_id, version=rnd.base_version
         )
-        started = datetime.now(UTC)
-        result = await asyncio.to_thread(
-            apply_outer_step,
-            storage,
-            run_id=run_id,
-            cfg=cfg,
-            base_state_key=base.state_key,
-            blobs=[c.blob_key for c in contributions],
-            version=index,
-            eval_windows=settings.eval_windows,
-        )
-        now = datetime.now(UTC)
-        tokens = sum(c.tokens for c in contributions)
-        rnd.state = RoundState.CLOSED
-        rnd.closed_at = now
-        rnd.accepted = len(contributions)
-        rnd.tokens = tokens
-        rnd.train_loss = sum(c.loss * c.tokens for c in contributions) / tokens if tokens else None
-        rnd.eval_loss = result.eval_loss
-        rnd.update_norm = result.update_norm
-        session.add(
-            checkpoints_service.row_for(result.files, run_id=run_id, eval_loss=result.eval_loss)
-        )
-        await award_credit(session=session, run=run, contributions=contributions, now=now)
-        run.checkpoint_version = index
-        if index >= cfg.rounds.max_rounds:
-            run.status = RunStatus.COMPLETED
-        else:
-            await rounds_service.open_round(session=session, run=run, index=index + 1, now=now)
-    ROUNDS_CLOSED.labels(rnd.close_code or "unknown").inc()
-    CLOSE_SECONDS.observe((now - started).total_seconds())
-    for stage, seconds in result.seconds.items():
-        CLOSE_STAGE_SECONDS.labels(stage).observe(seconds)
-    log.info(
-        "run %s round %d closed (%s): %d contributions, eval loss %.4f, update norm %.4g, %.2f s",
-        run_id,
-        index,
-        rnd.close_code,
-        len(contributions),
-        result.eval_loss,
-        result.update_norm,
-        (now - started).total_seconds(),
+    inputs = StepInputs(
+        run_id=claim.run_id,
+        version=claim.index,
+        cfg=cfg,
+        base_state_key=base.state_key,
+        blobs=[(c.id, c.blob_key) for c in rows],
+        quorum=cfg.rounds.quorum,
     )
-    return True
+    aggregated = [Aggregated(c.id, c.contributor_id, c.tokens, c.loss) for c in rows]
+    return inputs, aggregated
 
 
-# Training a transformer costs about 6 FLOPs per parameter per token (forward 2, backward 4)
-TRAIN_FLOPS_PER_PARAM_TOKEN = 6
-
-
-async def award_credit(
-    *, session: AsyncSession, run: Run, contributions: list[Contribution], now: datetime
-) -> None:
-    """Credit exactly the contributions that went into this outer step, in the transaction
-    that publishes it: the training FLOPs they did, tokens x 6 x n_params. Nothing else ever
-    earns credit (a round that never closes leaves its contributions at 0)."""
-    if not contributions:
-        return
-    flops_per_token = float(TRAIN_FLOPS_PER_PARAM_TOKEN * run.n_params)
-    await session.execute(
-        update(Contribution)
-        .where(Contribution.id.in_([c.id for c in contributions]))
-        .values(aggregated_at=now, credit=Contribution.tokens * flops_per_token)
-        .execution_options(synchronize_session=False)
+def _mine(claim: Claim) -> tuple[ColumnElement[bool], ...]:
+    """The WHERE of every write a claim holder makes: still closing, still its claim."""
+    return (
+        Round.run_id == claim.run_id,
+        Round.index == claim.index,
+        Round.state == RoundState.CLOSING,
+        Round.claim_token == claim.token,
     )
 
 
-async def sweep_once(
-    *, sessions: async_sessionmaker[AsyncSession], storage: Storage, settings: Settings
-) -> int:
-    """One pass over every unfinished round: decide, extend or close. Returns rounds closed."""
-    now = datetime.now(UTC)
-    closed = 0
-    async with sessions() as session:
-        pending = (
-            await session.execute(
-                select(Round.run_id, Round.index, Round.state, Run.status)
-                .join(Run, Run.id == Round.run_id)
-                .where(Round.state != RoundState.CLOSED)
-                .order_by(Round.run_id, Round.index)
-            )
-        ).all()
-    for run_id, index, state, status in pending:
-        if state == RoundState.OPEN:
-            if status != RunStatus.ACTIVE:
-                continue  # paused or cancelled: the round waits
-            if not await _decide_and_mark(sessions, settings, run_id, index, now):
-                continue
-        if await finish_close(
-            sessions=sessions, storage=storage, settings=settings, run_id=run_id, index=index
-        ):
-            closed += 1
-    return closed
-
-
-async def _decide_and_mark(
+async def _publish(
     sessions: async_sessionmaker[AsyncSession],
-    settings: Settings,
-    run_id: str,
-    index: int,
-    now: datetime,
-) -> bool:
-    """Ask decide_close about an open round and persist the decision; True to close now."""
+    claim: Claim,
+    result: OuterResult,
+    aggregated: list[Aggregated],
+) -> str | None:
+    """closing -> closed, the version published and the next round open, in one short
+    transaction; the round's close code, or None when the claim is no longer ours."""
+    assert result.files is not None and result.eval_loss is not None
+    now = datetime.now(UTC)
     async with sessions() as session, session.begin():
-        rnd = await session.get_one(Round, (run_id, index))
-        run = await session.get_one(Run, run_id)
+        run = await runs_service.get(session=session, run_id=claim.run_id, lock="update")
         cfg = rounds_service.run_config(run)
-        _, decision = await rounds_service.decide(
-            session=session, rnd=rnd, cfg=cfg, settings=settings, now=now
+        effects = close_effects(
+            now,
+            round=claim.index,
+            run_status=RunStatus(run.status),
+            aggregated=aggregated,
+            n_params=run.n_params,
+            max_rounds=cfg.rounds.max_rounds,
+            timeout_s=cfg.rounds.timeout_s,
         )
-        if decision.action is Action.CLOSE:
-            return await mark_closing(
-                session=session,
-                run_id=run_id,
-                index=index,
-                code=decision.code,
-                reason=decision.reason,
+        closed = {
+            "state": RoundState.CLOSED,
+            "closed_at": now,
+            "accepted": effects.accepted,
+            "tokens": effects.tokens,
+            "train_loss": effects.train_loss,
+            "eval_loss": result.eval_loss,
+            "update_norm": result.update_norm,
+            "claim_token": None,
+            "claim_expires_at": None,
+            "retry_at": None,
+        }
+        if result.decision is not None:  # some were left out: say so on the round
+            closed |= {
+                "close_code": result.decision.code,
+                "close_reason": func.coalesce(Round.close_reason, "decided")
+                + "; "
+                + result.decision.reason,
+            }
+        code = await session.scalar(
+            update(Round).where(*_mine(claim)).values(**closed).returning(Round.close_code)
+        )
+        if code is None:
+            log.warning("run %s round %d: claim lost before publishing", claim.run_id, claim.index)
+            return None
+        await _exclude(session, claim, result.excluded)
+        session.add(
+            checkpoints_service.row_for(
+                result.files, run_id=claim.run_id, eval_loss=result.eval_loss
             )
-        if decision.action is Action.EXTEND and decision.new_deadline is not None:
+        )
+        if effects.credit:  # bulk UPDATE by primary key
             await session.execute(
-                update(Round)
-                .where(
-                    Round.run_id == run_id,
-                    Round.index == index,
-                    Round.state == RoundState.OPEN,
-                    Round.deadline == rnd.deadline,
-                )
-                .values(
-                    deadline=decision.new_deadline,
-                    extensions=Round.extensions + 1,
-                    close_code=decision.code,
-                    close_reason=decision.reason,
-                )
+                update(Contribution),
+                [
+                    {"id": cid, "credit": flops, "aggregated_at": now}
+                    for cid, flops in effects.credit.items()
+                ],
             )
-            log.info("run %s round %d: %s", run_id, index, decision.reason)
-    return False
+        run.status = effects.run_status
+        run.checkpoint_version = claim.index
+        if effects.next_round is not None:
+            await rounds_service.open_round(
+                session=session, run=run, index=effects.next_round.index, now=now
+            )
+    log.info("run %s: %s", claim.run_id, effects.summary)
+    return str(code)
 
 
-class Sweeper:
-    """The background task: sweep every ``sweep_interval_s``, or at once when woken (an
-    accepted upload may have reached the target)."""
-
-    def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], storage: Storage, settings: Settings
-    ) -> None:
-        self.sessions, self.storage, self.settings = sessions, storage, settings
-        self._wake = asyncio.Event()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def run(self) -> None:
-        interval = timedelta(seconds=self.settings.sweep_interval_s).total_seconds()
-        while True:
-            try:
-                await sweep_once(
-                    sessions=self.sessions, storage=self.storage, settings=self.settings
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep sweeping: one bad round must not stop every run
-                log.exception("round sweep failed; retrying in %.1f s", interval)
-            with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
-                await asyncio.wait_for(self._wake.wait(), timeout=interval)
-            self._wake.clear()
+async def _exclude(session: AsyncSession, claim: Claim, excluded: dict[str, str]) -> None:
+    if excluded:  # bulk UPDATE by primary key
+        await session.execute(
+            update(Contribution),
+            [
+                {"id": cid, "excluded_code": "blob_unreadable", "excluded_reason": why}
+                for cid, why in excluded.items()
+            ],
+        )
 
 
-__all__ = [
-    "Checkpoint",
-    "Sweeper",
-    "apply_outer_step",
-    "award_credit",
-    "finish_close",
-    "sweep_once",
-]
+async def _reopen(
+    sessions: async_sessionmaker[AsyncSession], claim: Claim, result: OuterResult
+) -> None:
+    """Too few readable contributions left: back to open, to wait for more."""
+    decision: Decision | None = result.decision
+    assert decision is not None
+    async with sessions() as session, session.begin():
+        won = await session.scalar(
+            update(Round)
+            .where(*_mine(claim))
+            .values(
+                state=RoundState.OPEN,
+                claim_token=None,
+                claim_expires_at=None,
+                close_code=decision.code,
+                close_reason=decision.reason,
+            )
+            .returning(Round.index)
+        )
+        if won is not None:
+            await _exclude(session, claim, result.excluded)
+    log.warning("run %s: %s", claim.run_id, decision.reason)
+
+
+async def _record_failure(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings, claim: Claim, err: Exception
+) -> None:
+    now = datetime.now(UTC)
+    code = "injected_fault" if isinstance(err, InjectedFault) else "close_failed"
+    policy = RetryPolicy(base_s=settings.close_retry_base_s, max_s=settings.close_retry_max_s)
+    retry_at = close_retry_at(now, claim.attempt, policy)
+    detail = f"attempt {claim.attempt}: {type(err).__name__}: {err}"[:1000]
+    CLOSE_FAILURES.labels(code).inc()
+    async with sessions() as session, session.begin():
+        await session.execute(
+            update(Round)
+            .where(*_mine(claim))
+            .values(
+                claim_token=None,
+                claim_expires_at=None,
+                error_code=code,
+                error=detail,
+                error_at=now,
+                retry_at=retry_at,
+            )
+        )
+    log.warning(
+        "run %s round %d: %s; retrying at %s",
+        claim.run_id,
+        claim.index,
+        detail,
+        retry_at.isoformat(),
+    )
+
+
+async def _renew(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings, claim: Claim
+) -> None:
+    """Keep the claim while the compute runs; stop when it is no longer ours."""
+    every = settings.claim_ttl_s / 3
+    while True:
+        await asyncio.sleep(every)
+        now = datetime.now(UTC)
+        async with sessions() as session, session.begin():
+            kept = await session.scalar(
+                update(Round)
+                .where(*_mine(claim))
+                .values(claim_expires_at=now + timedelta(seconds=settings.claim_ttl_s))
+                .returning(Round.index)
+            )
+        if kept is None:
+            log.warning("run %s round %d: claim lost", claim.run_id, claim.index)
+            return
+
+
+def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> None:
+    ROUNDS_CLOSED.labels(code).inc()
+    CLOSE_SECONDS.observe(seconds)
+    for stage, spent in result.seconds.items():
+        CLOSE_STAGE_SECONDS.labels(stage).observe(spent)
+    log.info(
+        "run %s round %d closed (%s): eval loss %.4f, update norm %.4g, %.2f s (attempt %d)",
+        claim.run_id,
+        claim.index,
+        code,
+        result.eval_loss or float("nan"),
+        result.update_norm or float("nan"),
+        seconds,
+        claim.attempt,
+    )
+
+
+__all__ = ["Checkpoint", "Claim", "claim_next", "close_claimed", "mark_closing"]

@@ -1,12 +1,15 @@
 """Receiving a contribution: stream to storage while validating, fsync, then one row.
 
 Order of work, so that a bad upload costs little and leaves nothing behind:
-1. cheap checks before reading the body: size, round open, lease held;
+1. cheap checks before reading the body: the protocol's ``admit_upload`` (run active,
+   round open, lease held, or a retry), then the size;
 2. the body streams into a temp blob and through a ``ContributionDecoder`` at the same time
    (decoded tensors are dropped at once: memory is one tensor, not the model);
-3. after the checksum, the header is checked against the URL and the round;
-4. the blob is committed (fsync + rename) and the row inserted in one transaction that
-   holds the round ``FOR SHARE``, so a round cannot close between the check and the insert.
+3. after the checksum, the header is checked against the URL and the round
+   (``admit_claim``) and against the run's model and codec;
+4. the blob is committed (fsync + rename) and the row inserted in one short transaction
+   that holds the run and the round ``FOR SHARE`` and asks ``admit_upload`` again, so a
+   round cannot start closing, nor the run be paused, between the check and the insert.
 Any failure aborts the temp blob; a 2xx means blob fsynced and row committed.
 """
 
@@ -25,6 +28,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.codec import make_codec
 from diloco.config import RunConfig
+from diloco.protocol.messages import Receipt
+from diloco.protocol.rules import admit_claim, admit_retry, admit_upload
+from diloco.protocol.state import Refusal, RunStatus, UploadClaim, UploadFacts
 from diloco.wire import (
     ContributionDecoder,
     ContributionHeader,
@@ -32,23 +38,20 @@ from diloco.wire import (
     WireFormatError,
 )
 from server.errors import (
-    BaseVersionMismatch,
     DuplicateContribution,
-    HeaderMismatch,
     LengthRequired,
     MalformedUpload,
-    NoLease,
     NonFiniteUpload,
-    RoundClosed,
     UploadTooLarge,
     WrongCodec,
     WrongTensors,
+    refused,
 )
+from server.rounds import notify
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Lease, Round
-from server.rounds.policy import RoundState
-from server.rounds.schemas import ContributionOut
 from server.runs import service as runs_service
+from server.runs.models import Run
 from server.settings import Settings
 from server.storage import BlobWriter, Storage
 
@@ -58,26 +61,14 @@ FEED_BYTES = 1 << 20  # decode in pieces of about this size, off the event loop
 @dataclass(frozen=True)
 class Accepted:
     created: bool  # False: an identical retry of an accepted upload
-    out: ContributionOut
+    out: Receipt
 
 
-def check_header(header: ContributionHeader, *, cfg: RunConfig, run_id: str, rnd: Round) -> None:
-    """The header against the URL, the round and the run's model and codec."""
-    meta = header.meta
-    if meta.run_id != run_id or meta.round != rnd.index:
-        raise HeaderMismatch(
-            f"the body is for run {meta.run_id!r} round {meta.round}, "
-            f"but was sent to run {run_id!r} round {rnd.index}"
-        )
-    if meta.base_version != rnd.base_version:
-        raise BaseVersionMismatch(
-            f"the contribution was trained from version {meta.base_version}, round {rnd.index} "
-            f"trains from version {rnd.base_version}: download it and train again",
-            expected=rnd.base_version,
-        )
+def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
+    """The header's codec and tensors against the run's model and codec."""
     codec = make_codec(cfg.compression.kind, cfg.compression.block_size)
-    if meta.codec != codec.describe():
-        raise WrongCodec(f"codec {meta.codec} is not the run's {codec.describe()}")
+    if header.meta.codec != codec.describe():
+        raise WrongCodec(f"codec {header.meta.codec} is not the run's {codec.describe()}")
     expected = rounds_service.model_shapes(cfg)
     got = {t.name: t.shape for t in header.tensors}
     if got != expected:
@@ -91,8 +82,17 @@ def check_header(header: ContributionHeader, *, cfg: RunConfig, run_id: str, rnd
     dtype = "int8" if cfg.compression.kind == "int8" else "float32"
     if bad := [t.name for t in header.tensors if t.dtype != dtype]:
         raise WrongTensors(f"tensors {bad} are not {dtype}, as the run's codec requires")
-    if meta.tokens < 1 or meta.inner_steps < 1:
-        raise MalformedUpload("tokens and inner_steps must be at least 1")
+
+
+def _claim(header: ContributionHeader) -> UploadClaim:
+    meta = header.meta
+    return UploadClaim(
+        run_id=meta.run_id,
+        round=meta.round,
+        base_version=meta.base_version,
+        tokens=meta.tokens,
+        inner_steps=meta.inner_steps,
+    )
 
 
 async def _stream_to_blob(
@@ -144,20 +144,11 @@ async def receive(
     async with sessions() as session:
         run = await runs_service.get(session=session, run_id=run_id)
         cfg = rounds_service.run_config(run)
-        rnd_or_none = await session.get(Round, (run_id, index))
-        if rnd_or_none is None:
-            current = await rounds_service.current_index(session=session, run_id=run_id)
-            raise RoundClosed(
-                f"run {run_id} has no round {index}; the current round is {current}",
-                current_round=current,
-            )
-        rnd = rnd_or_none
-        existing = await _existing(session, run_id, index, contributor_id)
-        if existing is None:
-            if rnd.state != RoundState.OPEN:
-                current = await rounds_service.current_index(session=session, run_id=run_id)
-                raise rounds_service.round_closed(rnd, current)
-            lease_id = await _lease_id(session, run_id, index, contributor_id)
+        facts, existing, lease_id = await _upload_facts(session, run, index, contributor_id)
+    verdict = admit_upload(facts)
+    if isinstance(verdict, Refusal):
+        raise refused(verdict)
+    assert facts.round is not None  # admitted uploads name an existing round
     limit = rounds_service.max_upload_bytes(cfg, settings)
     if content_length is None:
         raise LengthRequired("send the upload with a Content-Length header")
@@ -173,23 +164,31 @@ async def receive(
         sha = await _stream_to_blob(stream, writer, decoder, limit=limit)
         if decoder.header is None:
             raise MalformedUpload("the body ended before its header")
-        check_header(decoder.header, cfg=cfg, run_id=run_id, rnd=rnd)
+        if refusal := admit_claim(_claim(decoder.header), run_id=run_id, round=facts.round):
+            raise refused(refusal)
+        check_model(decoder.header, cfg=cfg)
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
             return _retry_answer(existing, sha)
         writer.commit()
 
-    # 4. one transaction: the round must still be open, then the row
+    # 4. one transaction: the rules again, under the run's and the round's locks, then the row
     meta = decoder.header.meta
     try:
         async with sessions() as session, session.begin():
-            locked = await session.scalar(
-                select(Round)
+            locked = await runs_service.get(session=session, run_id=run_id, lock="share")
+            await session.execute(
+                select(Round.index)
                 .where(Round.run_id == run_id, Round.index == index)
                 .with_for_update(read=True)
             )
-            if locked is None or locked.state != RoundState.OPEN:
-                current = await rounds_service.current_index(session=session, run_id=run_id)
-                raise rounds_service.round_closed(rnd, current)
+            facts, raced, lease_id = await _upload_facts(session, locked, index, contributor_id)
+            verdict = admit_upload(facts)
+            if isinstance(verdict, Refusal):
+                raise refused(verdict)
+            if raced is not None:  # a concurrent upload of the same contributor won the race
+                storage.delete(key)
+                return _retry_answer(raced, sha)
+            assert lease_id is not None
             row_id = f"con_{secrets.token_hex(8)}"
             inserted = await session.scalar(
                 insert(Contribution)
@@ -211,50 +210,60 @@ async def receive(
                 .on_conflict_do_nothing()
                 .returning(Contribution.id)
             )
-            if inserted is None:  # a concurrent upload of the same contributor won the race
-                raced = await _existing(session, run_id, index, contributor_id)
+            if inserted is None:  # the same contributor's concurrent upload got in first
+                raced = await session.scalar(
+                    select(Contribution).where(
+                        Contribution.run_id == run_id,
+                        Contribution.round_index == index,
+                        Contribution.contributor_id == contributor_id,
+                    )
+                )
                 if raced is None:
                     raise DuplicateContribution("a concurrent upload conflicted; retry")
                 storage.delete(key)
                 return _retry_answer(raced, sha)
+            await notify.rounds_changed(session, run_id)
     except BaseException:
         storage.delete(key)
         raise
-    return Accepted(True, ContributionOut(contribution_id=row_id, round=index, sha256=sha))
+    return Accepted(True, Receipt(contribution_id=row_id, round=index, sha256=sha))
 
 
 def _retry_answer(existing: Contribution, sha: str) -> Accepted:
-    if existing.sha256 != sha:
-        raise DuplicateContribution(
-            f"you already contributed {existing.id} to round {existing.round_index} "
-            "with a different body; one contribution per round"
-        )
+    refusal = admit_retry(
+        existing.sha256, sha, contribution_id=existing.id, round=existing.round_index
+    )
+    if refusal is not None:
+        raise refused(refusal)
     return Accepted(
-        False,
-        ContributionOut(contribution_id=existing.id, round=existing.round_index, sha256=sha),
+        False, Receipt(contribution_id=existing.id, round=existing.round_index, sha256=sha)
     )
 
 
-async def _existing(
-    session: AsyncSession, run_id: str, index: int, contributor_id: str
-) -> Contribution | None:
-    return await session.scalar(
+async def _upload_facts(
+    session: AsyncSession, run: Run, index: int, contributor_id: str
+) -> tuple[UploadFacts, Contribution | None, str | None]:
+    """What admit_upload looks at, plus the existing contribution and the lease's id."""
+    rnd = await session.get(Round, (run.id, index), populate_existing=True)
+    existing = await session.scalar(
         select(Contribution).where(
-            Contribution.run_id == run_id,
+            Contribution.run_id == run.id,
             Contribution.round_index == index,
             Contribution.contributor_id == contributor_id,
         )
     )
-
-
-async def _lease_id(session: AsyncSession, run_id: str, index: int, contributor_id: str) -> str:
     lease_id = await session.scalar(
         select(Lease.id).where(
-            Lease.run_id == run_id,
+            Lease.run_id == run.id,
             Lease.round_index == index,
             Lease.contributor_id == contributor_id,
         )
     )
-    if lease_id is None:
-        raise NoLease(f"you hold no lease on round {index}: POST /api/v1/runs/{run_id}/join first")
-    return lease_id
+    facts = UploadFacts(
+        run_status=RunStatus(run.status),
+        round=None if rnd is None else rounds_service.view_of(rnd),
+        current_round=await rounds_service.current_index(session=session, run_id=run.id),
+        existing_sha256=None if existing is None else existing.sha256,
+        lease_held=lease_id is not None,
+    )
+    return facts, existing, lease_id

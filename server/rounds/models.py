@@ -23,12 +23,19 @@ from server.db import Base
 
 class Round(Base):
     """Round ``index`` trains from checkpoint ``index - 1`` and produces checkpoint ``index``.
-    ``state`` follows server.rounds.policy.RoundState; transitions live in rounds.service."""
+    ``state`` follows diloco.protocol.state.RoundState; the rules are diloco.protocol.rules.
+
+    While ``closing``, a worker holds the round's claim (``claim_token`` until
+    ``claim_expires_at``, renewed while it computes); another worker takes an expired claim
+    over. A failed close is recorded in ``error_code``/``error`` and tried again at
+    ``retry_at``; ``close_attempts`` counts the claims taken."""
 
     __tablename__ = "rounds"
     __table_args__ = (
         CheckConstraint("state IN ('open', 'closing', 'closed')", name="state_valid"),
         CheckConstraint("index >= 1", name="index_positive"),
+        # the sweeper's scan: rounds not yet closed
+        Index("ix_rounds_unfinished", "state", postgresql_where=text("state <> 'closed'")),
     )
 
     run_id: Mapped[str] = mapped_column(
@@ -48,6 +55,14 @@ class Round(Base):
     train_loss: Mapped[float | None] = mapped_column(Float, default=None)
     eval_loss: Mapped[float | None] = mapped_column(Float, default=None)
     update_norm: Mapped[float | None] = mapped_column(Float, default=None)
+    leases_issued: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    claim_token: Mapped[str | None] = mapped_column(String(32), default=None)
+    claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    close_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    retry_at: Mapped[datetime | None] = mapped_column(default=None)
+    error_code: Mapped[str | None] = mapped_column(String(32), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Lease(Base):
@@ -109,6 +124,9 @@ class Contribution(Base):
     # a contribution whose round never closes keeps None and earns no credit
     aggregated_at: Mapped[datetime | None] = mapped_column(default=None)
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # FLOPs
+    # left out of its round's step (e.g. its stored blob could not be read): earns nothing
+    excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
+    excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 class UploadRejection(Base):

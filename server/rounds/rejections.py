@@ -107,6 +107,9 @@ async def round_contributions(
                 created_at=c.created_at,
                 aggregated=c.aggregated_at is not None,
                 credit=c.credit,
+                excluded=None
+                if c.excluded_code is None
+                else f"{c.excluded_code}: {c.excluded_reason}",
             )
             for c, name in accepted
         ],

@@ -3,19 +3,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
+from fastapi import APIRouter, Path, Request, Response
 
-from server.auth import ContributorAuth
+from server.auth import ContributorAuth, bearer_token
 from server.db import SessionDep
 from server.errors import HubError
 from server.metrics import UPLOAD_BYTES, UPLOADS
-from server.rounds import ingest, leases, rejections
+from server.rounds import ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
-    ContributionOut,
     HeartbeatIn,
     HeartbeatOut,
-    LeaseOut,
+    Lease,
+    Receipt,
     RoundContributions,
     RoundList,
 )
@@ -44,7 +44,7 @@ async def round_contributions(
 @router.post("/join")
 async def join(
     run_id: str, request: Request, session: SessionDep, contributor: ContributorAuth
-) -> LeaseOut:
+) -> Lease:
     """A lease on the open round: what to download, how many steps, until when."""
     run = await runs_service.get(session=session, run_id=run_id)
     return await leases.join(
@@ -59,25 +59,22 @@ async def join(
 @router.post("/rounds/{index}/heartbeat")
 async def heartbeat(
     run_id: str,
-    index: int,
+    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
     body: HeartbeatIn,
     request: Request,
-    session: SessionDep,
-    contributor: ContributorAuth,
 ) -> HeartbeatOut:
-    lease, rnd = await leases.heartbeat(
-        session=session,
+    """Keep your lease live while you train (contributor token). 409 ``round_closed`` or
+    ``run_not_active``: stop training for this round."""
+    return await leases.heartbeat(
+        engine=request.app.state.engine,
         settings=request.app.state.settings,
+        token=bearer_token(request),
         run_id=run_id,
         index=index,
-        contributor_id=contributor.id,
         lease_id=body.lease_id,
         step=body.step,
         loss=body.loss,
         now=datetime.now(UTC),
-    )
-    return HeartbeatOut(
-        lease_expires_at=lease.expires_at, round_state=rnd.state, deadline=rnd.deadline
     )
 
 
@@ -85,10 +82,8 @@ async def heartbeat(
 async def release_lease(
     run_id: str,
     index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
-    request: Request,
     session: SessionDep,
     contributor: ContributorAuth,
-    after: BackgroundTasks,
 ) -> None:
     """Give up your lease on the round now (you are stopping), so that a round waiting only
     for you can close. Idempotent; 404 no_lease if you never held one."""
@@ -100,7 +95,7 @@ async def release_lease(
         contributor_id=contributor.id,
         now=datetime.now(UTC),
     )
-    after.add_task(request.app.state.sweeper.wake)  # after the commit: the sweep must see it
+    await notify.rounds_changed(session, run_id)  # the round may close now: wake the workers
 
 
 @router.put(
@@ -109,8 +104,12 @@ async def release_lease(
     responses={200: {"description": "an identical retry of an accepted upload"}},
 )
 async def contribution(
-    run_id: str, index: int, request: Request, response: Response, contributor: ContributorAuth
-) -> ContributionOut:
+    run_id: str,
+    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    request: Request,
+    response: Response,
+    contributor: ContributorAuth,
+) -> Receipt:
     """The upload body of docs/protocol.md, streamed. 2xx means durable."""
     state = request.app.state
     try:
@@ -138,7 +137,6 @@ async def contribution(
     UPLOADS.labels("accepted" if accepted.created else "retry").inc()
     if accepted.created:
         UPLOAD_BYTES.inc(int(request.headers.get("content-length", "0")))
-        state.sweeper.wake()  # the target may be reached: close without waiting a sweep
     else:
         response.status_code = 200
     return accepted.out

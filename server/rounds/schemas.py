@@ -1,9 +1,43 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
+
+# what volunteers and the server exchange: one definition, in the package both import
+from diloco.protocol.messages import (
+    CheckpointRef,
+    HeartbeatIn,
+    HeartbeatOut,
+    Lease,
+    Receipt,
+    ShardRef,
+)
+
+__all__ = [
+    "CheckpointRef",
+    "CloseError",
+    "HeartbeatIn",
+    "HeartbeatOut",
+    "Lease",
+    "Receipt",
+    "RoundContribution",
+    "RoundContributions",
+    "RoundList",
+    "RoundOut",
+    "RoundRejection",
+    "ShardRef",
+]
+
+
+class CloseError(BaseModel):
+    """The latest failed attempt to close a round; kept after a later attempt succeeds."""
+
+    code: str  # close_failed | injected_fault | claim_expired
+    detail: str  # what went wrong, as a sentence
+    at: datetime
+    attempts: int  # close attempts (claims) so far
+    retry_at: datetime | None  # when it is tried again; None once the round is closed
 
 
 class RoundOut(BaseModel):
@@ -21,61 +55,12 @@ class RoundOut(BaseModel):
     train_loss: float | None
     eval_loss: float | None
     update_norm: float | None
+    close_attempts: int  # claims taken to close it (1 when the first attempt succeeded)
+    error: CloseError | None
 
 
 class RoundList(BaseModel):
     rounds: list[RoundOut]
-
-
-class FileRef(BaseModel):
-    url: str
-    sha256: str
-    nbytes: int
-
-
-class CheckpointRef(FileRef):
-    version: int
-
-
-class ShardRef(FileRef):
-    index: int
-    chunk_len: int
-
-
-class LeaseOut(BaseModel):
-    lease_id: str
-    run_id: str
-    round: int
-    base_version: int
-    checkpoint: CheckpointRef
-    shard: ShardRef
-    config: dict[str, Any]
-    inner_steps: int
-    start_step: int  # base_version * inner_steps: the global step for the lr schedule
-    seed: int
-    deadline: datetime
-    lease_expires_at: datetime
-    heartbeat_interval_s: float
-    max_upload_bytes: int
-
-
-class HeartbeatIn(BaseModel):
-    lease_id: str = Field(min_length=1, max_length=32)
-    step: int | None = Field(None, ge=0)
-    loss: float | None = Field(None, allow_inf_nan=False)
-
-
-class HeartbeatOut(BaseModel):
-    lease_expires_at: datetime
-    round_state: str
-    deadline: datetime
-
-
-class ContributionOut(BaseModel):
-    contribution_id: str
-    round: int
-    sha256: str
-    accepted: bool = True
 
 
 class RoundContribution(BaseModel):
@@ -88,6 +73,7 @@ class RoundContribution(BaseModel):
     created_at: datetime  # when the upload was accepted
     aggregated: bool  # went into the round's outer step
     credit: float  # FLOPs; 0 until aggregated
+    excluded: str | None  # why it was left out of the step (e.g. blob_unreadable: ...)
 
 
 class RoundRejection(BaseModel):

@@ -1,10 +1,12 @@
-"""Rounds: opening rounds, deadlines, what decide_close sees, round views.
-Leases (join, heartbeat, release) are in ``server.rounds.leases``.
+"""Rounds: opening rounds, deadlines, what the protocol's rules see, round views.
+Leases (join, heartbeat, release) are in ``server.rounds.leases``, uploads in
+``server.rounds.ingest``, closes in ``server.rounds.closing``.
 
-State transitions of a round live here and in ``server.rounds.closing``:
-open -> closing (the sweeper's guarded UPDATE), closing -> closed (one transaction that
-also publishes the checkpoint and opens the next round), open -> open with a later
-deadline (extension below quorum, or a resumed run).
+The rules are ``diloco.protocol.rules``; the transitions they decide are persisted here
+and in ``server.rounds.closing``: open -> closing (the sweeper's guarded UPDATE),
+closing -> closed (one short transaction that also publishes the checkpoint and opens the
+next round), closing -> open (too many contributions unreadable), open -> open with a
+later deadline (extension below quorum, or a resumed run).
 """
 
 from __future__ import annotations
@@ -18,21 +20,22 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig, parse_config
 from diloco.model import GPT
-from diloco.train import parameters_of
-from diloco.wire_header import DIGEST_BYTES, PREFIX
-from server.contributors.models import Contributor
-from server.errors import NotFound, RoundClosed
-from server.rounds.models import Contribution, Lease, Round
-from server.rounds.policy import (
+from diloco.protocol.rules import decide_close
+from diloco.protocol.state import (
     ClosePolicy,
     ContributionView,
     Decision,
+    LeasePolicy,
     LeaseView,
     RoundState,
     RoundView,
-    decide_close,
 )
-from server.rounds.schemas import RoundOut
+from diloco.train import parameters_of
+from diloco.wire_header import DIGEST_BYTES, PREFIX
+from server.contributors.models import Contributor
+from server.errors import NotFound
+from server.rounds.models import Contribution, Lease, Round
+from server.rounds.schemas import CloseError, RoundOut
 from server.runs.models import Run, RunStatus
 from server.runs.schemas import CurrentRound, LeaseState
 from server.settings import Settings
@@ -48,6 +51,24 @@ def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
         target=cfg.rounds.target,
         timeout_s=cfg.rounds.timeout_s,
         max_extensions=settings.max_extensions,
+    )
+
+
+def lease_policy(run: Run, settings: Settings) -> LeasePolicy:
+    return LeasePolicy(
+        ttl_s=settings.lease_ttl_s,
+        n_shards=run.n_shards,
+        retry_after_s=min(5.0, settings.sweep_interval_s * 2),
+    )
+
+
+def view_of(rnd: Round) -> RoundView:
+    return RoundView(
+        index=rnd.index,
+        opened_at=rnd.opened_at,
+        deadline=rnd.deadline,
+        state=RoundState(rnd.state),
+        extensions=rnd.extensions,
     )
 
 
@@ -154,19 +175,14 @@ async def round_views(
         select(Lease).where(Lease.run_id == rnd.run_id, Lease.round_index == rnd.index)
     )
     return (
-        RoundView(
-            index=rnd.index,
-            opened_at=rnd.opened_at,
-            deadline=rnd.deadline,
-            state=RoundState(rnd.state),
-            extensions=rnd.extensions,
-        ),
+        view_of(rnd),
         [
             ContributionView(
                 contributor_id=c.contributor_id,
                 accepted=True,
                 tokens=c.tokens,
                 base_version=c.base_version,
+                excluded=c.excluded_code is not None,
             )
             for c in contributions
         ],
@@ -186,7 +202,8 @@ async def decide(
 ) -> tuple[int, Decision]:
     view, contributions, leases = await round_views(session=session, rnd=rnd)
     decision = decide_close(now, view, contributions, leases, close_policy(cfg, settings))
-    return len({c.contributor_id for c in contributions}), decision
+    counted = {c.contributor_id for c in contributions if not c.excluded}
+    return len(counted), decision
 
 
 async def current_view(
@@ -197,8 +214,8 @@ async def current_view(
         return None
     cfg = run_config(run)
     accepted, decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
-    reason = decision.reason if rnd.state == RoundState.OPEN else "closing: aggregating"
-    if run.status != RunStatus.ACTIVE:
+    reason = decision.reason if rnd.state == RoundState.OPEN else closing_reason(rnd)
+    if run.status != RunStatus.ACTIVE and rnd.state == RoundState.OPEN:
         reason = f"run is {run.status}"
     return CurrentRound(
         index=rnd.index,
@@ -209,7 +226,28 @@ async def current_view(
         quorum=cfg.rounds.quorum,
         target=cfg.rounds.target,
         reason=reason,
+        error=close_error(rnd),
         leases=await lease_states(session=session, rnd=rnd, now=now),
+    )
+
+
+def closing_reason(rnd: Round) -> str:
+    """What a closing round is doing, as the dashboard says it."""
+    if rnd.error_code is not None and rnd.claim_token is None and rnd.retry_at is not None:
+        return f"closing: attempt {rnd.close_attempts} failed ({rnd.error_code}); retrying"
+    return f"closing: {rnd.close_reason}" if rnd.close_reason else "closing"
+
+
+def close_error(rnd: Round) -> CloseError | None:
+    """The round's latest failed close attempt, if any (kept after a later success)."""
+    if rnd.error_code is None or rnd.error is None or rnd.error_at is None:
+        return None
+    return CloseError(
+        code=rnd.error_code,
+        detail=rnd.error,
+        at=rnd.error_at,
+        attempts=rnd.close_attempts,
+        retry_at=rnd.retry_at if rnd.state == RoundState.CLOSING else None,
     )
 
 
@@ -256,7 +294,7 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
             func.sum(Contribution.tokens),
             func.avg(Contribution.loss),
         )
-        .where(Contribution.run_id == run_id)
+        .where(Contribution.run_id == run_id, Contribution.excluded_code.is_(None))
         .group_by(Contribution.round_index)
     )
     counts = {i: (int(n), int(t), float(loss)) for i, n, t, loss in await session.execute(live)}
@@ -284,13 +322,8 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
                 train_loss=train_loss,
                 eval_loss=r.eval_loss,
                 update_norm=r.update_norm,
+                close_attempts=r.close_attempts,
+                error=close_error(r),
             )
         )
     return out
-
-
-def round_closed(rnd: Round, current_round: int | None) -> RoundClosed:
-    return RoundClosed(
-        f"round {rnd.index} is {rnd.state}; the current round is {current_round}: join again",
-        current_round=current_round,
-    )

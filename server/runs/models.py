@@ -1,21 +1,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import BigInteger, CheckConstraint, Integer, String, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
+from diloco.protocol.state import RunStatus
 from server.db import Base
 
-
-class RunStatus(StrEnum):
-    ACTIVE = "active"  # rounds open, leases are handed out
-    PAUSED = "paused"  # no leases, the open round does not close; resume gives a fresh deadline
-    COMPLETED = "completed"  # its last round closed; the final checkpoint is the trained model
-    CANCELLED = "cancelled"  # stopped by its owner; final
+__all__ = ["Run", "RunStatus"]
 
 
 class Run(Base):

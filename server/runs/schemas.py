@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.rounds.schemas import CloseError
+
 
 class LeaseState(BaseModel):
     """A contributor's lease on the current round, as the dashboard shows it."""
@@ -31,6 +33,7 @@ class CurrentRound(BaseModel):
     quorum: int
     target: int | None
     reason: str | None  # decide_close's sentence, as of this request
+    error: CloseError | None  # the latest failed attempt to close it, while closing
     leases: list[LeaseState]  # every lease on this round, oldest first
 
 

@@ -6,7 +6,7 @@ import asyncio
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from sqlalchemy import select
@@ -63,7 +63,7 @@ async def create(
     data_name: str,
 ) -> Run:
     run_id = f"run_{secrets.token_hex(6)}"
-    seed = secrets.randbits(31)
+    seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
     data, files, n_params = await asyncio.to_thread(
         _prepare_files,
         storage,
@@ -73,7 +73,7 @@ async def create(
         n_shards=settings.n_shards,
         seed=seed,
     )
-    config = cfg.model_dump(mode="json")
+    config = cfg.model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
     config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
     run = Run(
         id=run_id,
@@ -94,9 +94,15 @@ async def create(
     return run
 
 
-async def get(*, session: AsyncSession, run_id: str, lock: bool = False) -> Run:
-    query = select(Run).where(Run.id == run_id)
-    run = await session.scalar(query.with_for_update() if lock else query)
+async def get(
+    *, session: AsyncSession, run_id: str, lock: Literal["update", "share"] | None = None
+) -> Run:
+    """The run; ``lock`` takes its row lock for the rest of the transaction (always the
+    run's before its rounds', so that no two transactions wait on each other)."""
+    query = select(Run).where(Run.id == run_id).execution_options(populate_existing=True)
+    if lock is not None:
+        query = query.with_for_update(read=lock == "share")
+    run = await session.scalar(query)
     if run is None:
         raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
     return run
@@ -107,7 +113,7 @@ async def list_all(*, session: AsyncSession) -> list[Run]:
 
 
 async def transition(*, session: AsyncSession, run_id: str, action: str, now: datetime) -> Run:
-    run = await get(session=session, run_id=run_id, lock=True)
+    run = await get(session=session, run_id=run_id, lock="update")
     new = TRANSITIONS[RunStatus(run.status)].get(action)
     if new is None:
         allowed = ", ".join(TRANSITIONS[RunStatus(run.status)]) or "nothing"

@@ -79,6 +79,7 @@ class ServerProcess(Proc):
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = data_dir
         env = {
             "DILOCO_ADMIN_TOKEN": ADMIN_TOKEN,
             "DILOCO_SWEEP_INTERVAL_S": "0.2",

@@ -1,10 +1,11 @@
-"""Table tests for the round-closing policy: a fixed `now`, exact reason sentences."""
+"""Table tests for decide_close, the round-closing rule: a fixed `now`, exact sentences."""
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from server.rounds.policy import (
+from diloco.protocol.rules import decide_close
+from diloco.protocol.state import (
     Action,
     ClosePolicy,
     ContributionView,
@@ -13,8 +14,6 @@ from server.rounds.policy import (
     ReasonCode,
     RoundState,
     RoundView,
-    decide_close,
-    expired_leases,
 )
 
 NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -228,8 +227,6 @@ def test_naive_now_is_rejected():
 
     with pytest.raises(ValueError, match=r"^now: must be timezone-aware"):
         decide_close(naive_now, round_(), [], [], POLICY)
-    with pytest.raises(ValueError, match=r"^now: must be timezone-aware"):
-        expired_leases(naive_now, [])
 
 
 def test_naive_round_and_lease_datetimes_are_rejected_naming_the_field():
@@ -246,14 +243,3 @@ def test_extend_decision_requires_a_new_deadline_and_only_extend_has_one():
         Decision(action=Action.EXTEND, reason="x", code="deadline_below_quorum")
     with pytest.raises(ValueError, match=r"^new_deadline: "):
         Decision(action=Action.CLOSE, reason="x", new_deadline=NOW, code="target")
-
-
-def test_expired_leases_are_those_expiring_at_or_before_now_in_order():
-    # Prepare
-    past, at_now, future = lease("a", -30), lease("b", 0), lease("c", 30)
-
-    # Execute
-    expired = expired_leases(NOW, [future, at_now, past])
-
-    # Assert
-    assert expired == [at_now, past]

@@ -1,0 +1,129 @@
+"""The JSON the server and volunteers exchange: one definition that both sides import.
+
+The server returns these models from its routes (so its OpenAPI is generated from them) and
+the client parses the server's answers with them, so a field renamed on one side fails the
+other's tests instead of failing volunteers in the field. ``ErrorCode`` lists every
+``error`` value the server answers with; clients branch on it, never on the sentence.
+
+Parsing is lenient about fields it does not know (an older client keeps working with a
+newer server that adds fields) and strict about the ones it does (a missing or mistyped
+field is an error that names it).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorCode(StrEnum):
+    """Every ``error`` value of an error answer; docs/api.md says when each is sent."""
+
+    # the upload body itself (400)
+    MALFORMED_UPLOAD = "malformed_upload"
+    NON_FINITE = "non_finite"
+    WRONG_TENSORS = "wrong_tensors"
+    WRONG_CODEC = "wrong_codec"
+    HEADER_MISMATCH = "header_mismatch"
+    # who you are (401, 403)
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    # what you named (404, 405)
+    NOT_FOUND = "not_found"
+    RUN_NOT_FOUND = "run_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    # the round's and the run's state (409)
+    ROUND_CLOSED = "round_closed"
+    ROUND_CLOSING = "round_closing"
+    BASE_VERSION_MISMATCH = "base_version_mismatch"
+    DUPLICATE_CONTRIBUTION = "duplicate_contribution"
+    NO_LEASE = "no_lease"
+    RUN_NOT_ACTIVE = "run_not_active"
+    ALREADY_CONTRIBUTED = "already_contributed"
+    INVALID_TRANSITION = "invalid_transition"
+    # sizes and ranges (411, 413, 416)
+    LENGTH_REQUIRED = "length_required"
+    UPLOAD_TOO_LARGE = "upload_too_large"
+    BODY_TOO_LARGE = "body_too_large"
+    RANGE_NOT_SATISFIABLE = "range_not_satisfiable"
+    # validation (422)
+    INVALID_CONFIG = "invalid_config"
+    INVALID_REQUEST = "invalid_request"
+    INVALID_DATA = "invalid_data"
+    # ours (500, 503)
+    INTERNAL = "internal"
+    UNSAFE_PUBLIC_URL = "unsafe_public_url"
+    UNAVAILABLE = "unavailable"
+    WHEEL_UNAVAILABLE = "wheel_unavailable"
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: a stable code, a sentence a person can act on, and sometimes more
+    fields (``current_round``, ``status``, ``retry_after_s``, ``expected``...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str
+    detail: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class FileRef(_Message):
+    url: str  # a server path (/api/v1/...) or an absolute URL
+    sha256: str  # hex; also the file's ETag
+    nbytes: int
+
+
+class CheckpointRef(FileRef):
+    version: int
+
+
+class ShardRef(FileRef):
+    index: int
+    chunk_len: int  # the shard is uint8 tokens, row-major (nbytes / chunk_len, chunk_len)
+
+
+class Lease(_Message):
+    """``POST /runs/{id}/join``: a contributor's claim on the open round, and what to do."""
+
+    lease_id: str
+    run_id: str
+    round: int
+    base_version: int  # the checkpoint version to start from (round − 1)
+    checkpoint: CheckpointRef
+    shard: ShardRef
+    config: dict[str, Any]  # the run config, the same structure as the TOML file
+    inner_steps: int  # H
+    start_step: int  # base_version * inner_steps: the global step that indexes the lr schedule
+    seed: int  # seeds this lease's batch sampling
+    deadline: datetime
+    lease_expires_at: datetime
+    heartbeat_interval_s: float
+    max_upload_bytes: int
+
+
+class HeartbeatIn(_Message):
+    lease_id: str = Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")
+    step: int | None = Field(None, ge=0, le=(1 << 31) - 1)
+    loss: float | None = Field(None, allow_inf_nan=False)
+
+
+class HeartbeatOut(_Message):
+    lease_expires_at: datetime
+    round_state: str
+    deadline: datetime
+
+
+class Receipt(_Message):
+    """The answer to an accepted upload (201, or 200 for an identical retry)."""
+
+    contribution_id: str
+    round: int
+    sha256: str
+    accepted: bool = True

@@ -1,0 +1,345 @@
+"""The round protocol, in one place: pure functions of (now, state, policy).
+
+A round's life, top to bottom in this file:
+
+1. ``admit_join``: a volunteer asks for work; it gets a lease on the open round (a new one,
+   or its old one renewed) or a refusal with a code. ``assign_lease`` says which shard and
+   seed a new lease trains on.
+2. ``admit_heartbeat``: a lease is kept alive while its holder trains.
+3. ``admit_upload`` before the body is read, ``admit_claim`` once its header is, and
+   ``admit_retry`` for a second upload of the same contributor: accept, idempotent retry,
+   or refuse with a code.
+4. ``decide_close``: the sweeper asks about each open round: close, extend or wait.
+5. ``decide_after_exclusions``: a closing round some of whose contributions could not be
+   read closes on the others if they still make quorum, else it reopens.
+6. ``close_effects``: what a close changes besides the checkpoint (counts, loss, credit,
+   the run's completion, the next round); ``close_retry_at`` when a failed close is tried
+   again.
+
+No clock, database or network here. The server's services fetch the facts, call a rule
+and persist what it returns; ``diloco simulate --mode protocol`` drives the same rules with
+a simulated clock. Table tests with a fixed ``now`` pin every rule and its sentence
+(torchft's ``quorum_compute`` is the model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+
+from diloco.protocol.messages import ErrorCode
+from diloco.protocol.state import (
+    Action,
+    Aggregated,
+    CloseEffects,
+    ClosePolicy,
+    ContributionView,
+    Decision,
+    HeartbeatFacts,
+    HeartbeatGrant,
+    JoinFacts,
+    JoinGrant,
+    LeaseAssignment,
+    LeasePolicy,
+    LeaseView,
+    NextRound,
+    Refusal,
+    RetryPolicy,
+    RoundState,
+    RoundView,
+    RunStatus,
+    UploadClaim,
+    UploadFacts,
+    UploadVerdict,
+    require_aware,
+)
+
+# Training a transformer costs about 6 FLOPs per parameter per token (forward 2, backward 4)
+TRAIN_FLOPS_PER_PARAM_TOKEN = 6
+
+
+def _not_active(status: RunStatus, run: str = "the run") -> Refusal:
+    advice = {
+        RunStatus.PAUSED: "wait for its owner to resume it",
+        RunStatus.COMPLETED: "it has finished; join another run",
+        RunStatus.CANCELLED: "its owner stopped it; join another run",
+    }.get(status, "")
+    return Refusal(
+        ErrorCode.RUN_NOT_ACTIVE, f"{run} is {status}: {advice}".rstrip(": "), {"status": status}
+    )
+
+
+def _round_closed(index: int, state: RoundState, current: int | None) -> Refusal:
+    return Refusal(
+        ErrorCode.ROUND_CLOSED,
+        f"round {index} is {state}; the current round is {current}: join again",
+        {"current_round": current},
+    )
+
+
+# ---------------------------------------------------------------- 1. joining
+
+
+def admit_join(now: datetime, facts: JoinFacts, policy: LeasePolicy) -> JoinGrant | Refusal:
+    """A lease on the run's open round, or why not; the first matching rule wins.
+
+    1. Only an active run hands out work (a paused run's volunteers wait, others stop).
+    2. No round in progress, or one being closed: join again shortly.
+    3. One contribution per contributor per round: wait for the next round.
+    4. A contributor that already holds a lease on the round gets it back, renewed, with
+       its shard and seed (a restarted volunteer resumes the same work).
+    """
+    require_aware("now", now)
+    if facts.run_status is not RunStatus.ACTIVE:
+        return _not_active(facts.run_status)
+    rnd = facts.round
+    retry = {"retry_after_s": policy.retry_after_s}
+    if rnd is None or rnd.state is not RoundState.OPEN:
+        which = "no round is open" if rnd is None else f"round {rnd.index} is closing"
+        return Refusal(ErrorCode.ROUND_CLOSING, f"{which} right now; join again shortly", retry)
+    if facts.contributed:
+        return Refusal(
+            ErrorCode.ALREADY_CONTRIBUTED,
+            f"you already contributed to round {rnd.index}; the next round opens when it closes",
+            retry,
+        )
+    return JoinGrant(
+        round=rnd.index,
+        base_version=rnd.base_version,
+        expires_at=now + timedelta(seconds=policy.ttl_s),
+        new_lease=facts.lease is None,
+    )
+
+
+def assign_lease(ordinal: int, *, round: int, run_seed: int, n_shards: int) -> LeaseAssignment:
+    """The ``ordinal``-th lease of a round (from 0) trains on shard ``ordinal mod n_shards``
+    with a seed derived from (run seed, round, ordinal): a run with a pinned seed hands out
+    the same (shard, seed) pairs in the same order every time."""
+    if ordinal < 0 or n_shards < 1:
+        raise ValueError(f"ordinal must be >= 0 and n_shards >= 1, got {ordinal}, {n_shards}")
+    digest = hashlib.blake2b(f"{run_seed}:{round}:{ordinal}".encode(), digest_size=8).digest()
+    return LeaseAssignment(shard=ordinal % n_shards, seed=int.from_bytes(digest, "little") >> 2)
+
+
+# ---------------------------------------------------------------- 2. heartbeats
+
+
+def admit_heartbeat(
+    now: datetime, facts: HeartbeatFacts, *, ttl_s: float
+) -> HeartbeatGrant | Refusal:
+    """Keep a lease alive for ``ttl_s`` more seconds, or say why its holder should stop
+    training for it."""
+    require_aware("now", now)
+    rnd = facts.round
+    if rnd is None:
+        return Refusal(ErrorCode.NOT_FOUND, "the run has no such round")
+    if facts.run_status is not RunStatus.ACTIVE:
+        return _not_active(facts.run_status)
+    if rnd.state is not RoundState.OPEN:
+        return _round_closed(rnd.index, rnd.state, facts.current_round)
+    if not facts.lease_held:
+        return Refusal(ErrorCode.NOT_FOUND, f"you hold no such lease on round {rnd.index}")
+    return HeartbeatGrant(expires_at=now + timedelta(seconds=ttl_s))
+
+
+# ---------------------------------------------------------------- 3. uploads
+
+
+def admit_upload(facts: UploadFacts) -> UploadVerdict | Refusal:
+    """Before reading an upload's body: is this contributor's upload welcome here?
+
+    A contributor that already has a contribution in the round is answered as a retry
+    whatever happened since (an identical body gets the same receipt; ``admit_retry``).
+    Otherwise the run must be active, the round open (a closing round refuses at once)
+    and the contributor must hold a lease on it.
+    """
+    rnd = facts.round
+    if rnd is None:
+        return Refusal(
+            ErrorCode.ROUND_CLOSED,
+            f"the run has no such round; the current round is {facts.current_round}",
+            {"current_round": facts.current_round},
+        )
+    if facts.existing_sha256 is not None:
+        return UploadVerdict.RETRY
+    if facts.run_status is not RunStatus.ACTIVE:
+        return _not_active(facts.run_status)
+    if rnd.state is not RoundState.OPEN:
+        return _round_closed(rnd.index, rnd.state, facts.current_round)
+    if not facts.lease_held:
+        return Refusal(
+            ErrorCode.NO_LEASE, f"you hold no lease on round {rnd.index}: join the run first"
+        )
+    return UploadVerdict.ACCEPT
+
+
+def admit_claim(claim: UploadClaim, *, run_id: str, round: RoundView) -> Refusal | None:
+    """An upload's header against the URL it was sent to and the round's base version."""
+    if claim.run_id != run_id or claim.round != round.index:
+        return Refusal(
+            ErrorCode.HEADER_MISMATCH,
+            f"the body is for run {claim.run_id!r} round {claim.round}, "
+            f"but was sent to run {run_id!r} round {round.index}",
+        )
+    if claim.base_version != round.base_version:
+        return Refusal(
+            ErrorCode.BASE_VERSION_MISMATCH,
+            f"the contribution was trained from version {claim.base_version}, round "
+            f"{round.index} trains from version {round.base_version}: download it and train "
+            "again",
+            {"expected": round.base_version},
+        )
+    if claim.tokens < 1 or claim.inner_steps < 1:
+        return Refusal(ErrorCode.MALFORMED_UPLOAD, "tokens and inner_steps must be at least 1")
+    return None
+
+
+def admit_retry(
+    existing_sha256: str, sha256: str, *, contribution_id: str, round: int
+) -> Refusal | None:
+    """A second upload by the same contributor to the same round: the same bytes are an
+    idempotent retry (None: answer with the stored receipt), other bytes a conflict."""
+    if existing_sha256 == sha256:
+        return None
+    return Refusal(
+        ErrorCode.DUPLICATE_CONTRIBUTION,
+        f"you already contributed {contribution_id} to round {round} with a different body; "
+        "one contribution per round",
+    )
+
+
+# ---------------------------------------------------------------- 4. closing
+
+
+def decide_close(
+    now: datetime,
+    round: RoundView,
+    contributions: Sequence[ContributionView],
+    leases: Sequence[LeaseView],
+    policy: ClosePolicy,
+) -> Decision:
+    """Decide whether `round` closes now; the first matching rule wins.
+
+    1. A round that is not open is being (or was) closed by someone: nothing to decide.
+    2. Target reached: close at once, live leases or not; more work would be wasted.
+    3. Quorum reached and no live lease outstanding: nobody else is about to deliver, so
+       waiting for the deadline would only idle the volunteers.
+    4. Deadline passed with quorum: close with what arrived.
+    5. Deadline passed below quorum: extend by `policy.extension`, since the accepted
+       contributions (same base) stay valid; once `max_extensions` is used up, keep waiting.
+    6. Otherwise wait.
+
+    Accepted contributions count once per contributor (a retry must not count twice), and an
+    excluded one not at all. A lease is outstanding when it is live and its holder has no
+    contribution yet: a rejected upload may be retried while the lease lives, and the
+    deadline bounds that wait.
+    """
+    require_aware("now", now)
+    if round.state is not RoundState.OPEN:
+        reason = f"round {round.index} is {round.state}, not open: nothing to decide"
+        return Decision(action=Action.KEEP_OPEN, reason=reason, code="not_open")
+
+    contributed = {c.contributor_id for c in contributions if c.accepted}
+    accepted = len({c.contributor_id for c in contributions if c.accepted and not c.excluded})
+    outstanding = {lease.contributor_id for lease in leases if lease.is_live(now)} - contributed
+    quorum = policy.quorum
+
+    if policy.target is not None and accepted >= policy.target:
+        reason = f"target reached: {accepted} of target {policy.target} accepted contributions"
+        return Decision(action=Action.CLOSE, reason=reason, code="target")
+    if accepted >= quorum and not outstanding:
+        reason = f"quorum reached ({accepted} of {quorum}) and no live lease outstanding"
+        return Decision(action=Action.CLOSE, reason=reason, code="quorum_no_live_leases")
+    if now >= round.deadline and accepted >= quorum:
+        reason = f"deadline passed with quorum: {accepted} accepted, quorum {quorum}"
+        return Decision(action=Action.CLOSE, reason=reason, code="deadline_quorum")
+    if now >= round.deadline:
+        below = f"deadline passed below quorum: {accepted} of {quorum} accepted"
+        limit = policy.max_extensions
+        if limit is not None and round.extensions >= limit:
+            reason = f"{below}; extension limit {limit} reached, so the round waits for quorum"
+            return Decision(action=Action.KEEP_OPEN, reason=reason, code="deadline_below_quorum")
+        seconds = policy.extension.total_seconds()
+        reason = f"{below}; deadline extended by {seconds:g} s (extension {round.extensions + 1})"
+        return Decision(
+            action=Action.EXTEND,
+            reason=reason,
+            new_deadline=now + policy.extension,
+            code="deadline_below_quorum",
+        )
+
+    left = math.ceil((round.deadline - now).total_seconds())  # never "0 s" before it passes
+    leases_text = f"{len(outstanding)} live lease{'' if len(outstanding) == 1 else 's'}"
+    reason = f"waiting: {accepted} of quorum {quorum} accepted, {leases_text}, deadline in {left} s"
+    return Decision(action=Action.KEEP_OPEN, reason=reason, code="waiting")
+
+
+def decide_after_exclusions(
+    round: int, *, kept: int, excluded: Mapping[str, str], quorum: int
+) -> Decision:
+    """A round decided to close, but some contributions' stored blobs could not be read
+    (``excluded``: contribution id → why). It closes on the ``kept`` others while they make
+    quorum; below quorum it reopens, to wait for more."""
+    names = ", ".join(f"{cid} ({why})" for cid, why in sorted(excluded.items()))
+    left_out = f"{len(excluded)} contribution{'' if len(excluded) == 1 else 's'} left out: {names}"
+    if kept >= quorum:
+        reason = f"round {round}: {left_out}; closing with the {kept} others (quorum {quorum})"
+        return Decision(action=Action.CLOSE, reason=reason, code="excluded_quorum")
+    reason = (
+        f"round {round}: {left_out}; {kept} left, below quorum {quorum}: reopened to wait for more"
+    )
+    return Decision(action=Action.KEEP_OPEN, reason=reason, code="excluded_below_quorum")
+
+
+# ---------------------------------------------------------------- 5. what a close changes
+
+
+def close_effects(
+    now: datetime,
+    *,
+    round: int,
+    run_status: RunStatus,
+    aggregated: Sequence[Aggregated],
+    n_params: int,
+    max_rounds: int,
+    timeout_s: float,
+) -> CloseEffects:
+    """Counts, loss, credit, the run's status and the next round, for a round whose outer
+    step is being published with the contributions ``aggregated``.
+
+    - Credit is the training compute that went into the step: tokens × 6 × n_params FLOPs
+      for each aggregated contribution, and nothing for anything else.
+    - The train loss is the contributors' mean losses weighted by their tokens.
+    - The last round (``max_rounds``) completes an active or paused run. A cancelled run
+      stays cancelled (a cancel is never overwritten) and opens no further round.
+    - Otherwise round + 1 opens now, with a full ``timeout_s`` (a paused run's round waits;
+      resuming gives it a fresh deadline).
+    """
+    require_aware("now", now)
+    tokens = sum(a.tokens for a in aggregated)
+    loss = sum(a.loss * a.tokens for a in aggregated) / tokens if tokens else None
+    flops_per_token = float(TRAIN_FLOPS_PER_PARAM_TOKEN * n_params)
+    credit = {a.contribution_id: a.tokens * flops_per_token for a in aggregated}
+    step = f"round {round} closed with {len(aggregated)} contributions ({tokens:,} tokens)"
+    if run_status is RunStatus.CANCELLED:
+        summary = f"{step}; the run was cancelled meanwhile, so no round follows"
+        return CloseEffects(len(aggregated), tokens, loss, credit, run_status, None, summary)
+    if round >= max_rounds:
+        summary = f"{step}; that was the last of {max_rounds} rounds: the run is completed"
+        return CloseEffects(
+            len(aggregated), tokens, loss, credit, RunStatus.COMPLETED, None, summary
+        )
+    following = NextRound(round + 1, now, now + timedelta(seconds=timeout_s))
+    summary = f"{step}; round {round + 1} opens"
+    return CloseEffects(len(aggregated), tokens, loss, credit, run_status, following, summary)
+
+
+def close_retry_at(now: datetime, attempts: int, policy: RetryPolicy) -> datetime:
+    """When a round whose close failed ``attempts`` times in a row is tried again."""
+    require_aware("now", now)
+    if attempts < 1:
+        raise ValueError(f"attempts counts from 1, got {attempts}")
+    delay = min(policy.max_s, policy.base_s * 2.0 ** min(attempts - 1, 60))
+    return now + timedelta(seconds=delay)

@@ -1,0 +1,151 @@
+"""The round worker: decide every open round, then close claimed ones, again and again.
+
+Each pass (every ``sweep_interval_s``, or at once when a notification says an upload or a
+lease release may let a round close):
+
+1. **decide**: for every open round of an active run, ``decide_close`` in its own short
+   transaction: close (open -> closing), extend the deadline, or wait. A round whose
+   decision fails is logged and skipped; the others are decided all the same.
+2. **close**: claim closing rounds, up to ``close_concurrency`` at once, each closed in its
+   own task (``server.rounds.closing``). A slow close of one run never holds up the
+   decisions of the others, and a failing one is recorded on its round and retried later.
+
+Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
+the guarded transitions and claims make each round close exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from diloco.faults import FaultInjector
+from diloco.protocol.state import Action, RoundState
+from server.rounds import service as rounds_service
+from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
+from server.rounds.models import Round
+from server.runs.models import Run, RunStatus
+from server.settings import Settings
+from server.storage import Storage
+
+log = logging.getLogger("diloco.rounds")
+
+
+class Sweeper:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        storage: Storage,
+        settings: Settings,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.sessions, self.storage, self.settings = sessions, storage, settings
+        self.faults = faults or FaultInjector()
+        self._wake = asyncio.Event()
+        self._closing: set[asyncio.Task[bool]] = set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        interval = self.settings.sweep_interval_s
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.sweep()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # the database went away, say: log it and sweep again
+                    log.exception("round sweep failed; retrying in %.1f s", interval)
+                with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
+                    await asyncio.wait_for(self._wake.wait(), timeout=interval)
+        finally:
+            for task in self._closing:
+                task.cancel()
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def sweep(self) -> None:
+        """One pass: decide every open round, then start closes up to the concurrency."""
+        now = datetime.now(UTC)
+        for run_id, index in await self._open_rounds():
+            try:
+                await self._decide(run_id, index, now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one round's failure must not keep the others undecided
+                log.exception("run %s round %d: deciding failed; next sweep retries", run_id, index)
+        while len(self._closing) < self.settings.close_concurrency:
+            claim = await claim_next(sessions=self.sessions, settings=self.settings, now=now)
+            if claim is None:
+                break
+            task = asyncio.create_task(
+                self._close(claim), name=f"close {claim.run_id}/{claim.index}"
+            )
+            self._closing.add(task)
+            task.add_done_callback(self._closed)
+
+    def _closed(self, task: asyncio.Task[bool]) -> None:
+        self._closing.discard(task)
+        self.wake()  # a slot is free, and the next round may already be decidable
+
+    async def _close(self, claim: Claim) -> bool:
+        return await close_claimed(
+            sessions=self.sessions,
+            storage=self.storage,
+            settings=self.settings,
+            faults=self.faults,
+            claim=claim,
+        )
+
+    async def _open_rounds(self) -> list[tuple[str, int]]:
+        async with self.sessions() as session:
+            rows = await session.execute(
+                select(Round.run_id, Round.index)
+                .join(Run, Run.id == Round.run_id)
+                .where(Round.state == RoundState.OPEN, Run.status == RunStatus.ACTIVE)
+                .order_by(Round.run_id, Round.index)
+            )
+            return [(run_id, index) for run_id, index in rows]
+
+    async def _decide(self, run_id: str, index: int, now: datetime) -> None:
+        """Ask decide_close about an open round and persist the decision."""
+        async with self.sessions() as session, session.begin():
+            rnd = await session.get_one(Round, (run_id, index))
+            run = await session.get_one(Run, run_id)
+            if rnd.state != RoundState.OPEN or run.status != RunStatus.ACTIVE:
+                return  # changed since the scan
+            cfg = rounds_service.run_config(run)
+            _, decision = await rounds_service.decide(
+                session=session, rnd=rnd, cfg=cfg, settings=self.settings, now=now
+            )
+            if decision.action is Action.CLOSE:
+                await mark_closing(
+                    session=session,
+                    run_id=run_id,
+                    index=index,
+                    code=decision.code,
+                    reason=decision.reason,
+                )
+            elif decision.action is Action.EXTEND and decision.new_deadline is not None:
+                await session.execute(
+                    update(Round)
+                    .where(
+                        Round.run_id == run_id,
+                        Round.index == index,
+                        Round.state == RoundState.OPEN,
+                        Round.deadline == rnd.deadline,
+                    )
+                    .values(
+                        deadline=decision.new_deadline,
+                        extensions=Round.extensions + 1,
+                        close_code=decision.code,
+                        close_reason=decision.reason,
+                    )
+                )
+                log.info("run %s round %d: %s", run_id, index, decision.reason)

@@ -1,0 +1,188 @@
+"""Crashes and failures at every stage boundary of a close, with real server processes on a
+real Postgres, armed with the fault injector (``DILOCO_FAULTS``).
+
+For each stage (claim, aggregate, step, eval, write, publish): the server closing round 1
+dies there (SIGKILL); a restarted server (no faults) finishes the round. Then:
+- the published parameters and the outer momentum are ``torch.equal`` to a reference
+  computed in this process from the same uploads with the same library calls;
+- the step was applied once: one checkpoint row per version, round 2 trains from version 1;
+- every upload acknowledged with a 2xx is counted in the step and credited.
+And a close that *fails* at each stage in turn (an exception, not a crash) is recorded on
+the round, retried with backoff, and publishes the same bits in the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+
+from diloco.checkpoint import load_checkpoint
+from diloco.config import parse_config
+from diloco.exchange import aggregate_upload
+from diloco.outer import Aggregator, OuterOptimizer
+from tests.conftest import server_run_config
+from tests.support.contribute import API, Work, create_run, register, train, upload
+from tests.support.live import ServerProcess, wait_for
+
+STAGES = ["claim", "aggregate", "step", "eval", "write", "publish"]
+QUICK = {"claim_ttl_s": 2, "close_retry_base_s": 0.2, "close_retry_max_s": 0.5}
+
+
+def reference(run: dict, base: dict[str, torch.Tensor], works: list[Work]) -> OuterOptimizer:
+    """What the server must compute for round 1: the token-weighted mean of the decoded Δs,
+    one Nesterov step from a fresh momentum, in the order the uploads were accepted."""
+    cfg = parse_config(run["config"])
+    outer = OuterOptimizer(
+        base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+    )
+    shapes = {n: tuple(p.shape) for n, p in base.items()}
+    aggregator = Aggregator(shapes)
+    for work in works:
+        aggregate_upload([work.body()], aggregator, expected=shapes, codec=work.meta.codec)
+    outer.step(aggregator.result())
+    return outer
+
+
+def _momentum_by_name(outer_state: dict) -> dict[str, torch.Tensor]:
+    names, state = outer_state["names"], outer_state["sgd"]["state"]
+    return {names[i]: s["momentum_buffer"] for i, s in state.items()}
+
+
+async def _checkpoint_rows(database_url: str, run_id: str) -> list[int]:
+    conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        rows = await conn.fetch(
+            "SELECT version FROM checkpoints WHERE run_id = $1 ORDER BY version", run_id
+        )
+    finally:
+        await conn.close()
+    return [r["version"] for r in rows]
+
+
+@pytest.fixture
+def started() -> Iterator[list[ServerProcess]]:
+    procs: list[ServerProcess] = []
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def _round_one_with_two_uploads(http: httpx.Client) -> tuple[dict, dict, list[Work]]:
+    """A run whose round 1 closes once two uploads are in; both uploaded (2xx)."""
+    config = server_run_config(rounds={"quorum": 2, "target": 2, "max_rounds": 3})
+    run = create_run(http, config | {"seed": 7})
+    works = []
+    for name in ("a", "b"):
+        token = register(http, name)
+        work = train(http, token, run["id"], steps=2)
+        assert upload(http, token, work).status_code == 201
+        works.append(work)
+    base = safetensors_load(http.get(works[0].lease["checkpoint"]["url"]).content)
+    return run, base, works
+
+
+def _assert_published_once_and_exact(
+    http: httpx.Client, server: ServerProcess, database_url: str, run: dict, expected
+) -> dict:  # type: ignore[no-untyped-def]
+    run_id = run["id"]
+    wait_for(
+        lambda: http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == 1,
+        timeout=90,
+        what="round 1 to be published",
+    )
+    # the parameters volunteers download, and the state a restart continues from
+    published = safetensors_load(http.get(f"{API}/runs/{run_id}/checkpoints/1").content)
+    assert published.keys() == expected.params.keys()
+    for name, tensor in expected.params.items():
+        assert torch.equal(published[name], tensor), name
+    state = load_checkpoint(
+        server.data_dir / "blobs" / "runs" / run_id / "checkpoints" / "1.state.safetensors"
+    )
+    assert state.outer_state is not None
+    # momentum buffers by parameter name (each side keeps its own parameter order)
+    got = _momentum_by_name(state.outer_state)
+    want = _momentum_by_name(expected.state_dict())
+    assert got.keys() == want.keys() == expected.params.keys()
+    for name, buffer in want.items():
+        assert torch.equal(got[name], buffer), name
+    # applied once: one row per version, and round 2 trains from version 1
+    assert asyncio.run(_checkpoint_rows(database_url, run_id)) == [0, 1]
+    rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
+    assert [(r["index"], r["state"], r["base_version"]) for r in rounds] == [
+        (1, "closed", 0),
+        (2, "open", 1),
+    ]
+    # every acknowledged upload counted and credited
+    listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
+    assert len(listed) == 2 and all(c["aggregated"] and c["credit"] > 0 for c in listed)
+    assert rounds[0]["accepted"] == 2
+    return rounds[0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_server_killed_at_each_stage_of_a_close_publishes_the_exact_step_after_restart(
+    stage, database_url, tmp_path: Path, started
+):
+    # Prepare: a server armed to die at the stage, two accepted uploads that close round 1
+    data_dir = tmp_path / "srv"
+    doomed = ServerProcess(
+        data_dir=data_dir, database_url=database_url, faults=f"close.{stage}=die", **QUICK
+    )
+    started.append(doomed)
+    http = doomed.wait_ready().client()
+    run, base, works = _round_one_with_two_uploads(http)
+    expected = reference(run, base, works)
+
+    # Execute: it dies at the stage; a new server on the same database and data dir
+    wait_for(lambda: not doomed.alive(), timeout=90, what=f"the server to die at {stage}")
+    assert doomed.popen.returncode == -9
+    assert f"fault injected: dying at close.{stage}" in doomed.output()
+    survivor = ServerProcess(data_dir=data_dir, database_url=database_url, **QUICK)
+    started.append(survivor)
+    http = survivor.wait_ready().client()
+
+    # Assert: the exact step, once, with both uploads
+    round1 = _assert_published_once_and_exact(http, survivor, database_url, run, expected)
+    if stage == "publish":  # it died after publishing: nothing was redone
+        assert round1["close_attempts"] == 1 and round1["error"] is None
+    else:  # the restarted server took the dead one's claim over once it expired
+        assert round1["close_attempts"] == 2
+        assert round1["error"]["code"] == "claim_expired", round1
+
+
+def test_a_close_failing_at_each_stage_in_turn_is_retried_and_publishes_the_exact_step(
+    database_url, tmp_path: Path, started
+):
+    # Prepare: every stage fails once, so each attempt gets one stage further
+    faults = ",".join(f"close.{stage}=fail" for stage in STAGES)
+    server = ServerProcess(
+        data_dir=tmp_path / "srv", database_url=database_url, faults=faults, **QUICK
+    )
+    started.append(server)
+    http = server.wait_ready().client()
+
+    # Execute
+    run, base, works = _round_one_with_two_uploads(http)
+
+    # Assert: five failed attempts recorded, the sixth published (then failed after its
+    # commit, which changes nothing), and the result is the exact step
+    round1 = _assert_published_once_and_exact(
+        http, server, database_url, run, reference(run, base, works)
+    )
+    assert round1["close_attempts"] == 6, round1
+    assert round1["error"]["code"] == "injected_fault"
+    assert (
+        round1["error"]["detail"]
+        == "attempt 5: InjectedFault: fault injected at close.write (hit 1)"
+    )
+    assert round1["error"]["retry_at"] is None  # closed: nothing left to retry
+    log = server.output()
+    for attempt, stage in enumerate(STAGES[:-1], start=1):
+        assert f"attempt {attempt}: InjectedFault: fault injected at close.{stage}" in log
