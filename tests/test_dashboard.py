@@ -291,3 +291,38 @@ def test_join_page_shows_this_servers_install_command(page, server):
     command = pg.text_content("#install-command")
     assert command == f"curl -fsSL {server.url}/install.sh | sh -s -- --name YOUR_NAME"
     assert httpx.get(f"{server.url}/install.sh", timeout=30).status_code == 200
+
+
+def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reasons(page, server):
+    # Prepare: run A's close fails (its base state file is gone); in run B one of two
+    # uploads is damaged on disk, so B's round closes on the other one
+    pg, _ = page
+    with server.client() as http:
+        config = server_run_config(rounds={"quorum": 1, "target": 2, "max_rounds": 5})
+        failing, leaving = create_run(http, config), create_run(http, config)
+        base = server.data_dir / "blobs" / "runs" / failing["id"] / "checkpoints"
+        (base / "0.state.safetensors").unlink()
+        token = register(http, "closer")
+        work = train(http, token, failing["id"], steps=1)
+        first, second = register(http, "damaged"), register(http, "intact")
+        assert upload(http, first, train(http, first, leaving["id"], steps=1)).status_code == 201
+        (blob,) = (server.data_dir / "blobs" / "runs" / leaving["id"] / "rounds" / "1").glob(
+            "*.bin"
+        )
+        blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
+        assert upload(http, second, train(http, second, leaving["id"], steps=1)).status_code == 201
+        assert upload(http, token, work).status_code == 201
+        wait_for(
+            lambda: http.get(f"{API}/runs/{leaving['id']}").json()["checkpoint_version"] == 1,
+            timeout=60, what="run B's round 1 to close on the intact upload",
+        )  # fmt: skip
+
+    # Execute + Assert: run A's live round says its close failed and when it retries
+    open_page(pg, f"#/runs/{failing['id']}")
+    expect(pg.locator("#round-error")).to_contain_text("failed (close_failed)", timeout=20_000)
+    assert "CheckpointError" in (pg.text_content("#round-error") or "")
+    # run B's round 1 lists the damaged upload as left out, with why
+    open_page(pg, f"#/runs/{leaving['id']}")
+    pg.get_by_role("button", name="Contributions of round 1").click()
+    cell = pg.get_by_text("left out: blob_unreadable: its stored upload is damaged")
+    expect(cell).to_have_count(1, timeout=10_000)

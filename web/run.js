@@ -138,6 +138,9 @@ export function runPage(main, runId) {
       h("p", { id: "round-progress-text", text: label }),
       h("p", {}, "Deadline: ", h("span", { id: "countdown", "data-deadline": cur.deadline }), ` (${when(cur.deadline)})`),
       h("p", { class: "muted", text: cur.reason || "" }),
+      cur.error ? h("p", { id: "round-error", class: "close-error", role: "status",
+        text: `Close attempt ${cur.error.attempts} failed (${cur.error.code}): ${cur.error.detail}` +
+          (cur.error.retry_at ? ` · retrying ${when(cur.error.retry_at)}` : "") }) : null,
       cur.leases.length
         ? table(["Contributor", "Shard", "Last heartbeat", "Step", "Loss", "State"], leases, "Leases on this round")
         : h("p", { class: "muted", text: "Nobody holds a lease on this round yet." }));
@@ -208,7 +211,8 @@ export function runPage(main, runId) {
         h("td", { text: num(r.eval_loss) }),
         h("td", { text: num(r.update_norm) }),
         h("td", { text: r.closed_at ? duration((Date.parse(r.closed_at) - Date.parse(r.opened_at)) / 1000) : "–" }),
-        h("td", { class: "reason", text: r.close_reason || "" }));
+        h("td", { class: "reason" }, r.close_reason || "",
+          r.error ? h("span", { class: "close-error", text: ` · ${r.close_attempts} attempts; last failure: ${r.error.code}: ${r.error.detail}` }) : null));
     });
     replace(roundsBox, table(
       ["Round", "State", "Accepted", "Tokens", "Tokens/s", "Train loss", "Eval loss", "Update norm", "Took", "Close reason"],
@@ -239,7 +243,8 @@ export function runPage(main, runId) {
             h("td", { text: String(c.inner_steps) }),
             h("td", { text: num(c.loss) }),
             h("td", { text: when(c.created_at) }),
-            h("td", { text: c.aggregated ? "yes" : "not yet" }),
+            h("td", c.excluded ? { class: "close-error", text: `left out: ${c.excluded}` }
+              : { text: c.aggregated ? "yes" : "not yet" }),
             h("td", { text: si(c.credit, "FLOP") }))),
           "Accepted")
         : h("p", { class: "muted", text: "No accepted contributions yet." }),
