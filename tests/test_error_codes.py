@@ -1,0 +1,43 @@
+"""One list of error codes (diloco.protocol.messages.ErrorCode) that the server raises, the
+client branches on and docs/api.md documents: none may drift from the others."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import server.app  # noqa: F401 - imports every router, hence every error class
+from diloco.protocol.messages import ErrorCode
+from server.errors import HubError
+
+API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+
+def error_classes(cls: type[HubError] = HubError) -> list[type[HubError]]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found += error_classes(sub)
+    return found
+
+
+def test_every_error_the_server_raises_has_a_shared_code():
+    codes = {cls.code for cls in error_classes()}
+
+    assert codes <= set(ErrorCode), codes - set(ErrorCode)
+
+
+def test_docs_error_table_lists_exactly_the_shared_codes():
+    table = re.findall(r"^\| (\d{3}) \| `([a-z_]+)` \|", API_DOC.read_text(), re.M)
+    documented = {code for _, code in table}
+
+    assert documented == {c.value for c in ErrorCode}, documented ^ {c.value for c in ErrorCode}
+
+
+def test_each_error_class_answers_with_the_status_the_docs_give_its_code():
+    table = re.findall(r"^\| (\d{3}) \| `([a-z_]+)` \|", API_DOC.read_text(), re.M)
+    statuses: dict[str, set[int]] = {}
+    for status, code in table:
+        statuses.setdefault(code, set()).add(int(status))
+
+    for cls in error_classes()[1:]:
+        assert cls.status in statuses[cls.code], (cls.__name__, cls.status, statuses[cls.code])
