@@ -62,9 +62,10 @@ class Proc:
             os.kill(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=30)
 
-    def stop(self, timeout: float = 20) -> int:
+    def stop(self, timeout: float = 20, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` and wait for the exit (SIGKILL after ``timeout``); the exit status."""
         if self.alive():
-            os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.pid, sig)
             try:
                 self.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -75,8 +76,9 @@ class Proc:
 
 class ServerProcess(Proc):
     def __init__(
-        self, *, data_dir: Path, database_url: str, port: int | None = None, **settings: Any
+        self, *, data_dir: Path, database_url: str | None, port: int | None = None, **settings: Any
     ) -> None:
+        """``database_url=None``: the embedded Postgres under ``data_dir``."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {
@@ -87,7 +89,10 @@ class ServerProcess(Proc):
         }
         args = [sys.executable, "-m", "client.cli", "serve", "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--data-dir", str(data_dir)]
-        args += ["--database-url", database_url]
+        if database_url is None:
+            env["DILOCO_DATABASE_URL"] = ""  # whatever the caller's environment says
+        else:
+            args += ["--database-url", database_url]
         data_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env)
 
