@@ -21,6 +21,7 @@ from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
 from server.downloads.router import router as downloads_router
 from server.errors import HubError
+from server.janitor import Janitor
 from server.metrics import RequestMetrics
 from server.rounds.closing import Sweeper
 from server.rounds.router import router as rounds_router
@@ -77,12 +78,17 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         app.state.storage = LocalStorage(settings.data_dir / "blobs")
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings)
         task = asyncio.create_task(app.state.sweeper.run(), name="round-sweeper")
+        janitor = Janitor(app.state.sessions, app.state.storage, settings)  # leftovers
+        janitor_task = asyncio.create_task(janitor.run(), name="janitor")
         try:
             yield
         finally:
+            janitor_task.cancel()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            with contextlib.suppress(asyncio.CancelledError):
+                await janitor_task
             await engine.dispose()
 
     app = FastAPI(

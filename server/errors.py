@@ -143,3 +143,8 @@ class InvalidData(HubError):
 class Unavailable(HubError):
     status = 503
     code = "unavailable"
+
+
+class StorageFailed(HubError):
+    status = 507
+    code = "storage_failed"

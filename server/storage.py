@@ -16,8 +16,8 @@ its ``contributions.blob_key`` row).
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +26,8 @@ from types import TracebackType
 from typing import BinaryIO, Protocol
 
 from diloco import atomic
+
+log = logging.getLogger("diloco.server.storage")
 
 
 @dataclass(frozen=True)
@@ -150,10 +152,16 @@ class LocalStorage:
         if not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must name a folder: end it with /")
         top = self.path(prefix.removesuffix("/"))
-        if not top.is_dir():
-            return 0
-        count = sum(len(files) for _, _, files in os.walk(top))
-        shutil.rmtree(top)
+        count = 0
+        # bottom up, tolerating files that another process removes meanwhile; links are
+        # removed, never followed
+        for folder, dirs, files in os.walk(top, topdown=False):
+            for name in files:
+                Path(folder, name).unlink(missing_ok=True)
+                count += 1
+            for name in dirs:
+                _remove_dir(Path(folder, name))
+        _remove_dir(top)
         return count
 
     def _walk(self, prefix: str) -> Iterator[tuple[BlobInfo, bool]]:
@@ -165,6 +173,8 @@ class LocalStorage:
         for folder, _, names in os.walk(top):
             rel = Path(folder).relative_to(self.root).as_posix()
             for name in names:
+                if not _keyable(folder, name):
+                    continue
                 try:
                     st = os.stat(os.path.join(folder, name), follow_symlinks=False)
                 except FileNotFoundError:
@@ -173,3 +183,24 @@ class LocalStorage:
                     continue
                 key = name if rel == "." else f"{rel}/{name}"
                 yield BlobInfo(key, st.st_size, st.st_mtime), atomic.is_temp_name(name)
+
+
+def _keyable(folder: str, name: str) -> bool:
+    """Keys are UTF-8 (as S3's are): a name that is not (undecodable bytes) is no blob of
+    ours, and is left alone with a warning rather than passed on to fail elsewhere."""
+    try:
+        (folder + "/" + name).encode("utf-8")
+    except UnicodeEncodeError:
+        log.warning("storage: ignoring %r: its name is not UTF-8", os.path.join(folder, name))
+        return False
+    return True
+
+
+def _remove_dir(path: Path) -> None:
+    try:
+        if path.is_symlink():
+            path.unlink()
+        else:
+            path.rmdir()
+    except FileNotFoundError:
+        return
