@@ -104,28 +104,27 @@ def plan(
     kept: list[str] = []
 
     # run folders without a row: all of it at once, once even its newest file is old
-    folders: dict[str, list[BlobInfo]] = {}
+    newest: dict[str, float] = {}  # run id -> its folder's newest mtime
+    beyond_creation: dict[str, str] = {}  # run id -> a file a run creation never writes
     for info in scan.blobs + scan.unfinished:
         run_id = run_id_of(info.key)
         if run_id is not None and run_id not in known_runs:
-            folders.setdefault(run_id, []).append(info)
+            newest[run_id] = max(newest.get(run_id, info.modified), info.modified)
+    for info in scan.blobs:
+        run_id = run_id_of(info.key)
+        if run_id in newest:
+            rest = info.key.removeprefix(f"runs/{run_id}/")
+            if not rest.startswith("data/") and rest not in CREATION_CHECKPOINTS:
+                beyond_creation.setdefault(run_id, rest)
     orphans: set[str] = set()
-    for run_id, items in sorted(folders.items()):
-        newest = max(i.modified for i in items)
-        if newest > cutoff:
+    for run_id, last in sorted(newest.items()):
+        if last > cutoff:
             continue  # a creation may be under way
         prefix = f"runs/{run_id}/"
-        trained = [
-            k
-            for b in scan.blobs
-            if b.key.startswith(prefix)
-            and not (k := b.key.removeprefix(prefix)).startswith("data/")
-            and k not in CREATION_CHECKPOINTS
-        ]
-        if trained:
+        if trained := beyond_creation.get(run_id):
             kept.append(
-                f"{prefix} has no run row in this database but holds {trained[0]} and more than "
-                "a run creation writes; kept. Is this data dir the one of this database?"
+                f"{prefix} has no run row in this database but holds {trained}, more than a "
+                "run creation writes; kept. Is this data dir the one of this database?"
             )
             continue
         orphans.add(run_id)
@@ -133,7 +132,7 @@ def plan(
             Removal(
                 "orphan_run",
                 prefix,
-                f"no run {run_id} in the database, last written {_ago(now - newest)} ago "
+                f"no run {run_id} in the database, last written {_ago(now - last)} ago "
                 "(a run creation that failed or crashed)",
             )
         )
