@@ -4,8 +4,9 @@ an environment variable ``DILOCO_<NAME>``.
 Exit codes: 0 success; 1 unexpected failure; 2 bad usage or an invalid config
 (the message names the key); 3 a data file that cannot be used; 4 the server refused the
 request (4xx: bad token, no such run, ...); 5 the server could not be reached, or kept
-failing (connection errors, timeouts, 5xx) after retries. ``diloco join`` stopped by a
-signal exits 128 + its number (130 for Ctrl+C, 143 for SIGTERM).
+failing (connection errors, timeouts, 5xx) after retries. ``diloco join`` and
+``diloco serve`` stopped by a signal exit 128 + its number (130 for Ctrl+C, 143 for
+SIGTERM), once they have cleaned up.
 """
 
 from __future__ import annotations
@@ -337,13 +338,15 @@ def serve(
         )
     if role not in ("all", "api", "worker"):
         fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
-    serve_app(
+    status = serve_app(
         host=host,
         port=port,
         data_dir=data_dir or default_data_dir(),
         database_url=database_url,
         role=role,
     )
+    if status:
+        raise typer.Exit(status)  # 128 + the signal that stopped it
 
 
 @app.command()

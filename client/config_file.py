@@ -13,13 +13,12 @@ Every key is optional; unknown keys and wrong types are refused, naming the file
 
 from __future__ import annotations
 
-import os
-import secrets
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from client.credentials import ServerURLError, config_dir, normalize_server_url
+from diloco.atomic import atomic_write_text
 
 CLIENT_CONFIG_FILE = "client.toml"
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -117,15 +116,8 @@ def save_client_config(cfg: ClientConfig, directory: Path | None = None) -> Path
     text = "\n".join(lines) + "\n"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = directory / f".{CLIENT_CONFIG_FILE}.{secrets.token_hex(4)}"
-        try:
-            with open(tmp, "x", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_write_text(path) as f:
+            f.write(text)
     except (OSError, UnicodeEncodeError) as err:
         raise ClientConfigError(f"cannot write {path}: {err}") from err
     return path

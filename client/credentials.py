@@ -3,7 +3,7 @@
 - Tokens: ``$DILOCO_CONFIG_DIR``, else ``$DILOCO_HOME/config``, else
   ``$XDG_CONFIG_HOME/diloco`` (default ``~/.config/diloco``); file ``credentials.json``,
   one entry per server keyed by its normalised URL, mode 0600, written atomically
-  (temp file, fsync, rename) so a crash never leaves half a file.
+  (``diloco.atomic``: temp file, fsync, rename) so a crash never leaves half a file.
 - Cache: ``$DILOCO_CACHE_DIR``, else ``$DILOCO_HOME/cache``, else ``$XDG_CACHE_HOME/diloco``
   (default ``~/.cache/diloco``):
   ``runs/<run>/checkpoints/v<version>-<sha256>.safetensors`` and
@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from client.lease import ProtocolError
+from diloco.atomic import atomic_write_text
 
 CREDENTIALS_FILE = "credentials.json"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -144,18 +144,9 @@ def save_credentials(server_url: str, creds: Credentials, directory: Path | None
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         data = _read_all(path)
         data[normalize_server_url(server_url)] = asdict(creds)
-        tmp = directory / f".{CREDENTIALS_FILE}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)  # whatever the umask said
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_write_text(path, permissions=0o600) as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
     except OSError as err:
         raise CredentialsError(f"cannot write {path}: {err}") from err
     return path

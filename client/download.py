@@ -15,7 +15,6 @@ mix-up (and a retry starts over), so the worst case is a wasted download, never 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from client.http import CHUNK, DownloadError, RetryableError, error_from
+from diloco.atomic import commit
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -114,8 +114,6 @@ async def fetch_once(
                 digest.update(chunk)
                 f.write(chunk)
                 have += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
     if digest.hexdigest() != expected_sha256:
         part.unlink(missing_ok=True)
         raise RetryableError(
@@ -125,5 +123,5 @@ async def fetch_once(
                 "the run's operator"
             )
         )
-    os.replace(part, dest)
+    commit(part, dest)  # fsync, rename, fsync the folder
     return Fetched(dest, have, resumed_from, have - resumed_from)

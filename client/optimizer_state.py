@@ -12,14 +12,14 @@ the new one. A file for another config or model is refused with a reason, never 
 from __future__ import annotations
 
 import json
-import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from diloco.atomic import atomic_path
 
 FORMAT = "diloco-adamw/1"
 STATE_FILE = "adamw.safetensors"
@@ -70,14 +70,8 @@ def save_state(
         "param_groups": json.dumps(sd["param_groups"]),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +26,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
+
+from diloco.atomic import atomic_write
 
 FORMAT = "diloco-checkpoint"
 FORMAT_VERSION = "1"
@@ -88,9 +88,9 @@ def save_checkpoint(
 ) -> str:
     """Write the checkpoint atomically and return the sha256 of its bytes.
 
-    Commit or discard: the bytes go to a temp name in the same directory, are fsynced and
-    renamed over ``path``, then the directory is fsynced; a crash at any point leaves
-    either the old file or the new one, never a mix (invariant 2).
+    Commit or discard (``diloco.atomic``): the bytes go to a temp name in the same
+    directory, are fsynced and renamed over ``path``, then the directory is fsynced; a crash
+    at any point leaves either the old file or the new one, never a mix (invariant 2).
     """
     meta = dict(metadata or {})
     if clash := RESERVED_KEYS & meta.keys():
@@ -114,22 +114,8 @@ def save_checkpoint(
     data = safetensors_save(tensors, metadata=meta)
     digest = hashlib.sha256(data).hexdigest()
 
-    path = Path(path)
-    tmp = path.with_suffix(f".tmp-{secrets.token_hex(8)}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)  # makes the rename itself durable
-    finally:
-        os.close(dir_fd)
+    with atomic_write(Path(path)) as f:
+        f.write(data)
     return digest
 
 

@@ -22,6 +22,7 @@ from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
 from server.downloads.router import router as downloads_router
 from server.errors import HubError
+from server.janitor import Janitor
 from server.metrics import RequestMetrics
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
@@ -84,7 +85,9 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         faults = FaultInjector.parse(settings.faults)
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)
         tasks = []
-        if works_rounds:
+        if works_rounds:  # the background work: rounds, and collecting what crashes left
+            janitor = Janitor(app.state.sessions, app.state.storage, settings)
+            tasks.append(asyncio.create_task(janitor.run(), name="janitor"))
             listener = Listener(settings.database_url, app.state.sweeper.wake)
             tasks.append(asyncio.create_task(app.state.sweeper.run(), name="round-sweeper"))
             tasks.append(asyncio.create_task(listener.run(), name="round-notifications"))

@@ -152,6 +152,11 @@ class Unavailable(HubError):
     code = ErrorCode.UNAVAILABLE
 
 
+class StorageFailed(HubError):
+    status = 507
+    code = ErrorCode.STORAGE_FAILED
+
+
 # the error each refusal code of the round protocol is answered with
 _REFUSALS: dict[str, type[HubError]] = {
     cls.code: cls

@@ -23,6 +23,16 @@ CLOSE_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+JANITOR_KINDS = ("temp_file", "orphan_blob", "orphan_run")
+JANITOR_REMOVED = Counter(
+    "diloco_janitor_removed_total", "Leftovers the janitor removed, by kind", ["kind"]
+)
+JANITOR_ERRORS = Counter(
+    "diloco_janitor_errors_total", "Leftovers the janitor failed to remove (retried next pass)"
+)
+JANITOR_PASSES = Counter("diloco_janitor_passes_total", "Janitor passes completed")
+for _kind in JANITOR_KINDS:
+    JANITOR_REMOVED.labels(_kind)  # every kind shows, at 0, from the start
 
 
 class RequestMetrics:

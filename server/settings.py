@@ -50,6 +50,12 @@ class Settings(BaseSettings):
     eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
     torch_threads: int = Field(0, ge=0)  # 0: torch's default
 
+    # the janitor (server.janitor): what interrupted work left behind in the data dir
+    janitor_interval_s: float = Field(600.0, gt=0)  # between passes; the first runs at start
+    # a leftover is removed only once its mtime is this old: anything younger may be a write
+    # in progress, here or in another server on the same data dir
+    temp_max_age_s: float = Field(3600.0, ge=60)
+
     # the volunteer installer (GET /install.sh) and the client wheel under /downloads/
     public_url: str | None = None  # what volunteers reach us at; None: each request's base URL
     client_wheel: Path | None = None  # a prebuilt diloco_hub-*.whl; None: build from source

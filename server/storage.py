@@ -1,20 +1,40 @@
 """Blob storage behind a small interface: local disk today, S3-compatible storage later.
 
-Keys are ``/``-separated relative paths (``runs/<id>/rounds/3/<contributor>.bin``). A blob
-is written through a ``BlobWriter``: bytes go to a temp name, and ``commit`` fsyncs the file,
-renames it into place and fsyncs the directory, so a 2xx that follows a commit means the
-bytes survive a crash (invariant 1). ``abort`` (or leaving the ``with`` block on an error)
-removes the temp file: a rejected upload leaves nothing behind.
+Keys are ``/``-separated relative paths (``runs/<id>/rounds/3/<contributor>.bin``); nothing
+in the interface is a file system path except ``path``, which only ``LocalStorage`` can
+honour. A blob is written through a ``BlobWriter``: bytes go to a temp name (the
+``diloco.atomic`` scheme), and ``commit`` fsyncs the file, renames it into place and fsyncs
+the directory, so a 2xx that follows a commit means the bytes survive a crash (invariant 1).
+``abort`` (or leaving the ``with`` block on an error) removes the temp file: a rejected
+upload leaves nothing behind. A crash leaves an unfinished write, which
+``list_unfinished`` finds and the janitor (``server.janitor``) deletes once it is old.
+
+Layout: ``runs/<id>/data/`` (validation and training shards), ``runs/<id>/checkpoints/``
+(two files per version), ``runs/<id>/rounds/<index>/`` (contribution blobs, each named by
+its ``contributions.blob_key`` row).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import secrets
+import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Protocol
+
+from diloco import atomic
+
+log = logging.getLogger("diloco.server.storage")
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    nbytes: int
+    modified: float  # seconds since the epoch: the file's mtime (S3: LastModified)
 
 
 class BlobWriter(Protocol):
@@ -38,20 +58,25 @@ class Storage(Protocol):
     def delete(self, key: str) -> None: ...
     def path(self, key: str) -> Path: ...
 
+    def list_blobs(self, prefix: str) -> Iterator[BlobInfo]:
+        """Committed blobs whose keys start with ``prefix`` ("" or ending in "/")."""
+        ...
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def list_unfinished(self, prefix: str) -> Iterator[BlobInfo]:
+        """Writes under ``prefix`` never committed nor aborted (a crash, a kill): temp
+        files here, incomplete multipart uploads on S3. ``delete`` removes one by its key."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove everything under ``prefix`` (ending in "/"); returns how many blobs."""
+        ...
 
 
 class _LocalWriter:
     def __init__(self, final: Path) -> None:
         self.final = final
         final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(6)}")
+        self.tmp = atomic.temp_path(final)
         self._file: BinaryIO | None = open(self.tmp, "xb")  # noqa: SIM115 - closed in commit/abort
         self.nbytes = 0
 
@@ -64,12 +89,9 @@ class _LocalWriter:
     def commit(self) -> None:
         if self._file is None:
             raise RuntimeError(f"blob {self.final.name} is already committed or aborted")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        atomic.commit(self.tmp, self.final)
 
     def abort(self) -> None:
         if self._file is not None:
@@ -119,3 +141,66 @@ class LocalStorage:
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def list_blobs(self, prefix: str) -> Iterator[BlobInfo]:
+        return (b for b, unfinished in self._walk(prefix) if not unfinished)
+
+    def list_unfinished(self, prefix: str) -> Iterator[BlobInfo]:
+        return (b for b, unfinished in self._walk(prefix) if unfinished)
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix.endswith("/"):
+            raise ValueError(f"prefix {prefix!r} must name a folder: end it with /")
+        top = self.path(prefix.removesuffix("/"))
+        count = 0
+        # bottom up, tolerating files that another process removes meanwhile; links are
+        # removed, never followed
+        for folder, dirs, files in os.walk(top, topdown=False):
+            for name in files:
+                Path(folder, name).unlink(missing_ok=True)
+                count += 1
+            for name in dirs:
+                _remove_dir(Path(folder, name))
+        _remove_dir(top)
+        return count
+
+    def _walk(self, prefix: str) -> Iterator[tuple[BlobInfo, bool]]:
+        """Every regular file under ``prefix`` and whether it is an unfinished write; files
+        that vanish meanwhile (another process deleted them) are skipped."""
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"prefix {prefix!r} must name a folder: end it with /")
+        top = self.path(prefix.removesuffix("/")) if prefix else self.root
+        for folder, _, names in os.walk(top):
+            rel = Path(folder).relative_to(self.root).as_posix()
+            for name in names:
+                if not _keyable(folder, name):
+                    continue
+                try:
+                    st = os.stat(os.path.join(folder, name), follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                yield BlobInfo(key, st.st_size, st.st_mtime), atomic.is_temp_name(name)
+
+
+def _keyable(folder: str, name: str) -> bool:
+    """Keys are UTF-8 (as S3's are): a name that is not (undecodable bytes) is no blob of
+    ours, and is left alone with a warning rather than passed on to fail elsewhere."""
+    try:
+        (folder + "/" + name).encode("utf-8")
+    except UnicodeEncodeError:
+        log.warning("storage: ignoring %r: its name is not UTF-8", os.path.join(folder, name))
+        return False
+    return True
+
+
+def _remove_dir(path: Path) -> None:
+    try:
+        if path.is_symlink():
+            path.unlink()
+        else:
+            path.rmdir()
+    except FileNotFoundError:
+        return

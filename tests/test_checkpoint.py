@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from diloco import checkpoint as ckpt_mod
+from diloco import atomic as atomic_mod
 from diloco.checkpoint import (
     CheckpointError,
     checkpoint_params_only,
@@ -118,7 +118,7 @@ def test_failed_replace_leaves_the_old_checkpoint_intact_and_no_temp_file(
     def crash(*args: object) -> None:
         raise OSError("simulated crash before the rename")
 
-    monkeypatch.setattr(ckpt_mod.os, "replace", crash)
+    monkeypatch.setattr(atomic_mod.os, "replace", crash)
 
     # Execute
     with pytest.raises(OSError, match="simulated crash"):

@@ -58,6 +58,7 @@ class ErrorCode(StrEnum):
     UNSAFE_PUBLIC_URL = "unsafe_public_url"
     UNAVAILABLE = "unavailable"
     WHEEL_UNAVAILABLE = "wheel_unavailable"
+    STORAGE_FAILED = "storage_failed"
 
 
 class ErrorBody(BaseModel):

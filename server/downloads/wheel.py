@@ -34,6 +34,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.atomic import atomic_write, fsync_dir
 from diloco.protocol.messages import ErrorCode
 from server.errors import HubError
 
@@ -272,16 +273,16 @@ class ClientWheel:
         staging = self.cache_root / f".staging-{secrets.token_hex(6)}"
         staging.mkdir()
         try:
-            target = staging / built.name
-            shutil.copyfile(built, target)
-            with open(target, "rb") as f:
-                os.fsync(f.fileno())
+            with open(built, "rb") as src, atomic_write(staging / built.name) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
             try:
                 os.rename(staging, cache)
             except OSError:
                 if not any(cache.glob("diloco_hub-*.whl")):
                     raise
                 # another process published the same sources first: serve theirs
+            else:
+                fsync_dir(self.cache_root)  # the rename itself survives a crash
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self._prune(keep=cache)

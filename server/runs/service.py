@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,13 +18,15 @@ from diloco.model import GPT
 from diloco.outer import OuterOptimizer
 from diloco.train import parameters_of
 from server.checkpoints import service as checkpoints_service
-from server.errors import InvalidTransition, RunNotFound
+from server.errors import InvalidTransition, RunNotFound, StorageFailed
 from server.rounds import service as rounds_service
 from server.runs import data as run_data
 from server.runs.models import Run, RunStatus
 from server.runs.schemas import DataInfo, LatestMetrics, RunOut
 from server.settings import Settings
 from server.storage import Storage
+
+log = logging.getLogger("diloco.server.runs")
 
 # status -> action -> new status; everything else is an invalid transition
 TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
@@ -38,18 +41,24 @@ def _prepare_files(
     storage: Storage, *, run_id: str, cfg: RunConfig, source: Path, n_shards: int, seed: int
 ) -> tuple[dict[str, Any], checkpoints_service.VersionFiles, int]:
     """The CPU and disk part of creating a run (runs in a worker thread)."""
-    data = run_data.split_and_store(
-        storage, run_id=run_id, cfg=cfg, source=source, n_shards=n_shards
-    )
-    torch.manual_seed(seed)
-    model = GPT(cfg.model.gpt_config())
-    params = parameters_of(model)
-    outer = OuterOptimizer(
-        params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-    )
-    files = checkpoints_service.write_version(
-        storage, run_id=run_id, version=0, params=outer.params, outer_state=outer.state_dict()
-    )
+    try:
+        data = run_data.split_and_store(
+            storage, run_id=run_id, cfg=cfg, source=source, n_shards=n_shards
+        )
+        torch.manual_seed(seed)
+        model = GPT(cfg.model.gpt_config())
+        params = parameters_of(model)
+        outer = OuterOptimizer(
+            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+        )
+        files = checkpoints_service.write_version(
+            storage, run_id=run_id, version=0, params=outer.params, outer_state=outer.state_dict()
+        )
+    except OSError as err:
+        raise StorageFailed(
+            f"the server could not write the run's files ({err.strerror or err}); the operator "
+            "should check the free space and permissions of its data dir"
+        ) from err
     return data, files, model.num_parameters()
 
 
@@ -62,36 +71,55 @@ async def create(
     data_file: Path,
     data_name: str,
 ) -> Run:
+    """Write the run's files, then its rows. On any error what was written under
+    ``runs/<id>/`` is removed before the error answer goes out (a commit that fails after
+    this returns leaves a folder without a row, which the janitor collects)."""
     run_id = f"run_{secrets.token_hex(6)}"
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
-    data, files, n_params = await asyncio.to_thread(
-        _prepare_files,
-        storage,
-        run_id=run_id,
-        cfg=cfg,
-        source=data_file,
-        n_shards=settings.n_shards,
-        seed=seed,
-    )
-    config = cfg.model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
-    config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
-    run = Run(
-        id=run_id,
-        name=cfg.name,
-        status=RunStatus.ACTIVE,
-        config=config,
-        seed=seed,
-        n_params=n_params,
-        checkpoint_version=0,
-        created_at=datetime.now(UTC),
-        **data,
-    )
-    session.add(run)
-    await session.flush()
-    session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
-    await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
-    await session.flush()
+    try:
+        data, files, n_params = await asyncio.to_thread(
+            _prepare_files,
+            storage,
+            run_id=run_id,
+            cfg=cfg,
+            source=data_file,
+            n_shards=settings.n_shards,
+            seed=seed,
+        )
+        config = cfg.model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
+        config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
+        run = Run(
+            id=run_id,
+            name=cfg.name,
+            status=RunStatus.ACTIVE,
+            config=config,
+            seed=seed,
+            n_params=n_params,
+            checkpoint_version=0,
+            created_at=datetime.now(UTC),
+            **data,
+        )
+        session.add(run)
+        await session.flush()
+        session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
+        await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
+        await session.flush()
+    except BaseException:
+        _discard_files(storage, run_id)
+        raise
     return run
+
+
+def _discard_files(storage: Storage, run_id: str) -> None:
+    try:
+        count = storage.delete_prefix(f"runs/{run_id}/")
+    except OSError as err:
+        log.error(
+            "creating run %s failed, then removing its files: %s (the janitor will)", run_id, err
+        )
+        return
+    if count:
+        log.info("creating run %s failed; the %d files it wrote are removed", run_id, count)
 
 
 async def get(

@@ -4,6 +4,7 @@ PID, with every wait bounded in time."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -39,11 +40,22 @@ def wait_for(check: Callable[[], Any], *, timeout: float, what: str, every: floa
 class Proc:
     """A child process whose output goes to a log file; stopped by its PID only."""
 
-    def __init__(self, args: list[str], *, log: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        log: Path,
+        env: dict[str, str],
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.log_path = log
         self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            preexec_fn=preexec_fn,
         )
 
     @property
@@ -62,9 +74,10 @@ class Proc:
             os.kill(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=30)
 
-    def stop(self, timeout: float = 20) -> int:
+    def stop(self, timeout: float = 20, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` and wait for the exit (SIGKILL after ``timeout``); the exit status."""
         if self.alive():
-            os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.pid, sig)
             try:
                 self.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -75,8 +88,17 @@ class Proc:
 
 class ServerProcess(Proc):
     def __init__(
-        self, *, data_dir: Path, database_url: str, port: int | None = None, **settings: Any
+        self,
+        *,
+        data_dir: Path,
+        database_url: str | None,
+        port: int | None = None,
+        max_file_bytes: int | None = None,
+        **settings: Any,
     ) -> None:
+        """``database_url=None``: the embedded Postgres under ``data_dir``.
+        ``max_file_bytes``: the server cannot write a file past this size (RLIMIT_FSIZE;
+        Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -88,9 +110,19 @@ class ServerProcess(Proc):
         }
         args = [sys.executable, "-m", "client.cli", "serve", "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--data-dir", str(data_dir)]
-        args += ["--database-url", database_url]
+        if database_url is None:
+            env["DILOCO_DATABASE_URL"] = ""  # whatever the caller's environment says
+        else:
+            args += ["--database-url", database_url]
         data_dir.mkdir(parents=True, exist_ok=True)
-        super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env)
+        limit = None
+        if max_file_bytes is not None:
+            size = max_file_bytes
+
+            def limit() -> None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+        super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env, preexec_fn=limit)
 
     def wait_ready(self, timeout: float = 60) -> ServerProcess:
         def ready() -> bool:
