@@ -140,6 +140,11 @@ class InvalidData(HubError):
     code = "invalid_data"
 
 
+class Internal(HubError):
+    status = 500
+    code = "internal"  # a bug: the detail names the request id the server logged it under
+
+
 class Unavailable(HubError):
     status = 503
-    code = "unavailable"
+    code = "unavailable"  # the database is unreachable, and nothing else

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Request, Response
 
 from server.auth import ContributorAuth
 from server.db import SessionDep
 from server.errors import HubError
+from server.inputs import RoundIndex, RunId
 from server.metrics import UPLOAD_BYTES, UPLOADS
 from server.rounds import ingest, leases, rejections
 from server.rounds import service as rounds_service
@@ -23,18 +23,16 @@ from server.runs import service as runs_service
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["rounds"])
 
-MAX_INDEX = (1 << 31) - 1  # rounds.index is a Postgres integer
-
 
 @router.get("/rounds")
-async def list_rounds(run_id: str, session: SessionDep) -> RoundList:
+async def list_rounds(run_id: RunId, session: SessionDep) -> RoundList:
     await runs_service.get(session=session, run_id=run_id)
     return RoundList(rounds=await rounds_service.list_rounds(session=session, run_id=run_id))
 
 
 @router.get("/rounds/{index}/contributions")
 async def round_contributions(
-    run_id: str, index: Annotated[int, Path(ge=1, le=MAX_INDEX)], session: SessionDep
+    run_id: RunId, index: RoundIndex, session: SessionDep
 ) -> RoundContributions:
     """The round's accepted contributions and its latest refused uploads, with reasons."""
     await runs_service.get(session=session, run_id=run_id)
@@ -43,7 +41,7 @@ async def round_contributions(
 
 @router.post("/join")
 async def join(
-    run_id: str, request: Request, session: SessionDep, contributor: ContributorAuth
+    run_id: RunId, request: Request, session: SessionDep, contributor: ContributorAuth
 ) -> LeaseOut:
     """A lease on the open round: what to download, how many steps, until when."""
     run = await runs_service.get(session=session, run_id=run_id)
@@ -58,8 +56,8 @@ async def join(
 
 @router.post("/rounds/{index}/heartbeat")
 async def heartbeat(
-    run_id: str,
-    index: int,
+    run_id: RunId,
+    index: RoundIndex,
     body: HeartbeatIn,
     request: Request,
     session: SessionDep,
@@ -83,8 +81,8 @@ async def heartbeat(
 
 @router.delete("/rounds/{index}/lease", status_code=204)
 async def release_lease(
-    run_id: str,
-    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    run_id: RunId,
+    index: RoundIndex,
     request: Request,
     session: SessionDep,
     contributor: ContributorAuth,
@@ -109,7 +107,11 @@ async def release_lease(
     responses={200: {"description": "an identical retry of an accepted upload"}},
 )
 async def contribution(
-    run_id: str, index: int, request: Request, response: Response, contributor: ContributorAuth
+    run_id: RunId,
+    index: RoundIndex,
+    request: Request,
+    response: Response,
+    contributor: ContributorAuth,
 ) -> ContributionOut:
     """The upload body of docs/protocol.md, streamed. 2xx means durable."""
     state = request.app.state

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from diloco.config import INT32_MAX, NO_CONTROL_CHARS
+
 
 class RoundOut(BaseModel):
     index: int
@@ -60,8 +62,8 @@ class LeaseOut(BaseModel):
 
 
 class HeartbeatIn(BaseModel):
-    lease_id: str = Field(min_length=1, max_length=32)
-    step: int | None = Field(None, ge=0)
+    lease_id: str = Field(min_length=1, max_length=32, pattern=NO_CONTROL_CHARS)  # leases.id
+    step: int | None = Field(None, ge=0, le=INT32_MAX)  # leases.last_step is an integer
     loss: float | None = Field(None, allow_inf_nan=False)
 
 
