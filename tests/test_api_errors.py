@@ -5,16 +5,19 @@ Every answer carries an X-Request-ID; /docs works offline."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
+import msgpack
 import pytest
 
+from diloco.wire import DIGEST_BYTES, PREFIX
 from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API, auth, create_run, register
+from tests.support.contribute import API, auth, create_run, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
 from tests.support.pg import fresh_database
 from tests.support.tcpproxy import TcpProxy
@@ -216,6 +219,39 @@ def test_a_data_file_name_the_database_would_refuse_is_422(http, data_file, file
 
     assert_error(r, 422, "invalid_request", "file name")
     assert len(http.get(f"{API}/runs").json()["runs"]) == before
+
+
+def reheader(body: bytes, **changes: object) -> bytes:
+    """``body`` with its msgpack header changed (the encoder refuses to write such values)
+    and its sha256 trailer made right again, so only the header is wrong."""
+    magic, n = PREFIX.unpack(body[: PREFIX.size])
+    header = msgpack.unpackb(body[PREFIX.size : PREFIX.size + n])
+    new = msgpack.packb({**header, **changes})
+    out = PREFIX.pack(magic, len(new)) + new + body[PREFIX.size + n : -DIGEST_BYTES]
+    return out + hashlib.sha256(out).digest()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"tokens": 1 << 63}, {"tokens": (1 << 64) - 1}, {"inner_steps": 1 << 31}],
+    ids=["tokens-past-bigint", "tokens-uint64", "inner-steps-past-int32"],
+)
+def test_upload_header_counts_past_their_columns_are_400_and_leave_no_trace(http, run_id, changes):
+    """A contributor with a lease could make the insert of its row fail (a 500)."""
+    token = register(http, "counter")
+    work = train(http, token, run_id, steps=1)
+
+    def accepted() -> int:
+        return int(http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"][0]["accepted"])
+
+    before = accepted()
+    r = upload(http, token, work, body=reheader(work.body(), **changes))
+
+    (key,) = changes
+    assert_error(r, 400, "malformed_upload", key)
+    assert accepted() == before
+    assert upload(http, token, work).status_code == 201  # the honest body still counts
+    assert accepted() == before + 1
 
 
 def test_503_means_the_database_is_unreachable_and_ends_when_it_is_back(pg_admin_url, tmp_path):

@@ -291,3 +291,18 @@ def test_join_page_shows_this_servers_install_command(page, server):
     command = pg.text_content("#install-command")
     assert command == f"curl -fsSL {server.url}/install.sh | sh -s -- --name YOUR_NAME"
     assert httpx.get(f"{server.url}/install.sh", timeout=30).status_code == 200
+
+
+def test_api_docs_render_offline_under_their_csp(server, page):
+    """Swagger UI at /docs draws the API from our files alone: every request the page makes
+    goes to this server, and the page fixture fails on any console error (a CSP refusal).
+    (``server`` comes first: its database is made before Playwright's event loop runs.)"""
+    pg, _ = page
+    requested: list[str] = []
+    pg.on("request", lambda r: requested.append(r.url))
+
+    pg.goto("/docs")
+
+    expect(pg.locator(".swagger-ui .info .title")).to_contain_text("DiLoCo Hub", timeout=20_000)
+    expect(pg.locator(".opblock-summary-path").first).to_be_visible()
+    assert requested and all(url.startswith(server.url + "/") for url in requested), requested
