@@ -2,12 +2,13 @@
 
 FastAPI knows each route's success body; it cannot know our errors, nor what a route that
 returns a bare ``Response`` sends. So: ``ERRORS`` lists, per operation, each error status
-and the codes it carries (docs/api.md says when each happens), ``BINARY`` and ``TEXT`` the
-real content types, ``BODIES`` the request bodies FastAPI cannot see. Every error answer is
-the ``ErrorBody`` schema with ``error`` limited to the listed codes (the schema test checks
-the server against exactly this). Also added to every operation: ``500 internal``, ``503
-unavailable`` where it reads the database, and ``422`` in our shape instead of FastAPI's
-``HTTPValidationError``. An operation missing from the table fails the schema's build.
+and the codes it carries (docs/api.md says when each happens), ``FILES`` and ``CONTENT``
+the real content types, ``BODIES`` the request bodies FastAPI cannot see. Every error answer
+is the ``ErrorBody`` schema with ``error`` limited to the listed codes (the schema test
+checks the server against exactly this). Added by rule: ``500 internal`` everywhere, ``503
+unavailable`` where the database is read, ``400 bad_request`` where FastAPI parses a JSON or
+multipart body, and ``422`` in our shape instead of FastAPI's ``HTTPValidationError``. An
+operation missing from the table fails the schema's build.
 """
 
 from __future__ import annotations
