@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from diloco.model import GPTConfig
 
@@ -20,11 +21,22 @@ class ConfigError(ValueError):
     """A run config that cannot be used; the message names the offending key(s)."""
 
 
+# Every value has an upper bound, so that nothing a config says can overflow where it goes:
+# a Postgres ``integer`` (round indices, chunk lengths), a ``timedelta`` (timeouts) or a
+# JSONB document (no NUL, no NaN or Infinity). Strings hold no control characters: they end
+# up on the dashboard, in logs and in JSONB.
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
+INT32_MAX = (1 << 31) - 1  # the largest Postgres ``integer``
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any round should wait for its quorum
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSection(_Section):
+    # bounds keep shapes within what torch and safetensors index; the largest allowed model
+    # is still far more than a server here can hold: run creation is admin-only
     n_layer: int = Field(4, ge=1, le=96)
     n_head: int = Field(4, ge=1, le=128)
     n_embd: int = Field(128, ge=8, le=16384)
@@ -50,11 +62,13 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    path: str = Field(min_length=1)  # text file; relative paths resolve against the config file
+    # text file; relative paths resolve against the config file (4096: Linux's PATH_MAX)
+    path: str = Field(min_length=1, max_length=4096, pattern=NO_CONTROL_CHARS)
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     # bytes per chunk dealt round-robin to the shards (i.i.d.-like shards);
-    # 0: one contiguous block per shard (each worker sees one part of the corpus)
-    chunk_size: int = Field(8192, ge=0)
+    # 0: one contiguous block per shard (each worker sees one part of the corpus).
+    # At most 1 GiB: the chunk length is stored as a Postgres integer
+    chunk_size: int = Field(8192, ge=0, le=1 << 30)
 
 
 class InnerSection(_Section):
@@ -62,8 +76,9 @@ class InnerSection(_Section):
     batch_size: int = Field(16, ge=1, le=4096)  # sequences per step
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     weight_decay: float = Field(0.1, ge=0.0, le=1.0)
-    warmup_steps: int = Field(20, ge=0)  # counted in global inner steps, not per round
-    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
+    # counted in global inner steps, not per round; ten million: more than any warm-up needs
+    warmup_steps: int = Field(20, ge=0, le=10_000_000)
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6)  # 0 disables clipping; 1e6 never clips
     schedule: Literal["cosine", "constant"] = "cosine"  # cosine decays over max_rounds * steps
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -83,10 +98,13 @@ class OuterSection(_Section):
 
 
 class RoundsSection(_Section):
-    quorum: int = Field(2, ge=1)  # fewest accepted contributions that may close a round
-    target: int | None = Field(None, ge=1)  # close at once at this many (None: no target)
-    timeout_s: float = Field(600.0, gt=0.0)  # round deadline, from its opening
-    max_rounds: int = Field(100, ge=1)
+    # fewest accepted contributions that may close a round; 10,000 is past what one server
+    # merges in a round (a count stored as a Postgres integer either way)
+    quorum: int = Field(2, ge=1, le=10_000)
+    target: int | None = Field(None, ge=1, le=10_000)  # close at once at this many (None: no)
+    # round deadline, from its opening; bounded so that now + timeout stays a datetime
+    timeout_s: float = Field(600.0, gt=0.0, le=MAX_TIMEOUT_S)
+    max_rounds: int = Field(100, ge=1, le=1_000_000)  # round indices are Postgres integers
 
     @model_validator(mode="after")
     def _target_not_below_quorum(self) -> RoundsSection:
@@ -103,7 +121,7 @@ class CompressionSection(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)  # runs.name
     # seeds the initial model and every lease's shard and batch sampling; None: the server
     # draws one at creation and records it here, so any run can be reproduced
     seed: int | None = Field(None, ge=0, le=(1 << 31) - 1)
@@ -120,11 +138,20 @@ class RunConfig(_Section):
         return self.rounds.max_rounds * self.inner.steps
 
 
+def error_message(error: ErrorDetails) -> str:
+    """pydantic's message for one error, in words where it would quote our own pattern."""
+    if error["type"] == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == (
+        NO_CONTROL_CHARS
+    ):
+        return "must not contain control characters (NUL, tab, newline, ...)"
+    return error["msg"]
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"]
+        msg = error_message(e)
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "value_error":

@@ -19,6 +19,7 @@ import msgpack
 import torch
 
 from diloco.codec import Codec, EncodedTensor, NonFiniteError, codec_from_description
+from diloco.config import INT32_MAX
 
 __all__ = [
     "DIGEST_BYTES",
@@ -53,6 +54,14 @@ _HEADER_KEYS = (
     "codec", "tensors",
 )  # fmt: skip
 _TENSOR_KEYS = ("name", "shape", "dtype", "n_scales")
+# what each integer of the header may be: indices and step counts are 32-bit wherever they
+# are stored (Postgres integers); tokens are a float64 aggregation weight, exact to 2^53
+META_RANGES = {
+    "round": (0, INT32_MAX),
+    "base_version": (0, INT32_MAX),
+    "tokens": (1, 1 << 53),
+    "inner_steps": (1, INT32_MAX),
+}
 
 
 class WireFormatError(ValueError):
@@ -129,9 +138,11 @@ def _check_meta(meta: ContributionMeta) -> None:
     server would refuse."""
     if not meta.run_id:
         raise WireFormatError("header key 'run_id' must not be empty")
-    for key, low in (("round", 0), ("base_version", 0), ("tokens", 1), ("inner_steps", 1)):
-        if getattr(meta, key) < low:
-            raise WireFormatError(f"header key {key!r} must be >= {low}, got {getattr(meta, key)}")
+    for key, (low, high) in META_RANGES.items():
+        if not low <= getattr(meta, key) <= high:
+            raise WireFormatError(
+                f"header key {key!r} must be {low}..{high}, got {getattr(meta, key)}"
+            )
     if not math.isfinite(meta.loss):
         raise WireFormatError(f"header key 'loss' must be finite, got {meta.loss}")
 

@@ -1,4 +1,4 @@
-"""The FastAPI application: routers, error handlers, the sweeper's lifetime."""
+"""The FastAPI application: routers, error handling, API docs, the sweeper's lifetime."""
 
 from __future__ import annotations
 
@@ -9,21 +9,21 @@ from collections.abc import AsyncIterator
 from importlib.metadata import version as pkg_version
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, OperationalError
-from starlette.exceptions import HTTPException
+from sqlalchemy.exc import DBAPIError
 
 from diloco.faults import FaultInjector
+from server import apidocs, handlers, openapi
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_sessionmaker
 from server.downloads.router import router as downloads_router
-from server.errors import HubError
+from server.handlers import error_response
 from server.janitor import Janitor
 from server.metrics import RequestMetrics
+from server.request_id import RequestId
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
 from server.rounds.sweeper import Sweeper
@@ -34,38 +34,6 @@ from server.storage import LocalStorage
 from server.web import router as web
 
 log = logging.getLogger("diloco.server")
-
-
-def _error(status: int, code: str, detail: str, **extra: object) -> JSONResponse:
-    return JSONResponse({"error": code, "detail": detail, **extra}, status_code=status)
-
-
-async def _hub_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HubError)
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in ("body", "query", "path"))
-        parts.append(f"{loc}: {e['msg']}" if loc else str(e["msg"]))
-    return _error(422, "invalid_request", "; ".join(parts) or "the request is invalid")
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    codes = {404: "not_found", 405: "method_not_allowed"}
-    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    if exc.status_code == 404 and detail == "Not Found":
-        detail = f"no such endpoint: {request.method} {request.url.path}; see /docs"
-    return _error(exc.status_code, codes.get(exc.status_code, "http_error"), detail)
-
-
-async def _database_error(request: Request, exc: Exception) -> Response:
-    log.error("database error on %s %s: %s", request.method, request.url.path, exc)
-    return _error(503, "unavailable", "the database is unreachable; retry with backoff")
 
 
 def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
@@ -106,15 +74,14 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         version=pkg_version("diloco-hub"),
         description="Volunteer-compute DiLoCo training. docs/api.md is the full contract.",
         lifespan=lifespan,
+        docs_url=None,  # served by server.apidocs, from our own files
+        redoc_url=None,  # ReDoc would need a CDN
     )
     app.state.settings = settings
     app.state.admin_token = admin_token
-    app.add_exception_handler(HubError, _hub_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(OperationalError, _database_error)
-    app.add_exception_handler(DBAPIError, _database_error)
-    app.add_middleware(RequestMetrics)
+    handlers.install(app)
+    app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
+    app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent
     routers = (
         runs_router,
         rounds_router,
@@ -133,7 +100,8 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
             async with request.app.state.engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
         except (OSError, DBAPIError) as err:
-            return _error(503, "unavailable", f"database unreachable: {err.__class__.__name__}")
+            detail = f"database unreachable: {err.__class__.__name__}"
+            return error_response(503, "unavailable", detail)
         return JSONResponse(
             {"status": "ok", "database": "ok", "version": app.version, "role": settings.role}
         )
@@ -144,4 +112,6 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
 
     if serves_api:
         app.mount("/web", web.static_files(), name="web")
+        apidocs.install(app)
+    openapi.install(app)
     return app

@@ -147,9 +147,14 @@ class InvalidData(HubError):
     code = ErrorCode.INVALID_DATA
 
 
+class Internal(HubError):
+    status = 500
+    code = ErrorCode.INTERNAL  # a bug: the detail names the request id the server logged it under
+
+
 class Unavailable(HubError):
     status = 503
-    code = ErrorCode.UNAVAILABLE
+    code = ErrorCode.UNAVAILABLE  # the database is unreachable, and nothing else
 
 
 class StorageFailed(HubError):

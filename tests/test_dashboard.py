@@ -326,3 +326,18 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
     pg.get_by_role("button", name="Contributions of round 1").click()
     cell = pg.get_by_text("left out: blob_unreadable: its stored upload is damaged")
     expect(cell).to_have_count(1, timeout=10_000)
+
+
+def test_api_docs_render_offline_under_their_csp(server, page):
+    """Swagger UI at /docs draws the API from our files alone: every request the page makes
+    goes to this server, and the page fixture fails on any console error (a CSP refusal).
+    (``server`` comes first: its database is made before Playwright's event loop runs.)"""
+    pg, _ = page
+    requested: list[str] = []
+    pg.on("request", lambda r: requested.append(r.url))
+
+    pg.goto("/docs")
+
+    expect(pg.locator(".swagger-ui .info .title")).to_contain_text("DiLoCo Hub", timeout=20_000)
+    expect(pg.locator(".opblock-summary-path").first).to_be_visible()
+    assert requested and all(url.startswith(server.url + "/") for url in requested), requested

@@ -18,10 +18,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from diloco.config import NO_CONTROL_CHARS
+
 
 class ErrorCode(StrEnum):
     """Every ``error`` value of an error answer; docs/api.md says when each is sent."""
 
+    # a body the web framework cannot parse at all (400), a status it answers by itself
+    BAD_REQUEST = "bad_request"
+    HTTP_ERROR = "http_error"
     # the upload body itself (400)
     MALFORMED_UPLOAD = "malformed_upload"
     NON_FINITE = "non_finite"
@@ -110,8 +115,8 @@ class Lease(_Message):
 
 
 class HeartbeatIn(_Message):
-    lease_id: str = Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")
-    step: int | None = Field(None, ge=0, le=(1 << 31) - 1)
+    lease_id: str = Field(min_length=1, max_length=32, pattern=NO_CONTROL_CHARS)  # leases.id
+    step: int | None = Field(None, ge=0, le=(1 << 31) - 1)  # leases.last_step is an integer
     loss: float | None = Field(None, allow_inf_nan=False)
 
 

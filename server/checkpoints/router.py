@@ -4,8 +4,9 @@ from fastapi import APIRouter, Request, Response
 
 from server.checkpoints import service
 from server.db import SessionDep
-from server.errors import InvalidRequest, NotFound
+from server.errors import NotFound
 from server.files import serve_file
+from server.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
 from server.runs import data as run_data
 from server.runs import service as runs_service
 
@@ -13,14 +14,11 @@ router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["checkpoints"])
 
 
 @router.get("/checkpoints/{version}")
-async def checkpoint(run_id: str, version: str, request: Request, session: SessionDep) -> Response:
+async def checkpoint(
+    run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
+) -> Response:
     """The model parameters of a version (or ``latest``) as safetensors."""
-    if version == "latest":
-        wanted = None
-    elif version.isdigit():
-        wanted = int(version)
-    else:
-        raise InvalidRequest(f"version: {version!r} is neither a number nor 'latest'")
+    wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
     row = await service.get(session=session, run_id=run_id, version=wanted)
     return serve_file(
@@ -36,7 +34,9 @@ async def checkpoint(run_id: str, version: str, request: Request, session: Sessi
 
 
 @router.get("/shards/{index}")
-async def shard(run_id: str, index: int, request: Request, session: SessionDep) -> Response:
+async def shard(
+    run_id: RunId, index: ShardIndex, request: Request, session: SessionDep
+) -> Response:
     """A training shard: uint8 tokens, row-major (nbytes / chunk_len, chunk_len)."""
     run = await runs_service.get(session=session, run_id=run_id)
     if not 0 <= index < run.n_shards:

@@ -16,6 +16,7 @@ from server.contributors.schemas import (
     SortKey,
 )
 from server.db import SessionDep
+from server.inputs import RunFilter
 
 router = APIRouter(prefix="/api/v1/contributors", tags=["contributors"])
 
@@ -47,7 +48,7 @@ async def update_me(
 @router.get("")
 async def leaderboard(
     session: SessionDep,
-    run: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
+    run: RunFilter = None,
     sort: SortKey = SortKey.CREDIT,
     order: Order | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# printable text without control characters: these strings end up on the dashboard
-_Text = r"^[^\x00-\x1f\x7f]*$"
+from diloco.config import NO_CONTROL_CHARS as _Text  # these strings end up on the dashboard
+
 _Count = Annotated[int, Field(ge=0, le=1 << 62)]
 
 

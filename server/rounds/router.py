@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from server.auth import ContributorAuth, bearer_token
 from server.db import SessionDep
 from server.errors import HubError
+from server.inputs import RoundIndex, RunId
 from server.metrics import UPLOAD_BYTES, UPLOADS
 from server.rounds import ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
@@ -23,18 +23,16 @@ from server.runs import service as runs_service
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["rounds"])
 
-MAX_INDEX = (1 << 31) - 1  # rounds.index is a Postgres integer
-
 
 @router.get("/rounds")
-async def list_rounds(run_id: str, session: SessionDep) -> RoundList:
+async def list_rounds(run_id: RunId, session: SessionDep) -> RoundList:
     await runs_service.get(session=session, run_id=run_id)
     return RoundList(rounds=await rounds_service.list_rounds(session=session, run_id=run_id))
 
 
 @router.get("/rounds/{index}/contributions")
 async def round_contributions(
-    run_id: str, index: Annotated[int, Path(ge=1, le=MAX_INDEX)], session: SessionDep
+    run_id: RunId, index: RoundIndex, session: SessionDep
 ) -> RoundContributions:
     """The round's accepted contributions and its latest refused uploads, with reasons."""
     await runs_service.get(session=session, run_id=run_id)
@@ -43,7 +41,7 @@ async def round_contributions(
 
 @router.post("/join")
 async def join(
-    run_id: str, request: Request, session: SessionDep, contributor: ContributorAuth
+    run_id: RunId, request: Request, session: SessionDep, contributor: ContributorAuth
 ) -> Lease:
     """A lease on the open round: what to download, how many steps, until when."""
     run = await runs_service.get(session=session, run_id=run_id)
@@ -58,8 +56,8 @@ async def join(
 
 @router.post("/rounds/{index}/heartbeat")
 async def heartbeat(
-    run_id: str,
-    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    run_id: RunId,
+    index: RoundIndex,
     body: HeartbeatIn,
     request: Request,
 ) -> HeartbeatOut:
@@ -80,8 +78,8 @@ async def heartbeat(
 
 @router.delete("/rounds/{index}/lease", status_code=204)
 async def release_lease(
-    run_id: str,
-    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    run_id: RunId,
+    index: RoundIndex,
     session: SessionDep,
     contributor: ContributorAuth,
 ) -> None:
@@ -104,8 +102,8 @@ async def release_lease(
     responses={200: {"description": "an identical retry of an accepted upload"}},
 )
 async def contribution(
-    run_id: str,
-    index: Annotated[int, Path(ge=1, le=MAX_INDEX)],
+    run_id: RunId,
+    index: RoundIndex,
     request: Request,
     response: Response,
     contributor: ContributorAuth,

@@ -13,6 +13,7 @@ from diloco.config import ConfigError, parse_config
 from server.auth import AdminAuth
 from server.db import SessionDep
 from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
+from server.inputs import RunId, check_text
 from server.runs import service
 from server.runs.schemas import RunList, RunOut
 
@@ -52,7 +53,7 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
             raise InvalidRequest("data: a multipart file part with the training text is needed")
         try:
             parsed = json.loads(raw)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:  # also: huge integers, deep nesting
             raise InvalidConfig(f"config: not valid JSON: {err}") from None
         if not isinstance(parsed, dict):
             raise InvalidConfig("config: must be a JSON object")
@@ -75,7 +76,9 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
                 settings=settings,
                 cfg=cfg,
                 data_file=Path(tmp.name),
-                data_name=Path(data.filename or "data.txt").name,
+                data_name=check_text(
+                    Path(data.filename or "data.txt").name, what="data (file name)", max_length=255
+                ),
             )
     return await service.view(session=session, settings=settings, run=run, now=datetime.now(UTC))
 
@@ -90,14 +93,14 @@ async def list_runs(request: Request, session: SessionDep) -> RunList:
 
 
 @router.get("/{run_id}")
-async def get_run(run_id: str, request: Request, session: SessionDep) -> RunOut:
+async def get_run(run_id: RunId, request: Request, session: SessionDep) -> RunOut:
     run = await service.get(session=session, run_id=run_id)
     return await service.view(
         session=session, settings=request.app.state.settings, run=run, now=datetime.now(UTC)
     )
 
 
-async def _transition(run_id: str, action: str, request: Request, session: SessionDep) -> RunOut:
+async def _transition(run_id: RunId, action: str, request: Request, session: SessionDep) -> RunOut:
     now = datetime.now(UTC)
     run = await service.transition(session=session, run_id=run_id, action=action, now=now)
     return await service.view(
@@ -106,18 +109,18 @@ async def _transition(run_id: str, action: str, request: Request, session: Sessi
 
 
 @router.post("/{run_id}/pause")
-async def pause(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def pause(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
     """No new leases; the open round stops closing until resumed."""
     return await _transition(run_id, "pause", request, session)
 
 
 @router.post("/{run_id}/resume")
-async def resume(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def resume(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
     """Back to active; the open round gets a fresh deadline."""
     return await _transition(run_id, "resume", request, session)
 
 
 @router.post("/{run_id}/cancel")
-async def cancel(run_id: str, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def cancel(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
     """Stop the run for good; its checkpoints stay downloadable."""
     return await _transition(run_id, "cancel", request, session)

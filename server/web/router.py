@@ -51,8 +51,9 @@ class HubInfo(BaseModel):
 router = APIRouter(tags=["dashboard"])
 
 
-@router.get("/", include_in_schema=False)
+@router.get("/")
 async def index() -> FileResponse:
+    """The dashboard (HTML; its scripts and styles are under /web/)."""
     return FileResponse(
         static_dir() / "index.html",
         media_type="text/html; charset=utf-8",

@@ -1,0 +1,237 @@
+"""``/openapi.json`` as the server really answers: FastAPI's schema, corrected from one table.
+
+FastAPI knows each route's success body; it cannot know our errors, nor what a route that
+returns a bare ``Response`` sends. So: ``ERRORS`` lists, per operation, each error status
+and the codes it carries (docs/api.md says when each happens), ``FILES`` and ``CONTENT``
+the real content types, ``BODIES`` the request bodies FastAPI cannot see. Every error answer
+is the ``ErrorBody`` schema with ``error`` limited to the listed codes (the schema test
+checks the server against exactly this). Added by rule: ``500 internal`` everywhere, ``503
+unavailable`` where the database is read, ``400 bad_request`` where FastAPI parses a JSON or
+multipart body, and ``422`` in our shape instead of FastAPI's ``HTTPValidationError``. An
+operation missing from the table fails the schema's build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+Errors = dict[int, tuple[str, ...]]
+
+ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
+CONTRIBUTOR: Errors = {401: ("unauthorized",)}
+RUN: Errors = {404: ("run_not_found",)}
+FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
+UPLOAD: Errors = {
+    400: ("malformed_upload", "non_finite", "wrong_tensors", "wrong_codec", "header_mismatch"),
+    **CONTRIBUTOR,
+    **RUN,
+    409: (
+        "round_closed",
+        "base_version_mismatch",
+        "duplicate_contribution",
+        "no_lease",
+        "run_not_active",
+    ),
+    411: ("length_required",),
+    413: ("upload_too_large",),
+}
+
+ERRORS: dict[str, Errors] = {
+    "POST /api/v1/runs": {
+        **ADMIN,
+        413: ("upload_too_large",),
+        422: ("invalid_config", "invalid_data"),
+    },
+    "GET /api/v1/runs": {},
+    "GET /api/v1/runs/{run_id}": RUN,
+    "POST /api/v1/runs/{run_id}/pause": {**ADMIN, **RUN, 409: ("invalid_transition",)},
+    "POST /api/v1/runs/{run_id}/resume": {**ADMIN, **RUN, 409: ("invalid_transition",)},
+    "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
+    "GET /api/v1/runs/{run_id}/rounds": RUN,
+    "GET /api/v1/runs/{run_id}/rounds/{index}/contributions": {404: ("run_not_found", "not_found")},
+    "POST /api/v1/runs/{run_id}/join": {
+        **CONTRIBUTOR,
+        **RUN,
+        409: ("run_not_active", "already_contributed", "round_closing"),
+    },
+    "POST /api/v1/runs/{run_id}/rounds/{index}/heartbeat": {
+        **CONTRIBUTOR,
+        404: ("run_not_found", "not_found"),  # no such run; no such round or lease of yours
+        409: ("round_closed", "run_not_active"),
+    },
+    "DELETE /api/v1/runs/{run_id}/rounds/{index}/lease": {
+        **CONTRIBUTOR,
+        404: ("run_not_found", "no_lease"),
+    },
+    "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
+    "GET /api/v1/runs/{run_id}/shards/{index}": FILE,
+    "POST /api/v1/contributors": {},
+    "GET /api/v1/contributors": RUN,
+    "GET /api/v1/contributors/me": CONTRIBUTOR,
+    "PATCH /api/v1/contributors/me": CONTRIBUTOR,
+    "GET /api/v1/speedtest": {},
+    "POST /api/v1/speedtest": {413: ("body_too_large",), 422: ()},
+    "GET /api/v1/hub": {},
+    "GET /install.sh": {500: ("unsafe_public_url",)},
+    "GET /downloads/": {503: ("wheel_unavailable",)},
+    "GET /downloads/{filename}": {
+        404: ("not_found",),
+        416: ("range_not_satisfiable",),
+        503: ("wheel_unavailable",),
+    },
+    "GET /healthz": {},
+    "GET /metrics": {},
+    "GET /": {},
+}
+# operations that never touch the database (every other one may answer 503 unavailable)
+NO_DATABASE = {
+    "GET /api/v1/speedtest",
+    "POST /api/v1/speedtest",
+    "GET /api/v1/hub",
+    "GET /install.sh",
+    "GET /downloads/",
+    "GET /downloads/{filename}",
+    "GET /metrics",
+    "GET /",
+}
+
+_BINARY_SCHEMA = {"type": "string", "format": "binary"}
+_RANGE_HEADERS = [
+    {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "one byte range, `bytes=a-b`, `bytes=a-` or `bytes=-n`: answered 206"},
+    {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "the ETag you hold: answered 304 when it is current"},
+]  # fmt: skip
+# operations whose success answers are files: 200 whole, 206 a range, 304 unchanged
+FILES = {
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}": "safetensors: the model's parameters",
+    "GET /api/v1/runs/{run_id}/shards/{index}": "uint8 tokens, row-major (nbytes / chunk_len, "
+    "chunk_len)",
+    "GET /downloads/{filename}": "the client wheel (or, for NAME.sha256, `<hex>  NAME` as "
+    "text/plain)",
+}
+# operations whose 200 is not JSON: operation -> (media type, schema)
+CONTENT: dict[str, tuple[str, dict[str, Any]]] = {
+    "GET /api/v1/speedtest": ("application/octet-stream", _BINARY_SCHEMA),
+    "GET /install.sh": ("text/x-shellscript", {"type": "string"}),
+    "GET /metrics": ("text/plain", {"type": "string"}),  # Prometheus text format
+    "GET /": ("text/html", {"type": "string"}),
+}
+BODIES: dict[str, dict[str, Any]] = {
+    "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": {
+        "required": True,
+        "description": "the upload of docs/protocol.md, with a Content-Length",
+        "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
+    },
+    "POST /api/v1/speedtest": {
+        "required": False,
+        "description": "any bytes, at most 64 MiB; read and thrown away",
+        "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
+    },
+}
+SECURITY = {
+    "adminToken": {"type": "http", "scheme": "bearer", "description": "the admin token"},
+    "contributorToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a contributor token, from POST /api/v1/contributors",
+    },
+}
+
+ERROR_BODY = {
+    "title": "ErrorBody",
+    "type": "object",
+    "required": ["error", "detail"],
+    "properties": {
+        "error": {"type": "string", "description": "a stable code: branch on this"},
+        "detail": {"type": "string", "description": "a sentence a person can act on"},
+    },
+    # some codes carry more: current_round, expected, status, retry_after_s, size
+    "additionalProperties": True,
+}
+
+
+def _error_response(codes: tuple[str, ...]) -> dict[str, Any]:
+    schema = {
+        "allOf": [
+            {"$ref": "#/components/schemas/ErrorBody"},
+            {"properties": {"error": {"enum": list(codes)}}},
+        ]
+    }
+    return {
+        "description": ", ".join(f"`{c}`" for c in codes) + " (docs/api.md)",
+        "content": {"application/json": {"schema": schema}},
+    }
+
+
+def _errors_of(key: str, op: dict[str, Any]) -> Errors:
+    errors = dict(ERRORS[key])
+    parsed = {"application/json", "multipart/form-data"}
+    if parsed & set(op.get("requestBody", {}).get("content", {})):  # FastAPI parses it
+        errors[400] = ("bad_request", *(c for c in errors.get(400, ()) if c != "bad_request"))
+    if "422" in op["responses"] or 422 in errors:
+        errors[422] = ("invalid_request", *errors.get(422, ()))
+    errors[500] = ("internal", *errors.get(500, ()))
+    if key not in NO_DATABASE:
+        errors[503] = ("unavailable", *errors.get(503, ()))
+    return errors
+
+
+def _fix_success(key: str, op: dict[str, Any]) -> None:
+    responses = op["responses"]
+    if key in FILES:
+        binary = {"application/octet-stream": {"schema": _BINARY_SCHEMA}}
+        whole = dict(binary)
+        if key.startswith("GET /downloads/"):
+            whole["text/plain"] = {"schema": {"type": "string"}}
+        responses["200"] = {"description": FILES[key], "content": whole}
+        responses["206"] = {"description": "the byte range asked for", "content": binary}
+        responses["304"] = {"description": "If-None-Match holds the current ETag"}
+        op.setdefault("parameters", []).extend(_RANGE_HEADERS)
+    if key in CONTENT:
+        media, schema = CONTENT[key]
+        responses["200"] = {**responses["200"], "content": {media: {"schema": schema}}}
+    if key in BODIES:
+        op["requestBody"] = BODIES[key]
+    if key.startswith("PUT ") and "200" in responses:  # an identical retry: the same body
+        responses["200"]["content"] = responses["201"]["content"]
+
+
+def document(schema: dict[str, Any]) -> dict[str, Any]:
+    """Correct FastAPI's generated ``schema`` in place; return it."""
+    listed = set(ERRORS)
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            key = f"{method.upper()} {path}"
+            if key not in listed:
+                raise KeyError(f"{key}: add its errors to server.openapi.ERRORS")
+            listed.discard(key)
+            _fix_success(key, op)
+            for status, codes in _errors_of(key, op).items():
+                op["responses"][str(status)] = _error_response(codes)
+            op["responses"] = dict(sorted(op["responses"].items()))
+            if 401 in ERRORS[key]:  # 403 is only ever "this needs the admin token"
+                op["security"] = [{"adminToken" if 403 in ERRORS[key] else "contributorToken": []}]
+    if listed:
+        raise KeyError(f"server.openapi.ERRORS lists operations the app lacks: {sorted(listed)}")
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for fastapi_only in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(fastapi_only, None)
+    schemas["ErrorBody"] = ERROR_BODY
+    components["securitySchemes"] = SECURITY
+    return schema
+
+
+def install(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
