@@ -3,11 +3,13 @@
 Tokens are 256-bit random strings; only their sha256 is stored (a leaked database holds no
 usable token). Comparisons of the admin token are constant-time.
 
-A contributor's actions (``ContributorAuth``: join, heartbeat, upload, lease release, profile
-update) move its ``last_seen_at`` in the same statement that finds it: one
-``UPDATE ... RETURNING`` in its own short transaction, committed at once. So the time counts
-even when the action itself is refused, and no row lock is held through a long upload.
-Reads of one's own profile (``ContributorReadAuth``) leave it alone.
+A contributor's actions (``ContributorAuth``: upload, lease release, profile update) move
+its ``last_seen_at`` in the same statement that finds it: one ``UPDATE ... RETURNING`` in
+its own short transaction, committed at once. So the time counts even when the action
+itself is refused, and no row lock is held through a long upload. Join and heartbeat, the
+frequent ones, do the same inside their own single facts statement
+(``server.rounds.leases``). Reads of one's own profile (``ContributorReadAuth``) leave it
+alone.
 """
 
 from __future__ import annotations

@@ -76,14 +76,16 @@ def test_a_damaged_blob_is_left_out_and_its_round_closes_on_the_others(server):
     http = server.client()
     run_a, run_b = new_run(http, quorum=2, target=3), new_run(http, quorum=1, target=1)
     a1, a2, a3, b = (register(http, name) for name in ("a1", "a2", "a3", "b"))
-    contribute(http, a1, run_a)
+    works = {token: train(http, token, run_a, steps=1) for token in (a1, a2, a3)}  # 3 leases
+    assert upload(http, a1, works[a1]).status_code == 201
     damaged = blob_of(server, run_a, 1, contributor_id(http, a1))
     damaged.write_bytes(damaged.read_bytes()[:-100] + b"\0" * 100)  # the trailer's digest fails
     close_run_b_round(http, b, run_b)
 
-    # Execute: the target is reached; A's close reads the damaged blob
-    contribute(http, a2, run_a)
-    contribute(http, a3, run_a)
+    # Execute: the target is reached (a3's live lease keeps the round open until then);
+    # A's close reads the damaged blob
+    assert upload(http, a2, works[a2]).status_code == 201
+    assert upload(http, a3, works[a3]).status_code == 201
     wait_for(lambda: version(http, run_a) == 1, timeout=60, what="run A's round 1 to close")
     close_run_b_round(http, b, run_b)
 

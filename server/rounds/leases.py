@@ -12,12 +12,14 @@ autocommit (the facts, then one indexed UPDATE of the lease and the contributor'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, literal, select, update
+from sqlalchemy import Insert, Update, and_, exists, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -33,7 +35,7 @@ from diloco.protocol.state import (
     RunStatus,
 )
 from server.auth import hash_token
-from server.checkpoints import service as checkpoints_service
+from server.checkpoints.models import Checkpoint
 from server.contributors.models import Contributor
 from server.errors import LeaseNotFound, RunNotFound, Unauthorized, refused
 from server.rounds import service as rounds_service
@@ -45,80 +47,143 @@ from server.settings import Settings
 API = "/api/v1"
 
 
-async def join(
-    *, session: AsyncSession, settings: Settings, run: Run, contributor_id: str, now: datetime
-) -> Lease:
-    rnd = await rounds_service.current(session=session, run_id=run.id)
-    held = None
-    contributed = False
-    if rnd is not None:
-        contributed = await _has_contribution(session, run.id, rnd.index, contributor_id)
-        held = await session.scalar(
-            select(LeaseRow).where(
-                LeaseRow.run_id == run.id,
-                LeaseRow.round_index == rnd.index,
-                LeaseRow.contributor_id == contributor_id,
-            )
-        )
-    view = None if rnd is None else rounds_service.view_of(rnd)
-    facts = JoinFacts(
-        run_status=RunStatus(run.status),
-        round=view,
-        contributed=contributed,
-        lease=None if held is None else _lease_view(held),
+# ---------------------------------------------------------------- the facts, in one statement
+
+
+def _me(token_hash: str, now: datetime) -> Any:
+    """The contributor behind the token, marked as seen now (a refused action counts too)."""
+    return (
+        update(Contributor)
+        .where(Contributor.token_hash == token_hash)
+        .values(last_seen_at=now)
+        .returning(Contributor.id)
+        .cte("me")
     )
-    policy = rounds_service.lease_policy(run, settings)
-    grant = admit_join(now, facts, policy)
-    if isinstance(grant, Refusal):
-        raise refused(grant)
-    assert rnd is not None and view is not None  # a grant names the open round
-    if grant.new_lease:
-        # the round's lease counter, bumped atomically: the ordinal picks shard and seed
-        ordinal = await session.scalar(
-            update(Round)
-            .where(Round.run_id == run.id, Round.index == rnd.index, Round.state == RoundState.OPEN)
-            .values(leases_issued=Round.leases_issued + 1)
-            .returning(Round.leases_issued - 1)
+
+
+def _in_progress(run_id: str) -> Any:
+    return (
+        select(func.max(Round.index))
+        .where(Round.run_id == run_id, Round.state != RoundState.CLOSED)
+        .scalar_subquery()
+    )
+
+
+@contextlib.asynccontextmanager
+async def _short(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
+    """A session on an autocommit connection: each statement commits by itself, with no
+    BEGIN and COMMIT round trips (the short paths of join and heartbeat)."""
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        async with AsyncSession(bind=conn, expire_on_commit=False) as session:
+            yield session
+
+
+# ---------------------------------------------------------------- joining
+
+
+async def join(
+    *, engine: AsyncEngine, settings: Settings, token: str, run_id: str, now: datetime
+) -> Lease:
+    """A lease on the run's open round (a new one, or the contributor's own renewed), or the
+    rule's refusal. No transaction: one statement reads every fact (and marks the
+    contributor seen); a new lease then takes the round's next ordinal and is inserted."""
+    me = _me(hash_token(token), now)
+    current = _in_progress(run_id)
+    contributed = exists().where(
+        Contribution.run_id == run_id,
+        Contribution.round_index == current,
+        Contribution.contributor_id == me.c.id,
+    )
+    facts = (
+        select(me.c.id, Run, Round, LeaseRow, Checkpoint, contributed.label("contributed"))
+        .select_from(me)
+        .outerjoin(Run, Run.id == run_id)
+        .outerjoin(Round, and_(Round.run_id == run_id, Round.index == current))
+        .outerjoin(
+            LeaseRow,
+            and_(
+                LeaseRow.run_id == run_id,
+                LeaseRow.round_index == current,
+                LeaseRow.contributor_id == me.c.id,
+            ),
         )
-        if ordinal is None:  # it started closing since we looked: the rule says so
-            closing = dataclasses.replace(view, state=RoundState.CLOSING)
-            late = admit_join(now, dataclasses.replace(facts, round=closing), policy)
-            assert isinstance(late, Refusal)
-            raise refused(late)
-        assignment = assign_lease(
-            ordinal, round=rnd.index, run_seed=run.seed, n_shards=run.n_shards
+        .outerjoin(
+            Checkpoint,
+            and_(Checkpoint.run_id == run_id, Checkpoint.version == Round.index - 1),
         )
-        stmt = insert(LeaseRow).values(
-            id=f"lease_{secrets.token_hex(8)}",
-            run_id=run.id,
-            round_index=rnd.index,
-            contributor_id=contributor_id,
-            shard=assignment.shard,
-            seed=assignment.seed,
-            issued_at=now,
-            last_heartbeat=now,
-            expires_at=grant.expires_at,
+    )
+    async with _short(engine) as session:
+        row = (await session.execute(facts)).one_or_none()
+        if row is None:
+            raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
+        contributor_id, run, rnd, held, ckpt, has_contribution = row
+        if run is None:
+            raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+        view = None if rnd is None else rounds_service.view_of(rnd)
+        lease_facts = JoinFacts(
+            run_status=RunStatus(run.status),
+            round=view,
+            contributed=bool(has_contribution),
+            lease=None if held is None else _lease_view(held),
         )
+        policy = rounds_service.lease_policy(run, settings)
+        grant = admit_join(now, lease_facts, policy)
+        if isinstance(grant, Refusal):
+            raise refused(grant)
+        assert rnd is not None and view is not None and ckpt is not None
+        if grant.new_lease:
+            # the round's lease counter, bumped atomically: the ordinal picks shard and seed
+            ordinal = await session.scalar(
+                update(Round)
+                .where(
+                    Round.run_id == run_id,
+                    Round.index == rnd.index,
+                    Round.state == RoundState.OPEN,
+                )
+                .values(leases_issued=Round.leases_issued + 1)
+                .returning(Round.leases_issued - 1)
+            )
+            if ordinal is None:  # it started closing since we looked: the rule says so
+                closing = dataclasses.replace(view, state=RoundState.CLOSING)
+                late = admit_join(now, dataclasses.replace(lease_facts, round=closing), policy)
+                assert isinstance(late, Refusal)
+                raise refused(late)
+            assignment = assign_lease(
+                ordinal, round=rnd.index, run_seed=run.seed, n_shards=run.n_shards
+            )
+            fresh = insert(LeaseRow).values(
+                id=f"lease_{secrets.token_hex(8)}",
+                run_id=run_id,
+                round_index=rnd.index,
+                contributor_id=contributor_id,
+                shard=assignment.shard,
+                seed=assignment.seed,
+                issued_at=now,
+                last_heartbeat=now,
+                expires_at=grant.expires_at,
+            )
+            written: Insert | Update = fresh.on_conflict_do_update(  # the same contributor joining twice at once
+                constraint="uq_leases_run_id_round_index_contributor_id",
+                set_={"last_heartbeat": now, "expires_at": grant.expires_at},
+            )
+        else:
+            assert held is not None
+            written = (
+                update(LeaseRow)
+                .where(LeaseRow.id == held.id)
+                .values(last_heartbeat=now, expires_at=grant.expires_at)
+            )
         lease = (
-            await session.scalars(
-                stmt.on_conflict_do_update(  # the same contributor joining twice at once
-                    constraint="uq_leases_run_id_round_index_contributor_id",
-                    set_={"last_heartbeat": now, "expires_at": grant.expires_at},
-                ).returning(LeaseRow)
+            await session.execute(
+                written.returning(LeaseRow.id, LeaseRow.shard, LeaseRow.seed, LeaseRow.expires_at)
             )
         ).one()
-    else:
-        assert held is not None
-        held.last_heartbeat, held.expires_at = now, grant.expires_at
-        lease = held
-    return await _lease_answer(session, settings, run, rnd, lease)
+    return _lease_answer(settings, run, rnd, ckpt, lease)
 
 
-async def _lease_answer(
-    session: AsyncSession, settings: Settings, run: Run, rnd: Round, lease: LeaseRow
-) -> Lease:
+def _lease_answer(settings: Settings, run: Run, rnd: Round, ckpt: Checkpoint, lease: Any) -> Lease:
     cfg = rounds_service.run_config(run)
-    ckpt = await checkpoints_service.get(session=session, run_id=run.id, version=rnd.base_version)
     shard = run.shards[lease.shard]
     return Lease(
         lease_id=lease.id,
@@ -159,52 +224,7 @@ def _lease_view(lease: LeaseRow) -> LeaseView:
     )
 
 
-async def _has_contribution(
-    session: AsyncSession, run_id: str, index: int, contributor_id: str
-) -> bool:
-    found = await session.scalar(
-        select(Contribution.id).where(
-            Contribution.run_id == run_id,
-            Contribution.round_index == index,
-            Contribution.contributor_id == contributor_id,
-        )
-    )
-    return found is not None
-
-
-# ---------------------------------------------------------------- heartbeats (the short path)
-
-
-def _heartbeat_facts(token_hash: str, run_id: str, index: int, lease_id: str) -> Any:
-    """One row: the contributor behind the token, the run's status, the named round, the
-    round in progress and whether the named lease is this contributor's on that round."""
-    current = (
-        select(func.max(Round.index))
-        .where(Round.run_id == run_id, Round.state != RoundState.CLOSED)
-        .scalar_subquery()
-    )
-    held = exists().where(
-        LeaseRow.id == lease_id,
-        LeaseRow.run_id == run_id,
-        LeaseRow.round_index == index,
-        LeaseRow.contributor_id == Contributor.id,
-    )
-    return (
-        select(
-            Contributor.id,
-            Run.status,
-            Round.state,
-            Round.opened_at,
-            Round.deadline,
-            Round.extensions,
-            current.label("current_round"),
-            held.label("held"),
-        )
-        .select_from(Contributor)
-        .outerjoin(Run, Run.id == run_id)
-        .outerjoin(Round, and_(Round.run_id == run_id, Round.index == index))
-        .where(Contributor.token_hash == token_hash)
-    )
+# ---------------------------------------------------------------- heartbeats
 
 
 async def heartbeat(
@@ -219,35 +239,48 @@ async def heartbeat(
     loss: float | None,
     now: datetime,
 ) -> HeartbeatOut:
-    """Renew the lease (and the contributor's ``last_seen_at``, refused or not)."""
-    async with engine.connect() as conn:
-        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        row = (
-            await conn.execute(_heartbeat_facts(hash_token(token), run_id, index, lease_id))
-        ).one_or_none()
+    """Renew the lease, or the rule's refusal. No transaction: one statement reads the facts
+    (and marks the contributor seen, refused or not), one indexed UPDATE renews."""
+    me = _me(hash_token(token), now)
+    held = exists().where(
+        LeaseRow.id == lease_id,
+        LeaseRow.run_id == run_id,
+        LeaseRow.round_index == index,
+        LeaseRow.contributor_id == me.c.id,
+    )
+    facts = (
+        select(
+            Run.status,
+            Round.state,
+            Round.opened_at,
+            Round.deadline,
+            Round.extensions,
+            _in_progress(run_id).label("current_round"),
+            held.label("held"),
+        )
+        .select_from(me)
+        .outerjoin(Run, Run.id == run_id)
+        .outerjoin(Round, and_(Round.run_id == run_id, Round.index == index))
+    )
+    async with _short(engine) as session:
+        row = (await session.execute(facts)).one_or_none()
         if row is None:
             raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
-        contributor_id, status, state, opened_at, deadline, extensions, current, held = row
-        seen = update(Contributor).where(Contributor.id == contributor_id).values(last_seen_at=now)
+        status, state, opened_at, deadline, extensions, current, is_held = row
         if status is None:
-            await conn.execute(seen)
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
         rnd = None
         if state is not None:
             rnd = RoundView(index, opened_at, deadline, RoundState(state), extensions)
-        facts = HeartbeatFacts(RunStatus(status), rnd, current, bool(held))
-        grant = admit_heartbeat(now, facts, ttl_s=settings.lease_ttl_s)
+        beat = HeartbeatFacts(RunStatus(status), rnd, current, bool(is_held))
+        grant = admit_heartbeat(now, beat, ttl_s=settings.lease_ttl_s)
         if isinstance(grant, Refusal):
-            await conn.execute(seen)
             raise refused(grant)
-        renewed = (
+        await session.execute(
             update(LeaseRow)
             .where(LeaseRow.id == lease_id)
             .values(last_heartbeat=now, expires_at=grant.expires_at, last_step=step, last_loss=loss)
-            .add_cte(seen.cte("seen"))
-            .returning(literal(1))
         )
-        await conn.execute(renewed)
     assert rnd is not None
     return HeartbeatOut(
         lease_expires_at=grant.expires_at, round_state=rnd.state, deadline=rnd.deadline

@@ -40,16 +40,15 @@ async def round_contributions(
 
 
 @router.post("/join")
-async def join(
-    run_id: RunId, request: Request, session: SessionDep, contributor: ContributorAuth
-) -> Lease:
-    """A lease on the open round: what to download, how many steps, until when."""
-    run = await runs_service.get(session=session, run_id=run_id)
+async def join(run_id: RunId, request: Request) -> Lease:
+    """A lease on the open round: what to download, how many steps, until when (contributor
+    token). 409 ``run_not_active``: wait while paused, else stop; ``round_closing`` and
+    ``already_contributed``: join again after ``retry_after_s``."""
     return await leases.join(
-        session=session,
+        engine=request.app.state.engine,
         settings=request.app.state.settings,
-        run=run,
-        contributor_id=contributor.id,
+        token=bearer_token(request),
+        run_id=run_id,
         now=datetime.now(UTC),
     )
 
