@@ -170,7 +170,7 @@ class Crowd:
                 f"{API}/runs/{self.run_id}/rounds/{lease['round']}/contribution",
                 "upload",
                 data=body,
-                timeout=aiohttp.ClientTimeout(total=600, connect=10),
+                timeout=aiohttp.ClientTimeout(total=120, connect=10),
                 headers={**v.auth, "Content-Type": "application/octet-stream"},
             )
             if status in (200, 201):
@@ -258,9 +258,9 @@ async def bench_one(
         ups = [
             asyncio.create_task(crowd.upload(v, b)) for v, b in zip(uploaders, bodies, strict=True)
         ]
-        closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
-        await asyncio.gather(*ups)
+        await asyncio.gather(*ups)  # at most 4 tries of 120 s each
         last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
+        closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
         close_mark = await mon.mark()
         if closed_at is not None:
             await asyncio.sleep(max(0.0, closed_at + 2 * args.interval + 3 - time.time()))
@@ -334,7 +334,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=2.0, help="heartbeat interval, seconds")
     ap.add_argument("--uploaders", type=int, default=4, help="K: uploads that close the round")
     ap.add_argument("--join-concurrency", type=int, default=32)
-    ap.add_argument("--close-timeout-s", type=float, default=240.0)
+    ap.add_argument("--close-timeout-s", type=float, default=180.0, help="after the uploads")
     ap.add_argument(
         "--database-url",
         default="postgresql://postgres@127.0.0.1:5432/postgres",
@@ -342,7 +342,11 @@ def main() -> None:
     )
     ap.add_argument("--small-model", action="store_true", help="a tiny model (smoke tests)")
     ap.add_argument("--torch-threads", type=int, default=0, help="server's; 0: torch default")
-    ap.add_argument("--py-spy", type=Path, help="record the idle phase with py-spy into DIR")
+    ap.add_argument(
+        "--py-spy",
+        type=Path,
+        help="record the idle phase with py-spy into DIR (pip install py-spy)",
+    )
     ap.add_argument(
         "--instrument",
         action="store_true",

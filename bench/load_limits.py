@@ -98,7 +98,7 @@ async def start_profilers(
             "--duration",
             str(int(args.phase_s)),
             "--rate",
-            "200",
+            "100",
             "--format",
             "raw",
             "--nonblocking",
