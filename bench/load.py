@@ -193,33 +193,7 @@ async def bench_one(
     limit = n + args.uploaders + 32
     async with http_session(base, limit) as http, Monitor(args.database_url, dbname, pid) as mon:
         # setup: the run, N contributors, N joins
-        model = SMALL_MODEL if args.small_model else MODEL
-        config = {
-            "name": f"load-{n}",
-            "model": model,
-            "data": {"path": "corpus.txt"},
-            "inner": {"steps": 10},
-            "rounds": {
-                "quorum": args.uploaders,
-                "target": args.uploaders,
-                "timeout_s": 3600,
-                "max_rounds": 10,
-            },
-        }
-        form = aiohttp.FormData()
-        form.add_field("config", json.dumps(config))
-        form.add_field("data", make_corpus(300_000), filename="corpus.txt")
-        status, run = await rec.call(
-            http,
-            "POST",
-            f"{API}/runs",
-            "create",
-            data=form,
-            headers={"Authorization": f"Bearer {ADMIN}"},
-            timeout=aiohttp.ClientTimeout(total=300),
-        )
-        if status != 201:
-            raise SystemExit(f"creating the run answered {status}: {run}")
+        run = await create_run(http, rec, args, n)
         out["n_params"] = run["n_params"]
         crowd = Crowd(http, rec, run["id"], args.interval)
         started = time.time()
@@ -246,11 +220,13 @@ async def bench_one(
         ]
         await asyncio.sleep(0.2 + args.interval)
         profiling = await start_profilers(args, http, pid, n)
+        crowd.lags.clear()
         idle_start = await mon.mark()
         await asyncio.sleep(args.phase_s)
         idle_end = await mon.mark()
+        lags = sorted(crowd.lags)
+        out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
         out["profile"] = await stop_profilers(profiling, http)
-        crowd.lags.clear()
 
         # phase 2: K uploads close the round while heartbeats go on
         windows = {"idle": (idle_start["t"], idle_end["t"])}
@@ -281,13 +257,43 @@ async def bench_one(
         hb = out["phases"]["idle"]["heartbeat"]
         out["offered_per_s"] = n / args.interval
         out["served_per_s"] = hb["ok"] / args.phase_s
-        out["lag_p99_ms"] = (
-            sorted(crowd.lags)[int(0.99 * (len(crowd.lags) - 1))] * 1000 if crowd.lags else 0.0
-        )
 
         # phase 3: the limits at the same request rate, volunteers stopped
         out["limits"] = await limits(args, http, mon, n, db_url)
     return out
+
+
+async def create_run(
+    http: aiohttp.ClientSession, rec: Recorder, args: argparse.Namespace, n: int
+) -> dict[str, Any]:
+    """A run that closes its round at K accepted contributions, on a generated corpus."""
+    config = {
+        "name": f"load-{n}",
+        "model": SMALL_MODEL if args.small_model else MODEL,
+        "data": {"path": "corpus.txt"},
+        "inner": {"steps": 10},
+        "rounds": {
+            "quorum": args.uploaders,
+            "target": args.uploaders,
+            "timeout_s": 3600,  # never the reason to close here
+            "max_rounds": 10,
+        },
+    }
+    form = aiohttp.FormData()
+    form.add_field("config", json.dumps(config))
+    form.add_field("data", make_corpus(300_000), filename="corpus.txt")
+    status, run = await rec.call(
+        http,
+        "POST",
+        f"{API}/runs",
+        "create",
+        data=form,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=aiohttp.ClientTimeout(total=300),
+    )
+    if status != 201:
+        raise SystemExit(f"creating the run answered {status}: {run}")
+    return dict(run)
 
 
 async def wait_for_close(

@@ -136,14 +136,9 @@ class Monitor:
     database's transaction count. ``mark()`` returns a snapshot; ``between(a, b)`` the deltas."""
 
     def __init__(self, admin_url: str, dbname: str, server_pid: int, every: float = 0.5) -> None:
-        self.admin, self.dbname, self.pid, self.every = (
-            plain_dsn(admin_url),
-            dbname,
-            server_pid,
-            every,
-        )
+        self.admin, self.dbname = plain_dsn(admin_url), dbname
+        self.pid, self.every = server_pid, every
         self.samples: list[dict[str, Any]] = []
-        self.unreadable: set[int] = set()
         self._task: asyncio.Task[None] | None = None
         self._conn: asyncpg.Connection | None = None
         self._lock = asyncio.Lock()  # one connection: the timer and mark() take turns
@@ -180,10 +175,9 @@ class Monitor:
         )
         backends = {}
         for row in rows:
-            try:
+            # a backend that just exited, or a Postgres on another machine (then: nan)
+            with contextlib.suppress(OSError, IndexError):
                 backends[row["pid"]] = proc_cpu_s(row["pid"])
-            except (OSError, IndexError):
-                self.unreadable.add(row["pid"])  # not on this machine, or just exited
         s = {
             "t": time.time(),
             "server_cpu": proc_cpu_s(self.pid),
@@ -204,6 +198,8 @@ class Monitor:
         for pid in {p for s in inside for p in s["backends"]}:
             seen = [s["backends"][pid] for s in inside if pid in s["backends"]]
             pg += seen[-1] - a["backends"].get(pid, 0.0)
+        if not any(s["backends"] for s in inside):
+            pg = float("nan")  # no backend of ours could be read from /proc
         return {
             "seconds": b["t"] - a["t"],
             "server_cpu_s": b["server_cpu"] - a["server_cpu"],
