@@ -1,5 +1,6 @@
 """The benchmark scripts still run (on toy sizes); their figures are read by people, not tests."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,3 +21,31 @@ def test_codec_wire_bench_prints_a_rate_for_every_stage():
         "int8 encode (fp32 in)", "int8 decode (fp32 out)", "wire encode (body)",
         "wire decode (body)",
     ]  # fmt: skip
+
+
+def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_path):
+    out = tmp_path / "load.json"
+
+    proc = subprocess.run(
+        [sys.executable, "bench/load.py", "--volunteers", "12", "--phase-s", "2",
+         "--interval", "1", "--uploaders", "2", "--small-model",
+         "--database-url", pg_admin_url, "--json", str(out)],
+        capture_output=True, text=True, timeout=150, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== N = 12 volunteers" in proc.stdout
+    assert "Goals:" in proc.stdout
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["round_closed"]
+    assert result["phases"]["idle"]["heartbeat"]["ok"] > 0
+    errors = {
+        f"{phase} {kind}": s["errors"]
+        for phase, kinds in result["phases"].items()
+        for kind, s in kinds.items()
+        if isinstance(s, dict) and s["errors"]
+    }
+    assert errors == {}
+    assert result["setup"]["join"]["n_errors"] == 0
+    assert result["phases"]["upload"]["upload"]["ok"] == 2
+    assert result["limits"]["asyncpg_update"]["count"] > 0

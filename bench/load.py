@@ -1,0 +1,405 @@
+"""Load benchmark of the volunteer-facing API: N simulated volunteers against one real server.
+
+For each N (``--volunteers 100,500,1000``) the bench creates a fresh database, starts a real
+``diloco serve`` on 127.0.0.1, creates a run (a ~10M-parameter model, a generated corpus,
+``quorum = target = K``), registers N contributors and has each join. Then, in one asyncio
+process (aiohttp, one ClientSession):
+
+1. idle: every volunteer heartbeats every ``--interval`` s, start times spread evenly over
+   the interval, each on its own schedule (one warm-up interval first, not counted);
+2. close: heartbeats go on while K volunteers upload real int8 contributions (~10 MB each),
+   which closes the round (aggregate, outer step, eval, checkpoint write). Volunteers do
+   what the client does: a heartbeat answered ``409 round_closed`` means join again, and a
+   join answered ``409 round_closing`` / ``already_contributed`` waits ``retry_after_s``.
+   Requests are tagged by send time: ``upload`` (uploads in flight), ``close`` (from the
+   last upload's answer to the round's ``closed_at``), ``after`` (rejoined, next round);
+3. limits at the same request rate, volunteers stopped: an unmatched route (FastAPI and
+   uvicorn only, answered 404), ``GET /healthz`` (one pooled ``SELECT 1``), and, closed
+   loop over 10 connections, one indexed one-row ``UPDATE`` straight through asyncpg.
+
+Printed per N and phase: latency percentiles, protocol answers and errors by status,
+served vs offered rate, server CPU (/proc, all threads) and peak RSS, Postgres backend CPU
+of our database, transactions (pg_stat_database), the load generator's own CPU; then the
+goals, met or not. Every phase is bounded in time and every process is stopped by its PID.
+
+    python bench/load.py [--volunteers 100,500,1000] [--phase-s 20] [--interval 2]
+                         [--uploaders 4] [--database-url postgresql://...] [--json out.json]
+                         [--py-spy DIR] [--instrument] [--small-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from load_limits import limits, start_profilers, stop_profilers
+from load_report import print_goals, print_one
+from load_support import (
+    ADMIN,
+    API,
+    Monitor,
+    Recorder,
+    contribution_bodies,
+    fresh_database,
+    http_session,
+    make_corpus,
+    server,
+    summarize,
+)
+
+GOAL = {"volunteers": 1000, "interval_s": 2.0, "p99_ms": 250.0}
+# answers the protocol gives on purpose around a close; counted apart from errors
+PROTOCOL = {(409, "round_closed"), (409, "round_closing"), (409, "already_contributed")}
+MODEL = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 128}  # ~10.8M parameters
+SMALL_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+
+
+# ---------------------------------------------------------------- simulated volunteers
+
+
+@dataclass
+class Volunteer:
+    index: int
+    auth: dict[str, str]
+    lease: dict[str, Any] | None = None
+    step: int = 0
+
+
+class Crowd:
+    """N volunteers sharing one session; each behaves as client/worker.py does."""
+
+    def __init__(self, http: aiohttp.ClientSession, rec: Recorder, run_id: str, interval: float):
+        self.http, self.rec, self.run_id, self.interval = http, rec, run_id, interval
+        self.volunteers: list[Volunteer] = []
+        self.stop_at = math.inf  # loop time; every loop ends once it passes
+        self.lags: list[float] = []  # how late each scheduled send went out (generator health)
+
+    async def enlist(self, n: int, concurrency: int) -> None:
+        """Register and join n contributors, ``concurrency`` requests in flight."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with gate:
+                status, body = await self.rec.call(
+                    self.http, "POST", f"{API}/contributors", "register", json={"name": f"v{i}"}
+                )
+                if status != 201:
+                    raise SystemExit(f"register answered {status}: {body}")
+                v = Volunteer(i, {"Authorization": f"Bearer {body['token']}"})
+                status, body = await self.rec.call(
+                    self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
+                )
+                if status != 200:
+                    raise SystemExit(f"join answered {status}: {body}")
+                v.lease = body
+                self.volunteers.append(v)
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        self.volunteers.sort(key=lambda v: v.index)
+
+    async def live(self, v: Volunteer, first_at: float) -> None:
+        """Heartbeat every interval on this volunteer's own schedule; join again when the
+        round closed without us."""
+        loop = asyncio.get_running_loop()
+        due = first_at
+        while due < self.stop_at:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            if loop.time() >= self.stop_at:
+                return
+            self.lags.append(loop.time() - due)
+            if v.lease is None or await self.heartbeat(v) == "lost":
+                v.lease = None
+                await self.rejoin(v)
+                due = loop.time() + self.interval  # the client sleeps an interval first
+                continue
+            due += self.interval
+            due = max(due, loop.time())  # fell behind: no burst to catch up
+
+    async def heartbeat(self, v: Volunteer) -> str:
+        assert v.lease is not None
+        v.step += 1
+        status, body = await self.rec.call(
+            self.http,
+            "POST",
+            f"{API}/runs/{self.run_id}/rounds/{v.lease['round']}/heartbeat",
+            "heartbeat",
+            json={"lease_id": v.lease["lease_id"], "step": v.step, "loss": 3.0},
+            headers=v.auth,
+        )
+        lost = status == 409 and isinstance(body, dict) and body.get("error") == "round_closed"
+        return "lost" if lost else "ok"
+
+    async def rejoin(self, v: Volunteer) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() < self.stop_at:
+            status, body = await self.rec.call(
+                self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
+            )
+            if status == 200:
+                v.lease = body
+                return
+            wait = self.interval  # an error: try again later
+            if isinstance(body, dict) and (status, body.get("error")) in PROTOCOL:
+                wait = min(max(float(body.get("retry_after_s") or 1.0), 0.5), 120.0)
+            await asyncio.sleep(min(wait, max(0.0, self.stop_at - loop.time())))
+
+    async def upload(self, v: Volunteer, body: bytes) -> None:
+        """PUT the body; like the client, retry a 5xx or a connection error with backoff."""
+        lease = v.lease
+        if lease is None:
+            return
+        for attempt in range(4):
+            status, _ = await self.rec.call(
+                self.http,
+                "PUT",
+                f"{API}/runs/{self.run_id}/rounds/{lease['round']}/contribution",
+                "upload",
+                data=body,
+                timeout=aiohttp.ClientTimeout(total=120, connect=10),
+                headers={**v.auth, "Content-Type": "application/octet-stream"},
+            )
+            if status in (200, 201):
+                v.lease = None  # done with this round: the client joins again
+                return
+            if isinstance(status, int) and status < 500:
+                return  # refused: retrying would not help
+            await asyncio.sleep(2**attempt)
+
+
+# ---------------------------------------------------------------- one N: setup and phases
+
+
+async def bench_one(
+    args: argparse.Namespace, n: int, base: str, pid: int, db: tuple[str, str]
+) -> dict[str, Any]:
+    dbname, db_url = db
+    rec = Recorder()
+    out: dict[str, Any] = {"volunteers": n, "interval_s": args.interval, "phase_s": args.phase_s}
+    limit = n + args.uploaders + 32
+    async with http_session(base, limit) as http, Monitor(args.database_url, dbname, pid) as mon:
+        # setup: the run, N contributors, N joins
+        run = await create_run(http, rec, args, n)
+        out["n_params"] = run["n_params"]
+        crowd = Crowd(http, rec, run["id"], args.interval)
+        started = time.time()
+        await crowd.enlist(n, concurrency=args.join_concurrency)
+        out["setup"] = {
+            "seconds": time.time() - started,
+            "concurrency": args.join_concurrency,
+            "register": summarize([s for s in rec.samples if s.kind == "register"], PROTOCOL),
+            "join": summarize([s for s in rec.samples if s.kind == "join"], PROTOCOL),
+        }
+        uploaders = crowd.volunteers[: args.uploaders]
+        lease = uploaders[0].lease
+        assert lease is not None
+        bodies = await asyncio.to_thread(contribution_bodies, lease, len(uploaders))
+        out["upload_bytes"] = len(bodies[0])
+        rec.samples.clear()
+
+        # phase 1: idle heartbeats (after one warm-up interval)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 0.2
+        lives = [
+            asyncio.create_task(crowd.live(v, t0 + args.interval * v.index / n))
+            for v in crowd.volunteers
+        ]
+        await asyncio.sleep(0.2 + args.interval)
+        profiling = await start_profilers(args, http, pid, n)
+        crowd.lags.clear()
+        idle_start = await mon.mark()
+        await asyncio.sleep(args.phase_s)
+        idle_end = await mon.mark()
+        lags = sorted(crowd.lags)
+        out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
+        out["profile"] = await stop_profilers(profiling, http)
+
+        # phase 2: K uploads close the round while heartbeats go on
+        windows = {"idle": (idle_start["t"], idle_end["t"])}
+        upload_start = time.time()
+        ups = [
+            asyncio.create_task(crowd.upload(v, b)) for v, b in zip(uploaders, bodies, strict=True)
+        ]
+        await asyncio.gather(*ups)  # at most 4 tries of 120 s each
+        last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
+        closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
+        close_mark = await mon.mark()
+        if closed_at is not None:
+            await asyncio.sleep(max(0.0, closed_at + 2 * args.interval + 3 - time.time()))
+        crowd.stop_at = loop.time()
+        end_mark = await mon.mark()
+        await asyncio.wait(lives, timeout=args.interval + 35)
+        for task in lives:
+            task.cancel()
+        windows["upload"] = (upload_start, last_upload)
+        windows["close"] = (last_upload, closed_at or close_mark["t"])
+        windows["after"] = (closed_at or close_mark["t"], end_mark["t"])
+        out["round_closed"] = closed_at is not None
+        out["close_seconds"] = (closed_at - last_upload) if closed_at else None
+        out["closing_seen"] = seen_closing
+        out["phases"] = tag_phases(rec, windows)
+        out["idle_resources"] = mon.between(idle_start, idle_end)
+        out["close_resources"] = mon.between(idle_end, close_mark)
+        hb = out["phases"]["idle"]["heartbeat"]
+        out["offered_per_s"] = n / args.interval
+        out["served_per_s"] = hb["ok"] / args.phase_s
+
+        # phase 3: the limits at the same request rate, volunteers stopped
+        out["limits"] = await limits(args, http, mon, n, db_url)
+    return out
+
+
+async def create_run(
+    http: aiohttp.ClientSession, rec: Recorder, args: argparse.Namespace, n: int
+) -> dict[str, Any]:
+    """A run that closes its round at K accepted contributions, on a generated corpus."""
+    config = {
+        "name": f"load-{n}",
+        "model": SMALL_MODEL if args.small_model else MODEL,
+        "data": {"path": "corpus.txt"},
+        "inner": {"steps": 10},
+        "rounds": {
+            "quorum": args.uploaders,
+            "target": args.uploaders,
+            "timeout_s": 3600,  # never the reason to close here
+            "max_rounds": 10,
+        },
+    }
+    form = aiohttp.FormData()
+    form.add_field("config", json.dumps(config))
+    form.add_field("data", make_corpus(300_000), filename="corpus.txt")
+    status, run = await rec.call(
+        http,
+        "POST",
+        f"{API}/runs",
+        "create",
+        data=form,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=aiohttp.ClientTimeout(total=300),
+    )
+    if status != 201:
+        raise SystemExit(f"creating the run answered {status}: {run}")
+    return dict(run)
+
+
+async def wait_for_close(
+    http: aiohttp.ClientSession, rec: Recorder, run_id: str, timeout: float
+) -> tuple[float | None, float | None]:
+    """Poll the rounds list until round 1 is closed; (its closed_at as a timestamp or None,
+    the time a poll first saw it closing)."""
+    seen_closing = None
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        await asyncio.sleep(0.5)
+        status, body = await rec.call(http, "GET", f"{API}/runs/{run_id}/rounds", "poll")
+        if status != 200:
+            continue
+        first = body["rounds"][0]
+        if first["state"] == "closing" and seen_closing is None:
+            seen_closing = time.time()
+        if first["state"] == "closed":
+            return datetime.fromisoformat(first["closed_at"]).timestamp(), seen_closing
+    return None, seen_closing
+
+
+def tag_phases(rec: Recorder, windows: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Summaries by phase (the window the request was sent in) and kind."""
+    out: dict[str, Any] = {}
+    for phase, (lo, hi) in windows.items():
+        inside = [s for s in rec.samples if lo <= s.sent < hi]
+        kinds = sorted({s.kind for s in inside} | {"heartbeat"})
+        out[phase] = {"seconds": hi - lo} | {
+            k: summarize([s for s in inside if s.kind == k], PROTOCOL) for k in kinds
+        }
+        volunteer = [s for s in inside if s.kind in ("heartbeat", "join")]
+        out[phase]["volunteer requests"] = summarize(volunteer, PROTOCOL)
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--volunteers", default="100,500,1000", help="comma-separated Ns")
+    ap.add_argument("--phase-s", type=float, default=20.0, help="seconds of the idle phase")
+    ap.add_argument("--interval", type=float, default=2.0, help="heartbeat interval, seconds")
+    ap.add_argument("--uploaders", type=int, default=4, help="K: uploads that close the round")
+    ap.add_argument("--join-concurrency", type=int, default=32)
+    ap.add_argument("--close-timeout-s", type=float, default=180.0, help="after the uploads")
+    ap.add_argument(
+        "--database-url",
+        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        help="a Postgres server to create (and drop) a database per N on",
+    )
+    ap.add_argument("--small-model", action="store_true", help="a tiny model (smoke tests)")
+    ap.add_argument("--torch-threads", type=int, default=0, help="server's; 0: torch default")
+    ap.add_argument(
+        "--py-spy",
+        type=Path,
+        help="record the idle phase with py-spy into DIR (pip install py-spy)",
+    )
+    ap.add_argument(
+        "--instrument",
+        action="store_true",
+        help="serve through bench/heartbeat_profile.py (CPU per request part)",
+    )
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args()
+
+    results = []
+    for n in [int(x) for x in args.volunteers.split(",")]:
+        env = {
+            "DILOCO_HEARTBEAT_INTERVAL_S": str(args.interval),
+            "DILOCO_TORCH_THREADS": str(args.torch_threads),
+        }
+        with (
+            tempfile.TemporaryDirectory(prefix="diloco-load-") as tmp,
+            fresh_database(args.database_url) as db,
+            server(Path(tmp) / "srv", db[1], env=env, instrumented=args.instrument) as (
+                base,
+                pid,
+            ),
+        ):
+            result = run_async(bench_one(args, n, base, pid, db))
+            result["server_errors"] = server_errors(Path(tmp) / "srv" / "server.log")
+        print_one(result, GOAL)
+        results.append(result)
+        if args.json:  # after every N, so that a cut-off run keeps what it measured
+            args.json.write_text(json.dumps({"goal": GOAL, "results": results}, indent=1))
+    print_goals(results, GOAL)
+
+
+def server_errors(log: Path) -> dict[str, int]:
+    """The exception lines of the server's tracebacks (what its 5xx answers were), counted."""
+    pattern = re.compile(r"^([\w.]+(?:Error|Exception|Timeout)\b.*)$", re.M)
+    found = pattern.findall(log.read_text(errors="replace"))
+    return dict(Counter(line[:160] for line in found).most_common(5))
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    main()
