@@ -171,7 +171,7 @@ def train_upload(
     return Upload(list(encode_contribution(meta, encoded)), codec, result)
 
 
-class _Recorder:
+class Recorder:
     """Evaluates the (global) model after each round, keeps the records, reports them."""
 
     def __init__(
@@ -313,7 +313,7 @@ def _run_diloco(
         )
         streams.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
     drops = _generator(opts.seed, 10_000)
-    recorder = _Recorder(cfg, opts, data, device, progress)
+    recorder = Recorder(cfg, opts, data, device, progress)
     bytes_up = bytes_down = tokens = 0
     for r in range(R):
         aggregator = Aggregator(shapes)
@@ -372,7 +372,7 @@ def _run_baseline(
         parts = [source() for source in sources]  # (B, T) each -> (K·B, T)
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
-    recorder = _Recorder(cfg, opts, data, device, progress)
+    recorder = Recorder(cfg, opts, data, device, progress)
     tokens = 0
     for r in range(R):
         result = trainer.run(H, start_step=r * H, next_batch=next_batch)

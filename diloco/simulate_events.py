@@ -39,10 +39,10 @@ from diloco.protocol.state import Action, Refusal, RunStatus, UploadClaim
 from diloco.simulate import (
     SIM_RUN_ID,
     Progress,
+    Recorder,
     Runner,
     SimOptions,
     Trained,
-    _Recorder,
     lease_batches,
     train_upload,
 )
@@ -123,7 +123,7 @@ class _ProtocolRun:
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
         )
-        self.recorder = _Recorder(cfg, opts, data, device, progress)
+        self.recorder = Recorder(cfg, opts, data, device, progress)
         self.heartbeat_every = timedelta(
             seconds=max(CLIENT_MIN_HEARTBEAT_S, settings.heartbeat_interval_s)
         )
@@ -388,7 +388,7 @@ class _ProtocolRun:
             useful_s=useful,
             goodput=useful / compute if compute else 0.0,
             wasted_s=dict(self.wasted),
-            refused=dict(sorted(self.refused.items())),
+            refused={str(code): n for code, n in sorted(self.refused.items())},
             abandoned=sum(v.totals.abandoned for v in self.volunteers),
             dropouts=sum(v.totals.dropouts for v in self.volunteers),
             extensions=self.extensions,

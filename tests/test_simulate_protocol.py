@@ -179,6 +179,16 @@ def test_round_that_can_no_longer_reach_quorum_stops_the_simulation(corpus):
     )
 
 
+def test_clock_stops_at_the_time_limit_and_counts_unfinished_work_as_in_flight(corpus):
+    # quorum 2: the fast upload at 10 s waits for the slow one (40 s), past the 15 s limit
+    result = run_protocol(corpus, workers=2, quorum=2, speeds=(1, 0.25), max_sim_s=15.0)
+
+    totals = result.protocol
+    assert result.rounds == []
+    assert (totals.stopped_because, totals.sim_time_s) == ("time limit of 15 s", 15.0)
+    assert (totals.compute_s, totals.wasted_s["in_flight"], totals.goodput) == (25.0, 25.0, 0.0)
+
+
 # ---------------------------------------------------------------- determinism, equivalence
 
 
@@ -198,6 +208,8 @@ def test_same_options_and_seed_give_identical_results_with_random_dropouts(corpu
     other_seed = run_protocol(corpus, **{**scenario, "seed": 4})
 
     assert first.protocol.dropouts > 0  # the dropouts really happened
+    totals = first.protocol  # every volunteer-second is accounted for once
+    assert totals.useful_s + sum(totals.wasted_s.values()) == pytest.approx(totals.compute_s)
     assert as_json_without_timing(first) == as_json_without_timing(second)
     for name, tensor in first.final_params.items():
         assert torch.equal(tensor, second.final_params[name])
