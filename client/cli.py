@@ -96,7 +96,7 @@ def simulate(
     workers: Annotated[
         int | None,
         typer.Option(
-            help="K workers (protocol: volunteers) [default: as many as --speeds, else 4].",
+            help="K workers (protocol: volunteers) (default: as many as --speeds, else 4).",
             envvar="DILOCO_WORKERS",
             show_default=False,
         ),
@@ -110,7 +110,7 @@ def simulate(
     seed: Annotated[
         int | None,
         typer.Option(
-            help="Seeds model, data and drops [default: the config's seed, else 0].",
+            help="Seeds model, data and drops (default: the config's seed, else 0).",
             envvar="DILOCO_SEED",
             show_default=False,
         ),
@@ -160,7 +160,7 @@ def simulate(
     speeds: Annotated[
         str | None,
         typer.Option(
-            help="protocol: relative speed of each volunteer, e.g. 1,1,0.5,0.25 [default: all 1].",
+            help="protocol: relative speed of each volunteer, e.g. 1,1,0.5,0.25 (default: all 1).",
             envvar="DILOCO_SPEEDS",
             show_default=False,
         ),
@@ -175,7 +175,7 @@ def simulate(
     join_at: Annotated[
         str | None,
         typer.Option(
-            help="protocol: each volunteer's first join, in seconds, e.g. 0,0,60 [default: 0].",
+            help="protocol: each volunteer's first join, in seconds, e.g. 0,0,60 (default: 0).",
             envvar="DILOCO_JOIN_AT",
             show_default=False,
         ),
@@ -221,7 +221,7 @@ def simulate(
     max_extensions: Annotated[
         int | None,
         typer.Option(
-            help="protocol: deadline extensions below quorum [default: no limit].",
+            help="protocol: deadline extensions below quorum (default: no limit).",
             envvar="DILOCO_MAX_EXTENSIONS",
             show_default=False,
         ),
@@ -233,7 +233,7 @@ def simulate(
     max_sim_s: Annotated[
         float | None,
         typer.Option(
-            help="protocol: stop the simulated clock here [default: when the run ends].",
+            help="protocol: stop the simulated clock here (default: when the run ends).",
             envvar="DILOCO_MAX_SIM_S",
             show_default=False,
         ),
