@@ -12,6 +12,15 @@ The DiLoCo mode runs the very code the platform runs: each worker's inner loop
   on its own shard (a DiLoCo worker that never communicates, so ``single`` → ``ddp``
   is exactly what pooling K workers buys); ``single_data="all"`` trains it on the whole
   training split instead, a stronger reference on a finite corpus.
+- ``protocol``: K volunteers against the round protocol's rules on a simulated clock
+  (:mod:`diloco.simulate_protocol`): speeds, deadlines, stragglers, dropouts.
+
+Batches: in ``diloco`` mode worker i draws from its own stream (seeded by the run seed and
+i, kept across rounds) on shard i by default; ``batches="lease"`` draws them as a volunteer
+of the platform does: each round, worker i trains on the shard and with the seed of the
+round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generator per
+round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
+bit; the default is kept so that published benchmarks reproduce.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -31,11 +40,25 @@ from diloco.data import Dataset, load_tokens, random_batch, split_tokens
 from diloco.exchange import aggregate_upload, encode_delta
 from diloco.model import GPT
 from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
-from diloco.train import Batch, InnerTrainer, evaluate, load_parameters, parameters_of, snapshot
+from diloco.protocol.rules import assign_lease
+from diloco.protocol.state import LeaseAssignment
+from diloco.train import (
+    Batch,
+    InnerResult,
+    InnerTrainer,
+    evaluate,
+    load_parameters,
+    parameters_of,
+    snapshot,
+)
 from diloco.wire import ContributionMeta, encode_contribution
 
-Mode = Literal["diloco", "ddp", "single"]
+if TYPE_CHECKING:
+    from diloco.simulate_protocol import ProtocolOptions, ProtocolTotals
+
+Mode = Literal["diloco", "ddp", "single", "protocol"]
 FP32_BYTES = 4
+SIM_RUN_ID = "simulate"  # the run id in every simulated upload's header
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,8 @@ class SimOptions:
     drop_prob: float = 0.0  # each worker's contribution is lost with this probability per round
     eval_windows: int | None = 256  # validation windows scored after each round (None: all)
     single_data: Literal["shard", "all"] = "shard"  # single mode: worker 0's shard, or all
+    # diloco mode: worker i's own stream on shard i, or the i-th lease's shard and seed
+    batches: Literal["worker", "lease"] = "worker"
     device: str = "cpu"
 
 
@@ -75,6 +100,7 @@ class SimResult:
     wall_s: float
     rounds: list[RoundRecord]
     config: dict[str, Any]
+    protocol: ProtocolTotals | None = None  # protocol mode: time, compute, goodput, refusals
     # the final global parameters, for tests and callers; not part of the JSON
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -96,7 +122,56 @@ def _batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> 
     return next_batch
 
 
-class _Recorder:
+def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Callable[[], Batch]:
+    """A lease's batches, as the volunteer client draws them: its shard, and a generator
+    seeded with its seed, fresh for the round."""
+    return _batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One worker's round as it goes over the wire."""
+
+    chunks: list[bytes]  # the encoded body (diloco.wire)
+    codec: dict  # the codec's description, as the header names it
+    result: InnerResult  # steps, tokens, losses of the inner loop
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def train_upload(
+    trainer: InnerTrainer,
+    params: dict[str, torch.Tensor],
+    *,
+    cfg: RunConfig,
+    round: int,
+    next_batch: Callable[[], Batch],
+) -> Upload:
+    """What a volunteer does for round ``round`` (from 1): load θ(t−1) = ``params``, train
+    H steps from global step (round − 1)·H, Δ = θ(t−1) − θi through the codec and the
+    wire format. The trainer's AdamW state carries over from its previous rounds."""
+    H = cfg.inner.steps
+    load_parameters(trainer.model, params)
+    result = trainer.run(H, start_step=(round - 1) * H, next_batch=next_batch)
+    delta = pseudo_gradient(params, snapshot(trainer.model))
+    encoded, codec = encode_delta(
+        delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+    )
+    meta = ContributionMeta(
+        run_id=SIM_RUN_ID,
+        round=round,
+        base_version=round - 1,
+        tokens=result.tokens,
+        inner_steps=H,
+        loss=result.mean_loss,
+        codec=codec,
+    )
+    return Upload(list(encode_contribution(meta, encoded)), codec, result)
+
+
+class Recorder:
     """Evaluates the (global) model after each round, keeps the records, reports them."""
 
     def __init__(
@@ -111,7 +186,9 @@ class _Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
-    def close_round(self, model: GPT, **fields: Any) -> None:
+    def close_round(
+        self, model: GPT, record_type: type[RoundRecord] = RoundRecord, **fields: Any
+    ) -> None:
         eval_loss = evaluate(
             model,
             self.data.val,
@@ -119,7 +196,7 @@ class _Recorder:
             max_windows=self.opts.eval_windows,
             device=self.device,
         )
-        record = RoundRecord(eval_loss=eval_loss, **fields)
+        record = record_type(eval_loss=eval_loss, **fields)
         self.records.append(record)
         if self.progress:
             self.progress(record)
@@ -129,15 +206,53 @@ def _generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
 
-def simulate(cfg: RunConfig, opts: SimOptions, progress: Progress | None = None) -> SimResult:
+@dataclass
+class Trained:
+    """What a mode's runner hands back; ``model`` holds the final global parameters."""
+
+    records: list[RoundRecord]
+    bytes_up_per_worker: int
+    bytes_down_per_worker: int
+    protocol: ProtocolTotals | None = None
+
+
+Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
+
+
+def simulate(
+    cfg: RunConfig,
+    opts: SimOptions,
+    progress: Progress | None = None,
+    *,
+    protocol: ProtocolOptions | None = None,
+) -> SimResult:
     """Train per ``cfg`` and ``opts``; ``cfg.rounds.max_rounds`` × ``cfg.inner.steps``
-    inner steps per worker, with an evaluation of the global model after every round."""
+    inner steps per worker, with an evaluation of the global model after every round.
+    ``protocol``: the volunteers and the hub's settings of ``protocol`` mode (default: K
+    volunteers of speed 1, the server's default settings)."""
     if opts.workers < 1:
         raise ValueError(f"workers must be >= 1, got {opts.workers}")
     if not 0.0 <= opts.drop_prob < 1.0:
         raise ValueError(f"drop_prob must be in [0, 1), got {opts.drop_prob}")
+    if opts.batches != "worker" and opts.mode != "diloco":
+        raise ValueError(f"batches={opts.batches!r} applies to diloco mode only")
+    if protocol is not None and opts.mode != "protocol":
+        raise ValueError("protocol options apply to protocol mode only")
+    run: Runner
+    n_shards = opts.workers
+    if opts.mode == "protocol":
+        from diloco.simulate_events import protocol_runner
+        from diloco.simulate_protocol import ProtocolOptions
+
+        protocol = protocol or ProtocolOptions()
+        run, n_shards = protocol_runner(protocol, opts)
+    elif opts.mode == "diloco":
+        run = _run_diloco
+    else:
+        run = _run_baseline
+        if opts.mode == "single" and opts.single_data == "all":
+            n_shards = 1
     device = torch.device(opts.device)
-    n_shards = 1 if (opts.mode == "single" and opts.single_data == "all") else opts.workers
     data = split_tokens(
         load_tokens(cfg.data.path),
         val_fraction=cfg.data.val_fraction,
@@ -148,8 +263,7 @@ def simulate(cfg: RunConfig, opts: SimOptions, progress: Progress | None = None)
     torch.manual_seed(opts.seed)  # the initial global model
     model = GPT(cfg.model.gpt_config())
     started = time.perf_counter()
-    run = _run_diloco if opts.mode == "diloco" else _run_baseline
-    records, up, down = run(cfg, opts, data, model, device, progress)
+    trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
     return SimResult(
         mode=opts.mode,
@@ -157,15 +271,16 @@ def simulate(cfg: RunConfig, opts: SimOptions, progress: Progress | None = None)
         seed=opts.seed,
         inner_steps=cfg.inner.steps,
         n_rounds=cfg.rounds.max_rounds,
-        compression=cfg.compression.kind if opts.mode == "diloco" else "none",
+        compression=cfg.compression.kind if opts.mode in ("diloco", "protocol") else "none",
         drop_prob=opts.drop_prob,
         n_params=model.num_parameters(),
         final_eval_loss=final,
-        bytes_up_per_worker=up,
-        bytes_down_per_worker=down,
+        bytes_up_per_worker=trained.bytes_up_per_worker,
+        bytes_down_per_worker=trained.bytes_down_per_worker,
         wall_s=time.perf_counter() - started,
-        rounds=records,
+        rounds=trained.records,
         config=cfg.model_dump(),
+        protocol=trained.protocol,
         final_params=snapshot(model),
     )
 
@@ -177,11 +292,10 @@ def _run_diloco(
     model: GPT,
     device: torch.device,
     progress: Progress | None,
-) -> tuple[list[RoundRecord], int, int]:
+) -> Trained:
     """K workers, R rounds of H inner steps, Δ through codec + wire, Nesterov outer step.
     ``model`` ends holding the final global parameters."""
-    H, R, K = cfg.inner.steps, cfg.rounds.max_rounds, opts.workers
-    total = cfg.total_inner_steps
+    R, K = cfg.rounds.max_rounds, opts.workers
     outer = OuterOptimizer(
         parameters_of(model),
         lr=cfg.outer.lr,
@@ -191,43 +305,37 @@ def _run_diloco(
     shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
     checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
-    trainers, batches = [], []
+    trainers, streams = [], []
     for i in range(K):
         worker_model = GPT(cfg.model.gpt_config())
-        trainers.append(InnerTrainer(worker_model, cfg.inner, total_steps=total, device=device))
-        batches.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
+        trainers.append(
+            InnerTrainer(worker_model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
+        )
+        streams.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
     drops = _generator(opts.seed, 10_000)
-    recorder = _Recorder(cfg, opts, data, device, progress)
+    recorder = Recorder(cfg, opts, data, device, progress)
     bytes_up = bytes_down = tokens = 0
     for r in range(R):
         aggregator = Aggregator(shapes)
         losses = []
         for i, trainer in enumerate(trainers):
-            # download θ(t−1), train H steps, Δ = θ(t−1) − θi
-            load_parameters(trainer.model, outer.params)
+            # this round's batches: the worker's own stream, or the i-th lease's
+            next_batch = streams[i]
+            if opts.batches == "lease":
+                lease = assign_lease(i, round=r + 1, run_seed=opts.seed, n_shards=K)
+                next_batch = lease_batches(data, cfg, lease)
+            # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
             bytes_down += checkpoint_bytes
-            result = trainer.run(H, start_step=r * H, next_batch=batches[i])
-            tokens += result.tokens
-            losses.append(result.mean_loss)
-            delta = pseudo_gradient(outer.params, snapshot(trainer.model))
-            # encode and "upload"; a dropped upload never reaches the server
-            encoded, codec = encode_delta(
-                delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+            upload = train_upload(
+                trainer, outer.params, cfg=cfg, round=r + 1, next_batch=next_batch
             )
-            meta = ContributionMeta(
-                run_id="simulate",
-                round=r + 1,
-                base_version=r,
-                tokens=result.tokens,
-                inner_steps=H,
-                loss=result.mean_loss,
-                codec=codec,
-            )
-            chunks = list(encode_contribution(meta, encoded))
-            bytes_up += sum(len(c) for c in chunks)
+            tokens += upload.result.tokens
+            losses.append(upload.result.mean_loss)
+            bytes_up += upload.nbytes
+            # a dropped upload never reaches the server
             if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
                 continue
-            aggregate_upload(chunks, aggregator, expected=shapes, codec=codec)
+            aggregate_upload(upload.chunks, aggregator, expected=shapes, codec=upload.codec)
         # the outer step, unless every contribution was lost
         update_norm = None
         if aggregator.count:
@@ -241,7 +349,7 @@ def _run_diloco(
             accepted=aggregator.count,
             update_norm=update_norm,
         )
-    return recorder.records, bytes_up // K, bytes_down // K
+    return Trained(recorder.records, bytes_up // K, bytes_down // K)
 
 
 def _run_baseline(
@@ -251,7 +359,7 @@ def _run_baseline(
     model: GPT,
     device: torch.device,
     progress: Progress | None,
-) -> tuple[list[RoundRecord], int, int]:
+) -> Trained:
     """``ddp`` (one model, a batch slice from every shard per step) or ``single``."""
     H, R = cfg.inner.steps, cfg.rounds.max_rounds
     trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
@@ -264,7 +372,7 @@ def _run_baseline(
         parts = [source() for source in sources]  # (B, T) each -> (K·B, T)
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
-    recorder = _Recorder(cfg, opts, data, device, progress)
+    recorder = Recorder(cfg, opts, data, device, progress)
     tokens = 0
     for r in range(R):
         result = trainer.run(H, start_step=r * H, next_batch=next_batch)
@@ -277,7 +385,7 @@ def _run_baseline(
     n_params = model.num_parameters()
     per_step = 2 * (K - 1) * n_params * FP32_BYTES // K
     total = per_step * R * H
-    return recorder.records, total, total
+    return Trained(recorder.records, total, total)
 
 
 def save_result(result: SimResult, path: str | Path) -> None:

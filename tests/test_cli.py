@@ -190,3 +190,54 @@ def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corp
     assert "| DiLoCo H=5 int8, 30% dropped |" in doc
     assert "## Acceptance checks" in doc
     assert len(list((tmp_path / "bench").glob("*_seed[01].json"))) == 2 * 6
+
+
+def test_simulate_protocol_mode_prints_each_round_and_writes_the_json(tmp_path, corpus):
+    # quorum 1, deadline 30 s; volunteers take 10, 10, 20 and 40 s: the slowest misses
+    # round 1 (closed at its deadline, 30 s), and its upload at 40 s is refused
+    config = write_config(tmp_path, corpus)
+    config.write_text("seed = 7\n" + config.read_text())  # the run seed, when --seed is absent
+    out = tmp_path / "protocol.json"
+
+    proc = diloco(
+        "simulate",
+        str(config),
+        "--mode",
+        "protocol",
+        "--speeds",
+        "1,1,0.5,0.25",
+        "--step-s",
+        "5",
+        "--timeout-s",
+        "30",
+        "--out",
+        str(out),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["mode"], result["workers"], result["seed"]) == ("protocol", 4, 7)
+    rounds = result["rounds"]
+    assert [(r["round"], r["close_code"], r["closed_at_s"]) for r in rounds] == [
+        (1, "deadline_quorum", 30.0),
+        (2, "deadline_quorum", 60.0),
+    ]
+    assert result["protocol"]["refused"] == {"round_closed": 1}
+    assert "deadline_quorum: deadline passed with quorum: 3 accepted, quorum 1" in proc.stderr
+    assert "round    2" in proc.stderr
+    # 80 of the 140 volunteer-seconds reached a step (the slowest: 40 s refused, 20 in flight)
+    assert json.loads(proc.stdout)["goodput"] == round(80 / 140, 4)
+
+
+def test_simulate_protocol_options_that_do_not_fit_exit_2(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+
+    negative = diloco("simulate", str(config), "--mode", "protocol", "--speeds", "-1,1")
+    assert negative.returncode == 2
+    assert "speeds: must all be positive numbers, got [-1.0, 1.0]" in negative.stderr
+    mismatch = diloco(
+        "simulate", str(config), "--mode", "protocol", "--speeds", "1,1", "--workers", "3"
+    )
+    assert mismatch.returncode == 2 and "speeds: 2 given for 3 volunteers" in mismatch.stderr
+    elsewhere = diloco("simulate", str(config), "--speeds", "1,1")
+    assert elsewhere.returncode == 2 and "apply to --mode protocol only" in elsewhere.stderr

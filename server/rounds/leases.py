@@ -163,7 +163,8 @@ async def join(
                 last_heartbeat=now,
                 expires_at=grant.expires_at,
             )
-            written: Insert | Update = fresh.on_conflict_do_update(  # the same contributor joining twice at once
+            # the same contributor joining twice at once: one lease, renewed
+            written: Insert | Update = fresh.on_conflict_do_update(
                 constraint="uq_leases_run_id_round_index_contributor_id",
                 set_={"last_heartbeat": now, "expires_at": grant.expires_at},
             )

@@ -1,0 +1,396 @@
+"""The discrete-event run of ``diloco simulate --mode protocol`` (see
+:mod:`diloco.simulate_protocol`): a simulated clock, the volunteers, the sweeper.
+
+Time: datetimes from ``EPOCH``; events in a priority queue ordered by (time, order of
+scheduling), so the same inputs give the same run and no wall clock is ever read.
+
+Volunteers do what ``client.worker`` does: join; train H inner steps (``step_s / speed``
+simulated seconds each), heartbeating every ``heartbeat_interval_s``; upload; join again.
+A join answered "already contributed" or "round closing" is tried again after the answer's
+``retry_after_s``. A heartbeat answered "round closed" stops the training at the end of the
+step in progress (unless that is the last step: then the upload goes out and is refused).
+A volunteer that drops out stops heartbeating, so its lease lapses ``lease_ttl_s`` after
+its last heartbeat; when it comes back it joins again (its own lease renewed, if the round
+is the same). Dropouts and returns are random (per-minute chances, seeded per volunteer)
+or scripted (``outages``).
+
+The sweeper ticks every ``sweep_interval_s`` and is woken at once by every accepted upload,
+as the server's NOTIFY wakes it; a CLOSE is published ``close_s`` later.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.data import Dataset
+from diloco.model import GPT
+from diloco.protocol.messages import ErrorCode
+from diloco.protocol.state import Action, Refusal, RunStatus, UploadClaim
+from diloco.simulate import (
+    SIM_RUN_ID,
+    Progress,
+    Recorder,
+    Runner,
+    SimOptions,
+    Trained,
+    lease_batches,
+    train_upload,
+)
+from diloco.simulate_hub import Hub, HubLease
+from diloco.simulate_protocol import (
+    WASTE,
+    ProtocolOptions,
+    ProtocolRound,
+    ProtocolTotals,
+    VolunteerTotals,
+    per_second,
+)
+from diloco.train import InnerTrainer
+
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
+# the client's reactions (client.worker): what ends a lease, how long it waits to rejoin
+LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
+RETRY_JOIN_CODES = frozenset({ErrorCode.ALREADY_CONTRIBUTED, ErrorCode.ROUND_CLOSING})
+CLIENT_MIN_WAIT_S, CLIENT_MAX_WAIT_S, CLIENT_MIN_HEARTBEAT_S = 0.5, 120.0, 1.0
+
+
+# ---------------------------------------------------------------- the volunteers
+
+
+@dataclass
+class _Volunteer:
+    index: int
+    name: str
+    step: timedelta  # one inner step at this volunteer's speed
+    trainer: InnerTrainer  # its model and AdamW, kept across rounds as the client keeps them
+    rng: random.Random  # its dropouts and returns
+    totals: VolunteerTotals
+    online: bool = False
+    session: int = 0  # bumped on going offline or online: stale random dropouts are ignored
+    task: int = 0  # bumped when what it does changes: stale timers are ignored
+    lease: HubLease | None = None
+    started: datetime = EPOCH  # when it began training for `lease`
+    arrivals: int = 0  # scheduled comings online not yet happened
+
+
+def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
+    """The runner for ``diloco.simulate.simulate`` and how many shards it needs."""
+    proto = proto.checked(opts.workers)
+    if opts.drop_prob:
+        raise ValueError("drop_prob: protocol mode drops volunteers with drop_per_min instead")
+
+    def run(
+        cfg: RunConfig,
+        opts: SimOptions,
+        data: Dataset,
+        model: GPT,
+        device: torch.device,
+        progress: Progress | None,
+    ) -> Trained:
+        return _ProtocolRun(cfg, opts, proto, data, model, device, progress).run()
+
+    return run, proto.hub.n_shards or opts.workers
+
+
+class _ProtocolRun:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        opts: SimOptions,
+        proto: ProtocolOptions,
+        data: Dataset,
+        model: GPT,
+        device: torch.device,
+        progress: Progress | None,
+    ) -> None:
+        self.cfg, self.proto, self.data = cfg, proto, data
+        settings = proto.hub
+        self.hub = Hub(
+            cfg,
+            settings,
+            model=model,
+            run_seed=opts.seed,
+            n_shards=settings.n_shards or opts.workers,
+            now=EPOCH,
+        )
+        self.recorder = Recorder(cfg, opts, data, device, progress)
+        self.heartbeat_every = timedelta(
+            seconds=max(CLIENT_MIN_HEARTBEAT_S, settings.heartbeat_interval_s)
+        )
+        self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
+        self.return_rate = per_second("return_per_min", proto.return_per_min)
+        # every volunteer's model and AdamW, built now and in order (as diloco mode builds
+        # its workers'), so that the global RNG is drawn from in the same order
+        speeds = proto.speeds or (1.0,) * opts.workers
+        self.volunteers = [
+            _Volunteer(
+                index=i,
+                name=f"v{i}",
+                step=timedelta(seconds=proto.step_s / speed),
+                trainer=InnerTrainer(
+                    GPT(cfg.model.gpt_config()),
+                    cfg.inner,
+                    total_steps=cfg.total_inner_steps,
+                    device=device,
+                ),
+                rng=random.Random(opts.seed * 1_000_003 + 20_000 + i),
+                totals=VolunteerTotals(name=f"v{i}", speed=float(speed)),
+            )
+            for i, speed in enumerate(speeds)
+        ]
+        self.by_name = {v.name: v for v in self.volunteers}
+        self.now = EPOCH
+        self._queue: list[tuple[datetime, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.stopped_because: str | None = None
+        self.wasted = dict.fromkeys(WASTE, 0.0)  # seconds, by why
+        self.refused: Counter[str] = Counter()  # uploads, by code
+        self.extensions = self.bytes_up = self.downloads = self.tokens = 0
+
+    # ------------------------------------------------------------ the clock
+
+    def _at(self, when: datetime, action: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (when, next(self._order), action))
+
+    def _later(self, v: _Volunteer, after: timedelta, action: Callable[[_Volunteer], None]) -> None:
+        """``action(v)`` after ``after``, unless ``v`` has moved on to something else."""
+        task = v.task
+        self._at(self.now + after, lambda: action(v) if v.task == task else None)
+
+    def run(self) -> Trained:
+        # the volunteers' first joins, the scripted outages, the sweeper's first tick
+        for v, at in zip(
+            self.volunteers, self.proto.join_at_s or [0.0] * len(self.volunteers), strict=True
+        ):
+            self._arrive(v, EPOCH + timedelta(seconds=at))
+        for o in self.proto.outages:
+            v = self.volunteers[o.volunteer]
+            self._at(EPOCH + timedelta(seconds=o.at_s), functools.partial(self._go_offline, v))
+            if o.back_s is not None:
+                self._arrive(v, EPOCH + timedelta(seconds=o.back_s))
+        self._at(EPOCH + timedelta(seconds=self.proto.hub.sweep_interval_s), self._tick)
+        limit = (
+            None
+            if self.proto.max_sim_s is None
+            else EPOCH + timedelta(seconds=self.proto.max_sim_s)
+        )
+        while self._queue and self.stopped_because is None:
+            when, _, action = heapq.heappop(self._queue)
+            if limit is not None and when > limit:
+                self.now, self.stopped_because = limit, f"time limit of {self.proto.max_sim_s:g} s"
+                break
+            self.now = when
+            action()
+        K = len(self.volunteers)
+        up, down = self.bytes_up // K, self.downloads * self.hub.checkpoint_bytes // K
+        return Trained(self.recorder.records, up, down, self._totals())
+
+    # ------------------------------------------------------------ volunteers coming and going
+
+    def _arrive(self, v: _Volunteer, when: datetime) -> None:
+        v.arrivals += 1
+        self._at(when, lambda: self._come_online(v))
+
+    def _come_online(self, v: _Volunteer) -> None:
+        v.arrivals -= 1
+        if v.online:
+            return
+        v.online, v.session, v.task = True, v.session + 1, v.task + 1
+        if self.drop_rate:
+            session, after = v.session, v.rng.expovariate(self.drop_rate)
+            self._at(
+                self.now + timedelta(seconds=after),
+                lambda: self._go_offline(v) if v.session == session else None,
+            )
+        self._join(v)
+
+    def _go_offline(self, v: _Volunteer) -> None:
+        """It stops: no more heartbeats (its lease lapses by itself), its work so far lost."""
+        if not v.online:
+            return
+        if v.lease is not None:
+            self._spend(v, self.now - v.started, wasted="dropped")
+        v.online, v.lease, v.session, v.task = False, None, v.session + 1, v.task + 1
+        v.totals.dropouts += 1
+        if self.return_rate:
+            self._arrive(v, self.now + timedelta(seconds=v.rng.expovariate(self.return_rate)))
+
+    # ------------------------------------------------------------ a volunteer's round
+
+    def _join(self, v: _Volunteer) -> None:
+        answer = self.hub.join(self.now, v.name)
+        if isinstance(answer, Refusal):
+            if answer.code in RETRY_JOIN_CODES:
+                wait = float(answer.extra["retry_after_s"])
+                wait = min(max(wait, CLIENT_MIN_WAIT_S), CLIENT_MAX_WAIT_S)
+                self._later(v, timedelta(seconds=wait), self._join)
+            elif answer.code is not ErrorCode.RUN_NOT_ACTIVE:  # that one: the run is over
+                raise RuntimeError(f"{v.name}: join refused: {answer.code}: {answer.reason}")
+            return
+        v.lease, new = answer
+        v.started, v.task = self.now, v.task + 1
+        self.downloads += new  # a renewed lease's checkpoint is in the client's cache
+        self._later(v, self.cfg.inner.steps * v.step, self._finish)
+        self._later(v, self.heartbeat_every, self._heartbeat)
+
+    def _heartbeat(self, v: _Volunteer) -> None:
+        assert v.lease is not None
+        answer = self.hub.heartbeat(self.now, v.name, v.lease.round)
+        if not isinstance(answer, Refusal):
+            self._later(v, self.heartbeat_every, self._heartbeat)
+            return
+        if answer.code not in LOST_LEASE_CODES:
+            raise RuntimeError(f"{v.name}: heartbeat refused: {answer.code}: {answer.reason}")
+        # the client stops at the end of the step in progress, unless that is the last one
+        # (then it uploads, and the upload is refused)
+        done = -(-(self.now - v.started) // v.step)  # steps begun, ceil
+        if done >= self.cfg.inner.steps:
+            return
+        stop = v.started + done * v.step
+        self._spend(v, stop - v.started, wasted="abandoned")
+        v.totals.abandoned += 1
+        v.lease, v.task = None, v.task + 1
+        self._later(v, stop - self.now, self._join)
+
+    def _finish(self, v: _Volunteer) -> None:
+        """H steps done: upload, then join again."""
+        lease, spent = v.lease, self.now - v.started
+        assert lease is not None
+        v.lease, v.task = None, v.task + 1
+        cfg = self.cfg
+        claim = UploadClaim(
+            run_id=SIM_RUN_ID,
+            round=lease.round,
+            base_version=lease.round - 1,
+            tokens=cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size,
+            inner_steps=cfg.inner.steps,
+        )
+        refusal = self.hub.admit_upload(v.name, lease.round, claim)
+        if refusal is not None:
+            self._spend(v, spent, wasted="refused")
+            self.refused[refusal.code] += 1
+            v.totals.refused += 1
+        else:
+            # The inner training happens here, once the upload is admitted, not when the
+            # lease was granted: admission does not look at Δ, and Δ depends only on what
+            # was fixed at the join (θ of the round's base version, which is still the
+            # latest while the round is open; the lease's shard and seed) and on the
+            # volunteer's AdamW state, which only its earlier trainings change. So work
+            # that is refused, abandoned or lost costs no CPU. The one difference from the
+            # client: its AdamW moments would also carry the steps of such wasted work.
+            assert self.hub.version == lease.round - 1
+            next_batch = lease_batches(self.data, cfg, lease.assignment)
+            upload = train_upload(
+                v.trainer, self.hub.params, cfg=cfg, round=lease.round, next_batch=next_batch
+            )
+            assert upload.result.tokens == claim.tokens
+            self.hub.store(v.name, lease.round, upload, spent)
+            self._spend(v, spent)
+            self.bytes_up += upload.nbytes
+            v.totals.accepted += 1
+            self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
+        self._join(v)
+
+    def _spend(self, v: _Volunteer, spent: timedelta, wasted: str | None = None) -> None:
+        v.totals.compute_s += spent.total_seconds()
+        if wasted is not None:
+            self.wasted[wasted] += spent.total_seconds()
+
+    # ------------------------------------------------------------ the sweeper and closes
+
+    def _tick(self) -> None:
+        self._sweep()
+        if self.stopped_because is None and (why := self._stalled()):
+            self.stopped_because = why
+        elif self.stopped_because is None:
+            self._at(self.now + timedelta(seconds=self.proto.hub.sweep_interval_s), self._tick)
+
+    def _sweep(self) -> None:
+        decision = self.hub.decide(self.now)
+        if decision is None:
+            return
+        if decision.action is Action.EXTEND:
+            self.extensions += 1
+        elif decision.action is Action.CLOSE:
+            self._at(self.now + timedelta(seconds=self.proto.hub.close_s), self._close)
+
+    def _close(self) -> None:
+        closed = self.hub.close(self.now)
+        effects, log = closed.effects, closed.log
+        for c in log.contributions:  # every contribution of the round went into the step
+            totals = self.by_name[c.contributor].totals
+            totals.useful_s += c.compute.total_seconds()
+            totals.credit_flops += effects.credit[c.contribution_id]
+        self.tokens += effects.tokens
+        assert effects.train_loss is not None  # a close has at least quorum >= 1 contributions
+        self.recorder.close_round(
+            self.hub.model,
+            ProtocolRound,
+            round=closed.round.index,
+            tokens=self.tokens,
+            train_loss=effects.train_loss,
+            accepted=effects.accepted,
+            update_norm=closed.update_norm,
+            opened_at_s=(closed.round.opened_at - EPOCH).total_seconds(),
+            closed_at_s=(self.now - EPOCH).total_seconds(),
+            close_code=log.close_code,
+            close_reason=log.close_reason,
+            extensions=closed.round.extensions,
+            extension_reasons=list(log.extension_reasons),
+            leases=len(log.leases),
+        )
+        if self.hub.status is RunStatus.COMPLETED:
+            self.stopped_because = "completed"
+
+    def _stalled(self) -> str | None:
+        """Why the open round can never close (too few volunteers left to reach quorum)."""
+        index = self.hub.current
+        if index is None:
+            return None
+        log = self.hub.logs[index]
+        possible = sum(
+            1
+            for v in self.volunteers
+            if (v.online or v.arrivals) and log.contribution_of(v.name) is None
+        )
+        accepted, quorum = len(log.contributions), self.hub.closing.quorum
+        if accepted + possible >= quorum:
+            return None
+        return (
+            f"stalled: round {index} has {accepted} of quorum {quorum} accepted and "
+            f"only {possible} volunteer(s) left who could still contribute"
+        )
+
+    def _totals(self) -> ProtocolTotals:
+        # work in progress when the clock stopped, and accepted work no step has used yet
+        for v in self.volunteers:
+            if v.lease is not None:
+                self._spend(v, self.now - v.started, wasted="in_flight")
+        if self.hub.current is not None:
+            for c in self.hub.logs[self.hub.current].contributions:
+                self.wasted["in_flight"] += c.compute.total_seconds()
+        compute = sum(v.totals.compute_s for v in self.volunteers)
+        useful = sum(v.totals.useful_s for v in self.volunteers)
+        return ProtocolTotals(
+            stopped_because=self.stopped_because or "no events left",
+            sim_time_s=(self.now - EPOCH).total_seconds(),
+            compute_s=compute,
+            useful_s=useful,
+            goodput=useful / compute if compute else 0.0,
+            wasted_s=dict(self.wasted),
+            refused={str(code): n for code, n in sorted(self.refused.items())},
+            abandoned=sum(v.totals.abandoned for v in self.volunteers),
+            dropouts=sum(v.totals.dropouts for v in self.volunteers),
+            extensions=self.extensions,
+            volunteers=[v.totals for v in self.volunteers],
+        )

@@ -1,0 +1,357 @@
+"""The hub of ``diloco simulate --mode protocol``: the server's round bookkeeping, in memory,
+deciding with the protocol's rules exactly where and in the order the server does.
+
+One method per server path (read them side by side):
+
+- ``join``: ``server.rounds.leases.join``: ``admit_join``; a new lease takes the round's
+  next ordinal and ``assign_lease`` says its shard and seed; a held lease is renewed.
+- ``heartbeat``: ``server.rounds.leases.heartbeat``: ``admit_heartbeat``.
+- ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
+  before the body is read, ``admit_claim`` on its header, then the row. The caller wakes
+  the sweeper afterwards, as the server's NOTIFY does.
+- ``decide``: ``server.rounds.sweeper.Sweeper._decide``: ``decide_close`` on the open
+  round; CLOSE marks it closing, EXTEND moves its deadline and counts the extension.
+- ``close``: ``server.rounds.closing`` and ``outer_step``: the round's contributions in the
+  order they arrived, through the wire format and the codec into an ``Aggregator``, the
+  outer step, then ``close_effects`` (counts, loss, credit, the next round).
+
+What the simulator leaves out: no blob is ever unreadable (no exclusions), no close fails
+(no retries), no run is paused or cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from diloco.config import RunConfig
+from diloco.exchange import aggregate_upload
+from diloco.model import GPT
+from diloco.outer import Aggregator, OuterOptimizer
+from diloco.protocol.rules import (
+    admit_claim,
+    admit_heartbeat,
+    admit_join,
+    admit_upload,
+    assign_lease,
+    close_effects,
+    decide_close,
+)
+from diloco.protocol.state import (
+    Action,
+    Aggregated,
+    CloseEffects,
+    ClosePolicy,
+    ContributionView,
+    Decision,
+    HeartbeatFacts,
+    HeartbeatGrant,
+    JoinFacts,
+    LeaseAssignment,
+    LeasePolicy,
+    LeaseView,
+    Refusal,
+    RoundState,
+    RoundView,
+    RunStatus,
+    UploadClaim,
+    UploadFacts,
+    UploadVerdict,
+)
+from diloco.simulate import SIM_RUN_ID, Upload
+from diloco.train import load_parameters, parameters_of
+
+# ---------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """The server settings that shape a round; the defaults are ``server.settings``'s."""
+
+    sweep_interval_s: float = 1.0  # how often the sweeper asks decide_close
+    heartbeat_interval_s: float = 10.0  # what leases tell volunteers
+    lease_ttl_s: float = 30.0  # a lease lapses this long after its last heartbeat
+    max_extensions: int | None = None  # deadline extensions below quorum (None: no limit)
+    close_s: float = 0.0  # simulated seconds a close takes (aggregate, step, eval, write)
+    n_shards: int | None = None  # training shards; None: one per volunteer, as diloco mode
+
+    def __post_init__(self) -> None:
+        for name in ("sweep_interval_s", "heartbeat_interval_s", "lease_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.close_s) and self.close_s >= 0):
+            raise ValueError(f"close_s: must be 0 or more seconds, got {self.close_s}")
+        if self.max_extensions is not None and self.max_extensions < 0:
+            raise ValueError(f"max_extensions: must be at least 0, got {self.max_extensions}")
+        if self.n_shards is not None and self.n_shards < 1:
+            raise ValueError(f"n_shards: must be at least 1, got {self.n_shards}")
+
+
+def close_policy(cfg: RunConfig, settings: HubSettings) -> ClosePolicy:
+    """As ``server.rounds.service.close_policy``."""
+    return ClosePolicy(
+        quorum=cfg.rounds.quorum,
+        target=cfg.rounds.target,
+        timeout_s=cfg.rounds.timeout_s,
+        max_extensions=settings.max_extensions,
+    )
+
+
+def lease_policy(settings: HubSettings, n_shards: int) -> LeasePolicy:
+    """As ``server.rounds.service.lease_policy``."""
+    return LeasePolicy(
+        ttl_s=settings.lease_ttl_s,
+        n_shards=n_shards,
+        retry_after_s=min(5.0, settings.sweep_interval_s * 2),
+    )
+
+
+# ---------------------------------------------------------------- the rows
+
+
+@dataclass
+class HubLease:
+    """A lease row: whose, which round, the data it trains on, when it lapses."""
+
+    contributor: str
+    round: int
+    shard: int
+    seed: int
+    last_heartbeat: datetime
+    expires_at: datetime
+
+    @property
+    def assignment(self) -> LeaseAssignment:
+        return LeaseAssignment(shard=self.shard, seed=self.seed)
+
+    def view(self) -> LeaseView:
+        return LeaseView(
+            self.contributor, self.last_heartbeat, self.expires_at, self.shard, self.seed
+        )
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A contribution row with its body (the blob)."""
+
+    contribution_id: str
+    contributor: str
+    upload: Upload
+    compute: timedelta  # the volunteer time that went into it (for goodput)
+
+
+@dataclass
+class RoundLog:
+    """A round's rows and what was decided about it."""
+
+    leases: dict[str, HubLease] = field(default_factory=dict)  # by contributor, in issue order
+    contributions: list[Stored] = field(default_factory=list)  # in the order they arrived
+    close_code: str = ""
+    close_reason: str = ""
+    extension_reasons: list[str] = field(default_factory=list)
+
+    def contribution_of(self, contributor: str) -> Stored | None:
+        return next((c for c in self.contributions if c.contributor == contributor), None)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """A published close: what ``close_effects`` said, and the step's figures."""
+
+    round: RoundView
+    log: RoundLog
+    effects: CloseEffects
+    update_norm: float
+
+
+# ---------------------------------------------------------------- the hub
+
+
+class Hub:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        settings: HubSettings,
+        *,
+        model: GPT,
+        run_seed: int,
+        n_shards: int,
+        now: datetime,
+    ) -> None:
+        self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, run_seed
+        self.closing = close_policy(cfg, settings)
+        self.leasing = lease_policy(settings, n_shards)
+        self.status = RunStatus.ACTIVE
+        # checkpoint 0: the model's parameters and a fresh outer momentum
+        self.outer = OuterOptimizer(
+            parameters_of(model),
+            lr=cfg.outer.lr,
+            momentum=cfg.outer.momentum,
+            nesterov=cfg.outer.nesterov,
+        )
+        self.version = 0
+        self.checkpoint_bytes = len(safetensors_save(self.outer.params))
+        self.n_params = model.num_parameters()
+        self.rounds: dict[int, RoundView] = {}
+        self.logs: dict[int, RoundLog] = {}
+        self.current: int | None = None  # the round in progress (open or closing)
+        self._open(1, now, now + timedelta(seconds=cfg.rounds.timeout_s))
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """θ of the latest version: what a lease downloads."""
+        return self.outer.params
+
+    def _open(self, index: int, opened_at: datetime, deadline: datetime) -> None:
+        self.rounds[index] = RoundView(index, opened_at, deadline, RoundState.OPEN)
+        self.logs[index] = RoundLog()
+        self.current = index
+
+    def _current_view(self) -> RoundView | None:
+        return None if self.current is None else self.rounds[self.current]
+
+    # ------------------------------------------------------------ leases
+
+    def join(self, now: datetime, who: str) -> tuple[HubLease, bool] | Refusal:
+        """A lease on the open round (and whether it is new), or the rule's refusal."""
+        rnd = self._current_view()
+        log = None if rnd is None else self.logs[rnd.index]
+        held = None if log is None else log.leases.get(who)
+        facts = JoinFacts(
+            run_status=self.status,
+            round=rnd,
+            contributed=log is not None and log.contribution_of(who) is not None,
+            lease=None if held is None else held.view(),
+        )
+        grant = admit_join(now, facts, self.leasing)
+        if isinstance(grant, Refusal):
+            return grant
+        assert rnd is not None and log is not None  # a grant names the open round
+        if not grant.new_lease:
+            assert held is not None
+            held.last_heartbeat, held.expires_at = now, grant.expires_at
+            return held, False
+        # the round's lease counter is the ordinal that picks shard and seed
+        ordinal = len(log.leases)
+        assignment = assign_lease(
+            ordinal, round=rnd.index, run_seed=self.run_seed, n_shards=self.leasing.n_shards
+        )
+        lease = HubLease(who, rnd.index, assignment.shard, assignment.seed, now, grant.expires_at)
+        log.leases[who] = lease
+        return lease, True
+
+    def heartbeat(self, now: datetime, who: str, index: int) -> HeartbeatGrant | Refusal:
+        log = self.logs.get(index)
+        facts = HeartbeatFacts(
+            run_status=self.status,
+            round=self.rounds.get(index),
+            current_round=self.current,
+            lease_held=log is not None and who in log.leases,
+        )
+        grant = admit_heartbeat(now, facts, ttl_s=self.settings.lease_ttl_s)
+        if isinstance(grant, HeartbeatGrant):
+            assert log is not None
+            lease = log.leases[who]
+            lease.last_heartbeat, lease.expires_at = now, grant.expires_at
+        return grant
+
+    # ------------------------------------------------------------ uploads
+
+    def admit_upload(self, who: str, index: int, claim: UploadClaim) -> Refusal | None:
+        """``admit_upload`` before the body, then ``admit_claim`` on its header; None: the
+        upload is welcome and ``store`` may record it."""
+        rnd, log = self.rounds.get(index), self.logs.get(index)
+        existing = None if log is None else log.contribution_of(who)
+        facts = UploadFacts(
+            run_status=self.status,
+            round=rnd,
+            current_round=self.current,
+            existing_sha256=None if existing is None else existing.contribution_id,
+            lease_held=log is not None and who in log.leases,
+        )
+        verdict = admit_upload(facts)
+        if isinstance(verdict, Refusal):
+            return verdict
+        if verdict is UploadVerdict.RETRY:  # simulated volunteers upload once per lease
+            raise RuntimeError(f"{who} uploaded twice to round {index}")
+        assert rnd is not None
+        return admit_claim(claim, run_id=SIM_RUN_ID, round=rnd)
+
+    def store(self, who: str, index: int, upload: Upload, compute: timedelta) -> None:
+        log = self.logs[index]
+        cid = f"con_{index}_{len(log.contributions) + 1}"
+        log.contributions.append(Stored(cid, who, upload, compute))
+
+    # ------------------------------------------------------------ the sweeper
+
+    def decide(self, now: datetime) -> Decision | None:
+        """``decide_close`` on the open round, persisted as the sweeper does; None when no
+        round is open (being closed, or the run is over)."""
+        rnd = self._current_view()
+        if rnd is None or rnd.state is not RoundState.OPEN or self.status is not RunStatus.ACTIVE:
+            return None
+        log = self.logs[rnd.index]
+        contributions = [
+            ContributionView(c.contributor, True, c.upload.result.tokens, rnd.base_version)
+            for c in log.contributions
+        ]
+        leases = [lease.view() for lease in log.leases.values()]
+        decision = decide_close(now, rnd, contributions, leases, self.closing)
+        if decision.action is Action.CLOSE:
+            self.rounds[rnd.index] = dataclasses.replace(rnd, state=RoundState.CLOSING)
+            log.close_code, log.close_reason = decision.code, decision.reason
+        elif decision.action is Action.EXTEND:
+            assert decision.new_deadline is not None
+            self.rounds[rnd.index] = dataclasses.replace(
+                rnd, deadline=decision.new_deadline, extensions=rnd.extensions + 1
+            )
+            log.extension_reasons.append(decision.reason)
+        return decision
+
+    def accepted(self) -> int:
+        """Contributions to the round in progress so far."""
+        return 0 if self.current is None else len(self.logs[self.current].contributions)
+
+    # ------------------------------------------------------------ closing
+
+    def close(self, now: datetime) -> Closed:
+        """Aggregate, step and publish the closing round; open the next one, if any."""
+        assert self.current is not None
+        rnd, log = self.rounds[self.current], self.logs[self.current]
+        assert rnd.state is RoundState.CLOSING
+        shapes = {n: tuple(p.shape) for n, p in self.outer.params.items()}
+        aggregator = Aggregator(shapes)
+        for c in log.contributions:  # in the order they arrived, as the server reads them
+            aggregate_upload(c.upload.chunks, aggregator, expected=shapes, codec=c.upload.codec)
+        update_norm = self.outer.step(aggregator.result())
+        load_parameters(self.model, self.outer.params)
+        self.version = rnd.index
+        aggregated = [
+            Aggregated(
+                c.contribution_id, c.contributor, c.upload.result.tokens, c.upload.result.mean_loss
+            )
+            for c in log.contributions
+        ]
+        effects = close_effects(
+            now,
+            round=rnd.index,
+            run_status=self.status,
+            aggregated=aggregated,
+            n_params=self.n_params,
+            max_rounds=self.cfg.rounds.max_rounds,
+            timeout_s=self.cfg.rounds.timeout_s,
+        )
+        closed = dataclasses.replace(rnd, state=RoundState.CLOSED)
+        self.rounds[rnd.index] = closed
+        self.status = effects.run_status
+        self.current = None
+        if effects.next_round is not None:
+            following = effects.next_round
+            self._open(following.index, following.opened_at, following.deadline)
+        return Closed(closed, log, effects, update_norm)

@@ -1,0 +1,134 @@
+"""``diloco simulate --mode protocol``: K volunteers against the round protocol's rules,
+on a simulated clock, with the real training and the real outer step.
+
+- :mod:`diloco.simulate_hub`: the server's side. It keeps the server's rows in memory and
+  asks the rules of :mod:`diloco.protocol.rules` what the server's services ask them, in
+  the same order: joins, heartbeats, upload admission, the sweeper's ``decide_close`` and
+  its extensions, the close (aggregate → outer step → ``close_effects``).
+- :mod:`diloco.simulate_events`: the clock and the volunteers. Volunteers behave as the
+  client does (``client.worker``): join, train H steps while heartbeating, upload, join
+  again; they may be slow, drop out (stop heartbeating, so their lease lapses) and come
+  back. The sweeper ticks every ``sweep_interval_s`` and is woken by every accepted upload.
+- This module: what a simulation is asked (:class:`ProtocolOptions`) and what it reports
+  per round (:class:`ProtocolRound`) and in total (:class:`ProtocolTotals`): simulated
+  time, compute spent against compute that reached an outer step (goodput), refused
+  uploads by code, abandoned work, dropouts, deadline extensions.
+
+``diloco.simulate.simulate(cfg, SimOptions(mode="protocol", workers=K), protocol=...)``
+runs one; the same config, options and seed give the same records and parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from diloco.simulate import RoundRecord
+from diloco.simulate_hub import HubSettings
+
+# why volunteer time did not reach an outer step: an upload refused, a training abandoned
+# (a heartbeat said the round closed), lost to a dropout, still going when the clock stopped
+WASTE = ("refused", "abandoned", "dropped", "in_flight")
+
+
+# ---------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Outage:
+    """Volunteer ``volunteer`` (from 0) goes offline at ``at_s`` and comes back at
+    ``back_s`` (None: never)."""
+
+    volunteer: int
+    at_s: float
+    back_s: float | None = None
+
+
+def per_second(name: str, p: float) -> float:
+    """A per-minute probability as the rate of an exponential waiting time."""
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"{name}: must be a probability in [0, 1), got {p}")
+    return -math.log1p(-p) / 60.0
+
+
+@dataclass(frozen=True)
+class ProtocolOptions:
+    speeds: tuple[float, ...] | None = None  # each volunteer's relative speed (None: all 1)
+    step_s: float = 1.0  # simulated seconds of one inner step at speed 1
+    join_at_s: tuple[float, ...] | None = None  # each volunteer's first join (None: all at 0)
+    drop_per_min: float = 0.0  # chance an online volunteer drops out within a minute
+    return_per_min: float = 0.0  # chance an offline volunteer comes back within a minute
+    outages: tuple[Outage, ...] = ()  # scripted dropouts, besides the random ones
+    hub: HubSettings = field(default_factory=HubSettings)
+    max_sim_s: float | None = None  # stop the clock here if the run has not ended by then
+
+    def __post_init__(self) -> None:
+        if self.speeds is not None and not all(math.isfinite(s) and s > 0 for s in self.speeds):
+            raise ValueError(f"speeds: must all be positive numbers, got {list(self.speeds)}")
+        if not (math.isfinite(self.step_s) and self.step_s > 0):
+            raise ValueError(f"step_s: must be a positive number of seconds, got {self.step_s}")
+        if self.join_at_s is not None and not all(
+            math.isfinite(t) and t >= 0 for t in self.join_at_s
+        ):
+            raise ValueError(f"join_at_s: must all be 0 or more seconds, got {self.join_at_s}")
+        per_second("drop_per_min", self.drop_per_min)
+        per_second("return_per_min", self.return_per_min)
+        for o in self.outages:
+            if o.at_s < 0 or (o.back_s is not None and not o.back_s > o.at_s):
+                raise ValueError(f"outages: {o} must start at 0 s or later and end after it")
+        if self.max_sim_s is not None and not self.max_sim_s > 0:
+            raise ValueError(f"max_sim_s: must be positive, got {self.max_sim_s}")
+
+    def checked(self, workers: int) -> ProtocolOptions:
+        """These options for ``workers`` volunteers, or a ValueError naming the field."""
+        for name in ("speeds", "join_at_s"):
+            given = getattr(self, name)
+            if given is not None and len(given) != workers:
+                raise ValueError(f"{name}: {len(given)} given for {workers} volunteers")
+        if bad := [o for o in self.outages if not 0 <= o.volunteer < workers]:
+            raise ValueError(f"outages: no volunteer {bad[0].volunteer} among {workers}")
+        return self
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass(kw_only=True)
+class ProtocolRound(RoundRecord):
+    """A round as the hub closed it (``tokens``: all the steps' tokens so far)."""
+
+    opened_at_s: float  # simulated seconds since the start
+    closed_at_s: float
+    close_code: str  # decide_close's code and sentence for the close
+    close_reason: str
+    extensions: int
+    extension_reasons: list[str]  # decide_close's sentence for each extension
+    leases: int  # leases handed out on the round
+
+
+@dataclass
+class VolunteerTotals:
+    name: str
+    speed: float
+    accepted: int = 0  # uploads accepted (each reached an outer step, unless in flight)
+    refused: int = 0  # uploads refused
+    abandoned: int = 0  # trainings stopped by a heartbeat answer
+    dropouts: int = 0
+    compute_s: float = 0.0  # simulated seconds of training
+    useful_s: float = 0.0  # of which went into an outer step
+    credit_flops: float = 0.0  # close_effects' credit for its contributions
+
+
+@dataclass
+class ProtocolTotals:
+    stopped_because: str
+    sim_time_s: float  # simulated time from the start to the last event handled
+    compute_s: float  # volunteer-seconds of training, all volunteers
+    useful_s: float  # of which reached an outer step
+    goodput: float  # useful_s / compute_s
+    wasted_s: dict[str, float]  # the rest, by why: refused, abandoned, dropped, in_flight
+    refused: dict[str, int]  # refused uploads by error code
+    abandoned: int
+    dropouts: int
+    extensions: int  # deadline extensions, all rounds
+    volunteers: list[VolunteerTotals]
