@@ -93,25 +93,6 @@ class HubSettings:
             raise ValueError(f"n_shards: must be at least 1, got {self.n_shards}")
 
 
-def close_policy(cfg: RunConfig, settings: HubSettings) -> ClosePolicy:
-    """As ``server.rounds.service.close_policy``."""
-    return ClosePolicy(
-        quorum=cfg.rounds.quorum,
-        target=cfg.rounds.target,
-        timeout_s=cfg.rounds.timeout_s,
-        max_extensions=settings.max_extensions,
-    )
-
-
-def lease_policy(settings: HubSettings, n_shards: int) -> LeasePolicy:
-    """As ``server.rounds.service.lease_policy``."""
-    return LeasePolicy(
-        ttl_s=settings.lease_ttl_s,
-        n_shards=n_shards,
-        retry_after_s=min(5.0, settings.sweep_interval_s * 2),
-    )
-
-
 # ---------------------------------------------------------------- the rows
 
 
@@ -185,8 +166,13 @@ class Hub:
         now: datetime,
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, run_seed
-        self.closing = close_policy(cfg, settings)
-        self.leasing = lease_policy(settings, n_shards)
+        # the very policies the server builds (diloco.protocol.state)
+        self.closing = ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
+        self.leasing = LeasePolicy.of(
+            ttl_s=settings.lease_ttl_s,
+            n_shards=n_shards,
+            sweep_interval_s=settings.sweep_interval_s,
+        )
         self.status = RunStatus.ACTIVE
         # checkpoint 0: the model's parameters and a fresh outer momentum
         self.outer = OuterOptimizer(

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any, ClassVar
 
+import asyncpg
 from fastapi import Depends, Request
 from sqlalchemy import DateTime, MetaData
 from sqlalchemy.ext.asyncio import (
@@ -38,6 +39,30 @@ class Base(DeclarativeBase):
 
 def make_engine(url: str) -> AsyncEngine:
     return create_async_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+def asyncpg_dsn(database_url: str) -> str:
+    """The libpq form of our SQLAlchemy URL, for asyncpg itself."""
+    return database_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+async def make_fast_pool(database_url: str) -> asyncpg.Pool:
+    """A small asyncpg pool for the requests every volunteer makes every few seconds
+    (heartbeats, joins: ``server.rounds.leases``): fixed SQL, prepared once per connection,
+    no ORM and no transaction. Everything else goes through SQLAlchemy."""
+    return await asyncpg.create_pool(
+        asyncpg_dsn(database_url),
+        min_size=1,
+        max_size=10,
+        command_timeout=30,
+        reset=_nothing_to_reset,
+    )
+
+
+async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
+    """The fast pool's statements leave no session state behind (no SET, LISTEN, advisory
+    lock or open transaction), so a connection goes back to the pool as it is: asyncpg's
+    default reset would cost one more round trip per request."""
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

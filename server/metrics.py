@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,6 +18,11 @@ CLOSE_SECONDS = Histogram(
 )
 CLOSE_FAILURES = Counter(
     "diloco_round_close_failures_total", "Failed attempts to close a round, by code", ["code"]
+)
+LOOP_LAG = Histogram(
+    "diloco_event_loop_lag_seconds",
+    "How late the event loop ran a timer: time every request waited behind something else",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 REQUESTS = Counter("diloco_http_requests_total", "HTTP requests", ["method", "route", "status"])
 CLOSE_STAGE_SECONDS = Histogram(
@@ -65,3 +73,12 @@ class RequestMetrics:
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             REQUESTS.labels(scope["method"], route, str(status)).inc()
+
+
+async def watch_loop_lag(every_s: float = 0.25) -> None:
+    """Observe ``LOOP_LAG`` for ever: sleep ``every_s`` and measure how late we woke. A
+    blocked loop (a long garbage collection, synchronous work in a request) shows here."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(every_s)
+        LOOP_LAG.observe(max(0.0, time.perf_counter() - asked - every_s))

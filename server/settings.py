@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     max_extensions: int | None = Field(None, ge=0)  # deadline extensions below quorum
     role: Role = Role.ALL
     close_concurrency: int = Field(2, ge=1, le=64)  # rounds one process closes at a time
+    close_nice: int = Field(10, ge=0, le=19)  # close threads run this much nicer (0: not)
     claim_ttl_s: float = Field(60.0, gt=0)  # a close's claim lapses unless renewed this often
     close_retry_base_s: float = Field(2.0, gt=0)  # backoff after a failed close: base · 2^(n-1)
     close_retry_max_s: float = Field(300.0, gt=0)  # ... at most this

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
 
+from diloco.config import RoundsSection
 from diloco.protocol.messages import ErrorCode
 
 
@@ -135,6 +136,16 @@ class ClosePolicy:
     def extension(self) -> timedelta:
         return timedelta(seconds=self.timeout_s if self.extension_s is None else self.extension_s)
 
+    @classmethod
+    def of(cls, rounds: RoundsSection, *, max_extensions: int | None) -> ClosePolicy:
+        """The policy of a run's ``[rounds]`` config and the server's extension limit."""
+        return cls(
+            quorum=rounds.quorum,
+            target=rounds.target,
+            timeout_s=rounds.timeout_s,
+            max_extensions=max_extensions,
+        )
+
 
 @dataclass(frozen=True)
 class LeasePolicy:
@@ -147,6 +158,12 @@ class LeasePolicy:
         _positive_seconds("retry_after_s", self.retry_after_s)
         if self.n_shards < 1:
             raise ValueError(f"n_shards: must be at least 1, got {self.n_shards}")
+
+    @classmethod
+    def of(cls, *, ttl_s: float, n_shards: int, sweep_interval_s: float) -> LeasePolicy:
+        """A refused joiner comes back after two sweeps (the round may have closed by
+        then), at most 5 s."""
+        return cls(ttl_s=ttl_s, n_shards=n_shards, retry_after_s=min(5.0, sweep_interval_s * 2))
 
 
 @dataclass(frozen=True)

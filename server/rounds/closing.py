@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -117,16 +119,25 @@ async def close_claimed(
     settings: Settings,
     faults: FaultInjector,
     claim: Claim,
+    executor: Executor,
 ) -> bool:
-    """Compute and publish a claimed round; True when this worker published it. Any failure
-    is recorded on the round (retried later) instead of raised."""
+    """Compute and publish a claimed round; True when this worker published it. The compute
+    runs on ``executor`` (the sweeper's low-priority close threads). Any failure is recorded
+    on the round (retried later) instead of raised."""
     started = datetime.now(UTC)
     renewal = asyncio.create_task(_renew(sessions, settings, claim))
     try:
         inputs, aggregated = await _read_inputs(sessions, claim)
         faults.hit("close.claim")
-        result = await asyncio.to_thread(
-            apply_outer_step, storage, inputs, eval_windows=settings.eval_windows, faults=faults
+        result = await asyncio.get_running_loop().run_in_executor(
+            executor,
+            functools.partial(
+                apply_outer_step,
+                storage,
+                inputs,
+                eval_windows=settings.eval_windows,
+                faults=faults,
+            ),
         )
         if result.files is None:
             assert result.decision is not None

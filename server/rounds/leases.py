@@ -4,30 +4,33 @@ this contributor can close (decide_close counts live leases of contributors that
 contributed yet as outstanding). The rules are ``diloco.protocol.rules``; this module
 fetches their facts and persists their decisions.
 
-A heartbeat is the most frequent request a server answers (every volunteer, every few
-seconds), so it takes a short path: no ORM objects, no transaction, two statements in
-autocommit (the facts, then one indexed UPDATE of the lease and the contributor's
-``last_seen_at``).
+Heartbeats and joins are what every volunteer sends every few seconds (and every volunteer
+at once when a round closes), so they take a short path: fixed SQL on a small asyncpg pool,
+no ORM objects and no transaction; one statement reads every fact the rule needs, then at
+most two indexed writes. ``release`` is rare and goes through SQLAlchemy like the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
+import json
 import secrets
-from collections.abc import AsyncIterator
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Insert, Update, and_, exists, func, select, update
-from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+import asyncpg
+from sqlalchemy import func, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.config import parse_config
 from diloco.protocol.messages import CheckpointRef, HeartbeatOut, Lease, ShardRef
 from diloco.protocol.rules import admit_heartbeat, admit_join, assign_lease
 from diloco.protocol.state import (
     HeartbeatFacts,
     JoinFacts,
+    LeasePolicy,
     LeaseView,
     Refusal,
     RoundState,
@@ -35,194 +38,193 @@ from diloco.protocol.state import (
     RunStatus,
 )
 from server.auth import hash_token
-from server.checkpoints.models import Checkpoint
-from server.contributors.models import Contributor
 from server.errors import LeaseNotFound, RunNotFound, Unauthorized, refused
 from server.rounds import service as rounds_service
-from server.rounds.models import Contribution, Round
 from server.rounds.models import Lease as LeaseRow
-from server.runs.models import Run
 from server.settings import Settings
 
 API = "/api/v1"
 
 
-# ---------------------------------------------------------------- the facts, in one statement
+# ---------------------------------------------------------------- the short path's SQL
+# Fixed statements on the asyncpg pool (``server.db.make_fast_pool``): asyncpg prepares each
+# once per connection. The first statement of each request reads every fact the rule needs
+# and marks the contributor seen (``me``: refused or not, the action counts); no row comes
+# back for an unknown token. Column names are the models' (tests/test_migrations.py pins
+# the schema to them).
+
+_ME = "me AS (UPDATE contributors SET last_seen_at = $2 WHERE token_hash = $1 RETURNING id)"
+
+HEARTBEAT_FACTS = f"""
+WITH {_ME}
+SELECT run.status AS run_status, r.index, r.state, r.opened_at, r.deadline, r.extensions,
+       (SELECT max(index) FROM rounds WHERE run_id = $3 AND state <> 'closed') AS current,
+       EXISTS (SELECT 1 FROM leases l WHERE l.id = $5 AND l.run_id = $3
+               AND l.round_index = $4 AND l.contributor_id = me.id) AS held
+FROM me
+LEFT JOIN runs run ON run.id = $3
+LEFT JOIN rounds r ON r.run_id = $3 AND r.index = $4
+"""
+RENEW = """
+UPDATE leases SET last_heartbeat = $2, expires_at = $3, last_step = $4, last_loss = $5
+WHERE id = $1
+"""
+JOIN_FACTS = f"""
+WITH {_ME},
+cur AS (SELECT max(index) AS index FROM rounds WHERE run_id = $3 AND state <> 'closed')
+SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, run.n_shards,
+       run.chunk_len, run.shards::text AS shards, run.config::text AS config,
+       r.index, r.state, r.opened_at, r.deadline, r.extensions,
+       l.id AS lease_id, l.shard, l.seed, l.last_heartbeat, l.expires_at,
+       c.version, c.sha256, c.nbytes,
+       EXISTS (SELECT 1 FROM contributions x WHERE x.run_id = $3
+               AND x.round_index = r.index AND x.contributor_id = me.id) AS contributed
+FROM me
+LEFT JOIN runs run ON run.id = $3
+LEFT JOIN cur ON true
+LEFT JOIN rounds r ON r.run_id = $3 AND r.index = cur.index
+LEFT JOIN leases l ON l.run_id = $3 AND l.round_index = r.index AND l.contributor_id = me.id
+LEFT JOIN checkpoints c ON c.run_id = $3 AND c.version = r.index - 1
+"""
+NEXT_ORDINAL = """
+UPDATE rounds SET leases_issued = leases_issued + 1
+WHERE run_id = $1 AND index = $2 AND state = 'open'
+RETURNING leases_issued - 1
+"""
+NEW_LEASE = """
+INSERT INTO leases (id, run_id, round_index, contributor_id, shard, seed, issued_at,
+                    last_heartbeat, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)
+ON CONFLICT ON CONSTRAINT uq_leases_run_id_round_index_contributor_id
+DO UPDATE SET last_heartbeat = EXCLUDED.last_heartbeat, expires_at = EXCLUDED.expires_at
+RETURNING id, shard, seed, expires_at
+"""
+RENEW_LEASE = """
+UPDATE leases SET last_heartbeat = $2, expires_at = $3 WHERE id = $1
+RETURNING id, shard, seed, expires_at
+"""
+
+UNKNOWN_TOKEN = "unknown contributor token; register with POST /api/v1/contributors"
 
 
-def _me(token_hash: str, now: datetime) -> Any:
-    """The contributor behind the token, marked as seen now (a refused action counts too)."""
-    return (
-        update(Contributor)
-        .where(Contributor.token_hash == token_hash)
-        .values(last_seen_at=now)
-        .returning(Contributor.id)
-        .cte("me")
+def _round_view(row: asyncpg.Record) -> RoundView | None:
+    if row["state"] is None:
+        return None
+    return RoundView(
+        index=row["index"],
+        opened_at=row["opened_at"],
+        deadline=row["deadline"],
+        state=RoundState(row["state"]),
+        extensions=row["extensions"],
     )
-
-
-def _in_progress(run_id: str) -> Any:
-    return (
-        select(func.max(Round.index))
-        .where(Round.run_id == run_id, Round.state != RoundState.CLOSED)
-        .scalar_subquery()
-    )
-
-
-@contextlib.asynccontextmanager
-async def _short(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
-    """A session on an autocommit connection: each statement commits by itself, with no
-    BEGIN and COMMIT round trips (the short paths of join and heartbeat)."""
-    async with engine.connect() as conn:
-        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        async with AsyncSession(bind=conn, expire_on_commit=False) as session:
-            yield session
 
 
 # ---------------------------------------------------------------- joining
 
 
 async def join(
-    *, engine: AsyncEngine, settings: Settings, token: str, run_id: str, now: datetime
+    *, pool: asyncpg.Pool, settings: Settings, token: str, run_id: str, now: datetime
 ) -> Lease:
     """A lease on the run's open round (a new one, or the contributor's own renewed), or the
-    rule's refusal. No transaction: one statement reads every fact (and marks the
-    contributor seen); a new lease then takes the round's next ordinal and is inserted."""
-    me = _me(hash_token(token), now)
-    current = _in_progress(run_id)
-    contributed = exists().where(
-        Contribution.run_id == run_id,
-        Contribution.round_index == current,
-        Contribution.contributor_id == me.c.id,
-    )
-    facts = (
-        select(me.c.id, Run, Round, LeaseRow, Checkpoint, contributed.label("contributed"))
-        .select_from(me)
-        .outerjoin(Run, Run.id == run_id)
-        .outerjoin(Round, and_(Round.run_id == run_id, Round.index == current))
-        .outerjoin(
-            LeaseRow,
-            and_(
-                LeaseRow.run_id == run_id,
-                LeaseRow.round_index == current,
-                LeaseRow.contributor_id == me.c.id,
-            ),
-        )
-        .outerjoin(
-            Checkpoint,
-            and_(Checkpoint.run_id == run_id, Checkpoint.version == Round.index - 1),
-        )
-    )
-    async with _short(engine) as session:
-        row = (await session.execute(facts)).one_or_none()
+    rule's refusal. No transaction: one statement reads every fact; a new lease then takes
+    the round's next ordinal (an atomic counter) and is inserted."""
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow(JOIN_FACTS, hash_token(token), now, run_id)
         if row is None:
-            raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
-        contributor_id, run, rnd, held, ckpt, has_contribution = row
-        if run is None:
+            raise Unauthorized(UNKNOWN_TOKEN)
+        if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-        view = None if rnd is None else rounds_service.view_of(rnd)
-        lease_facts = JoinFacts(
-            run_status=RunStatus(run.status),
-            round=view,
-            contributed=bool(has_contribution),
-            lease=None if held is None else _lease_view(held),
+        view = _round_view(row)
+        held = None
+        if row["lease_id"] is not None:
+            held = LeaseView(
+                contributor_id=row["contributor_id"],
+                last_heartbeat=row["last_heartbeat"],
+                expires_at=row["expires_at"],
+                shard=row["shard"],
+                seed=row["seed"],
+            )
+        facts = JoinFacts(RunStatus(row["run_status"]), view, row["contributed"], held)
+        policy = LeasePolicy.of(
+            ttl_s=settings.lease_ttl_s,
+            n_shards=row["n_shards"],
+            sweep_interval_s=settings.sweep_interval_s,
         )
-        policy = rounds_service.lease_policy(run, settings)
-        grant = admit_join(now, lease_facts, policy)
+        grant = admit_join(now, facts, policy)
         if isinstance(grant, Refusal):
             raise refused(grant)
-        assert rnd is not None and view is not None and ckpt is not None
+        assert view is not None and row["version"] is not None  # a grant names the open round
         if grant.new_lease:
-            # the round's lease counter, bumped atomically: the ordinal picks shard and seed
-            ordinal = await session.scalar(
-                update(Round)
-                .where(
-                    Round.run_id == run_id,
-                    Round.index == rnd.index,
-                    Round.state == RoundState.OPEN,
-                )
-                .values(leases_issued=Round.leases_issued + 1)
-                .returning(Round.leases_issued - 1)
-            )
+            ordinal = await conn.fetchval(NEXT_ORDINAL, run_id, view.index)
             if ordinal is None:  # it started closing since we looked: the rule says so
                 closing = dataclasses.replace(view, state=RoundState.CLOSING)
-                late = admit_join(now, dataclasses.replace(lease_facts, round=closing), policy)
+                late = admit_join(now, dataclasses.replace(facts, round=closing), policy)
                 assert isinstance(late, Refusal)
                 raise refused(late)
-            assignment = assign_lease(
-                ordinal, round=rnd.index, run_seed=run.seed, n_shards=run.n_shards
+            work = assign_lease(
+                ordinal, round=view.index, run_seed=row["run_seed"], n_shards=row["n_shards"]
             )
-            fresh = insert(LeaseRow).values(
-                id=f"lease_{secrets.token_hex(8)}",
-                run_id=run_id,
-                round_index=rnd.index,
-                contributor_id=contributor_id,
-                shard=assignment.shard,
-                seed=assignment.seed,
-                issued_at=now,
-                last_heartbeat=now,
-                expires_at=grant.expires_at,
-            )
-            # the same contributor joining twice at once: one lease, renewed
-            written: Insert | Update = fresh.on_conflict_do_update(
-                constraint="uq_leases_run_id_round_index_contributor_id",
-                set_={"last_heartbeat": now, "expires_at": grant.expires_at},
+            lease = await conn.fetchrow(
+                NEW_LEASE,
+                f"lease_{secrets.token_hex(8)}",
+                run_id,
+                view.index,
+                row["contributor_id"],
+                work.shard,
+                work.seed,
+                now,
+                grant.expires_at,
             )
         else:
-            assert held is not None
-            written = (
-                update(LeaseRow)
-                .where(LeaseRow.id == held.id)
-                .values(last_heartbeat=now, expires_at=grant.expires_at)
-            )
-        lease = (
-            await session.execute(
-                written.returning(LeaseRow.id, LeaseRow.shard, LeaseRow.seed, LeaseRow.expires_at)
-            )
-        ).one()
-    return _lease_answer(settings, run, rnd, ckpt, lease)
+            lease = await conn.fetchrow(RENEW_LEASE, row["lease_id"], now, grant.expires_at)
+    return _lease_answer(settings, run_id, view, row, lease)
 
 
-def _lease_answer(settings: Settings, run: Run, rnd: Round, ckpt: Checkpoint, lease: Any) -> Lease:
-    cfg = rounds_service.run_config(run)
-    shard = run.shards[lease.shard]
+def _lease_answer(
+    settings: Settings, run_id: str, rnd: RoundView, row: asyncpg.Record, lease: asyncpg.Record
+) -> Lease:
+    config, shards = _static(row["config"], row["shards"])
+    cfg = parse_config(config)
+    shard = shards[lease["shard"]]
     return Lease(
-        lease_id=lease.id,
-        run_id=run.id,
+        lease_id=lease["id"],
+        run_id=run_id,
         round=rnd.index,
         base_version=rnd.base_version,
         checkpoint=CheckpointRef(
-            version=ckpt.version,
-            url=f"{API}/runs/{run.id}/checkpoints/{ckpt.version}",
-            sha256=ckpt.sha256,
-            nbytes=ckpt.nbytes,
+            version=row["version"],
+            url=f"{API}/runs/{run_id}/checkpoints/{row['version']}",
+            sha256=row["sha256"],
+            nbytes=row["nbytes"],
         ),
         shard=ShardRef(
-            index=lease.shard,
-            url=f"{API}/runs/{run.id}/shards/{lease.shard}",
+            index=lease["shard"],
+            url=f"{API}/runs/{run_id}/shards/{lease['shard']}",
             sha256=shard["sha256"],
             nbytes=shard["nbytes"],
-            chunk_len=run.chunk_len,
+            chunk_len=row["chunk_len"],
         ),
-        config=run.config,
+        config=config,
         inner_steps=cfg.inner.steps,
         start_step=rnd.base_version * cfg.inner.steps,
-        seed=lease.seed,
+        seed=lease["seed"],
         deadline=rnd.deadline,
-        lease_expires_at=lease.expires_at,
+        lease_expires_at=lease["expires_at"],
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
     )
 
 
-def _lease_view(lease: LeaseRow) -> LeaseView:
-    return LeaseView(
-        contributor_id=lease.contributor_id,
-        last_heartbeat=lease.last_heartbeat,
-        expires_at=lease.expires_at,
-        shard=lease.shard,
-        seed=lease.seed,
-    )
+@lru_cache(maxsize=256)
+def _parsed(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return json.loads(config_json), json.loads(shards_json)
+
+
+def _static(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's config and shards, which never change once it is created: parsed once. The
+    caller gets copies (the cached objects are shared)."""
+    config, shards = _parsed(config_json, shards_json)
+    return copy.deepcopy(config), shards
 
 
 # ---------------------------------------------------------------- heartbeats
@@ -230,7 +232,7 @@ def _lease_view(lease: LeaseRow) -> LeaseView:
 
 async def heartbeat(
     *,
-    engine: AsyncEngine,
+    pool: asyncpg.Pool,
     settings: Settings,
     token: str,
     run_id: str,
@@ -241,47 +243,19 @@ async def heartbeat(
     now: datetime,
 ) -> HeartbeatOut:
     """Renew the lease, or the rule's refusal. No transaction: one statement reads the facts
-    (and marks the contributor seen, refused or not), one indexed UPDATE renews."""
-    me = _me(hash_token(token), now)
-    held = exists().where(
-        LeaseRow.id == lease_id,
-        LeaseRow.run_id == run_id,
-        LeaseRow.round_index == index,
-        LeaseRow.contributor_id == me.c.id,
-    )
-    facts = (
-        select(
-            Run.status,
-            Round.state,
-            Round.opened_at,
-            Round.deadline,
-            Round.extensions,
-            _in_progress(run_id).label("current_round"),
-            held.label("held"),
-        )
-        .select_from(me)
-        .outerjoin(Run, Run.id == run_id)
-        .outerjoin(Round, and_(Round.run_id == run_id, Round.index == index))
-    )
-    async with _short(engine) as session:
-        row = (await session.execute(facts)).one_or_none()
+    (and marks the contributor seen), one indexed UPDATE renews."""
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow(HEARTBEAT_FACTS, hash_token(token), now, run_id, index, lease_id)
         if row is None:
-            raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
-        status, state, opened_at, deadline, extensions, current, is_held = row
-        if status is None:
+            raise Unauthorized(UNKNOWN_TOKEN)
+        if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-        rnd = None
-        if state is not None:
-            rnd = RoundView(index, opened_at, deadline, RoundState(state), extensions)
-        beat = HeartbeatFacts(RunStatus(status), rnd, current, bool(is_held))
-        grant = admit_heartbeat(now, beat, ttl_s=settings.lease_ttl_s)
+        rnd = _round_view(row)
+        facts = HeartbeatFacts(RunStatus(row["run_status"]), rnd, row["current"], row["held"])
+        grant = admit_heartbeat(now, facts, ttl_s=settings.lease_ttl_s)
         if isinstance(grant, Refusal):
             raise refused(grant)
-        await session.execute(
-            update(LeaseRow)
-            .where(LeaseRow.id == lease_id)
-            .values(last_heartbeat=now, expires_at=grant.expires_at, last_step=step, last_loss=loss)
-        )
+        await conn.execute(RENEW, lease_id, now, grant.expires_at, step, loss)
     assert rnd is not None
     return HeartbeatOut(
         lease_expires_at=grant.expires_at, round_state=rnd.state, deadline=rnd.deadline

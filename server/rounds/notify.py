@@ -19,6 +19,8 @@ import asyncpg
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.db import asyncpg_dsn
+
 log = logging.getLogger("diloco.rounds")
 
 CHANNEL = "diloco_rounds"
@@ -27,10 +29,6 @@ CHANNEL = "diloco_rounds"
 async def rounds_changed(session: AsyncSession, run_id: str) -> None:
     """Notify the round workers when the current transaction commits."""
     await session.execute(select(func.pg_notify(CHANNEL, run_id)))
-
-
-def asyncpg_dsn(database_url: str) -> str:
-    return database_url.replace("postgresql+asyncpg://", "postgresql://", 1)
 
 
 class Listener:

@@ -45,7 +45,7 @@ async def join(run_id: RunId, request: Request) -> Lease:
     token). 409 ``run_not_active``: wait while paused, else stop; ``round_closing`` and
     ``already_contributed``: join again after ``retry_after_s``."""
     return await leases.join(
-        engine=request.app.state.engine,
+        pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
         token=bearer_token(request),
         run_id=run_id,
@@ -63,7 +63,7 @@ async def heartbeat(
     """Keep your lease live while you train (contributor token). 409 ``round_closed`` or
     ``run_not_active``: stop training for this round."""
     return await leases.heartbeat(
-        engine=request.app.state.engine,
+        pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
         token=bearer_token(request),
         run_id=run_id,

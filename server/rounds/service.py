@@ -25,7 +25,6 @@ from diloco.protocol.state import (
     ClosePolicy,
     ContributionView,
     Decision,
-    LeasePolicy,
     LeaseView,
     RoundState,
     RoundView,
@@ -46,20 +45,7 @@ def run_config(run: Run) -> RunConfig:
 
 
 def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
-    return ClosePolicy(
-        quorum=cfg.rounds.quorum,
-        target=cfg.rounds.target,
-        timeout_s=cfg.rounds.timeout_s,
-        max_extensions=settings.max_extensions,
-    )
-
-
-def lease_policy(run: Run, settings: Settings) -> LeasePolicy:
-    return LeasePolicy(
-        ttl_s=settings.lease_ttl_s,
-        n_shards=run.n_shards,
-        retry_after_s=min(5.0, settings.sweep_interval_s * 2),
-    )
+    return ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
 
 
 def view_of(rnd: Round) -> RoundView:
