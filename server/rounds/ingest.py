@@ -152,7 +152,7 @@ async def receive(
     limit = rounds_service.max_upload_bytes(cfg, settings)
     if content_length is None:
         raise LengthRequired("send the upload with a Content-Length header")
-    if not content_length.isdigit():
+    if not (content_length.isascii() and content_length.isdigit()):  # "¹".isdigit() is True
         raise MalformedUpload(f"Content-Length {content_length!r} is not a number")
     if int(content_length) > limit:
         raise UploadTooLarge(f"{content_length} bytes is over this round's {limit}-byte limit")

@@ -1,0 +1,368 @@
+"""``diloco simulate`` and ``diloco plot``: the algorithm in one process, and its plots.
+
+``--mode diloco|ddp|single`` trains K workers the way the paper's experiments do;
+``--mode protocol`` runs K volunteers against the round protocol's rules on a simulated
+clock (speeds, dropouts, deadlines: ``diloco.simulate_protocol``). Exit codes are those of
+``client.cli_support.ExitStatus``.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+
+import typer
+
+from client.cli_support import ExitStatus, fail
+from diloco.config import ConfigError, RunConfig, load_config, parse_config
+from diloco.data import DataError
+
+if TYPE_CHECKING:  # imported where used: they load torch
+    from diloco.simulate_protocol import Outage, ProtocolRound
+
+
+class SimMode(StrEnum):
+    diloco = "diloco"  # K workers, H inner steps per round, outer Nesterov step
+    ddp = "ddp"  # one model, K x the batch per step
+    single = "single"  # one worker, 1 x the batch
+    protocol = "protocol"  # K volunteers against the round protocol, on a simulated clock
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
+    """Apply CLI overrides section by section and validate the result again."""
+    raw = cfg.model_dump()
+    for section, values in overrides.items():
+        raw[section].update({k: v for k, v in values.items() if v is not None})
+    return parse_config(raw)
+
+
+def _numbers(option: str, text: str | None) -> tuple[float, ...] | None:
+    """``--speeds 1,1,0.5``: comma-separated numbers, or a usage error naming the option."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        fail(f"{option} takes comma-separated numbers, not {text!r}", ExitStatus.USAGE)
+
+
+def _outage(text: str) -> Outage:
+    """``--outage 2@30:90``: volunteer 2 offline from 30 s to 90 s (``2@30``: for good)."""
+    from diloco.simulate_protocol import Outage
+
+    try:
+        who, _, when = text.partition("@")
+        at, _, back = when.partition(":")
+        return Outage(int(who), float(at), float(back) if back else None)
+    except ValueError:
+        fail(f"--outage takes VOLUNTEER@START[:END] in seconds, not {text!r}", ExitStatus.USAGE)
+
+
+def _protocol_line(r: ProtocolRound) -> str:
+    extended = f", extended {r.extensions}x" if r.extensions else ""
+    return (
+        f"  {r.opened_at_s:.0f}-{r.closed_at_s:.0f} s  leases {r.leases}{extended}  "
+        f"{r.close_code}: {r.close_reason}"
+    )
+
+
+def simulate(
+    config: Annotated[Path, typer.Argument(help="Run config (TOML).", envvar="DILOCO_CONFIG")],
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="K workers (protocol: volunteers) (default: as many as --speeds, else 4).",
+            envvar="DILOCO_WORKERS",
+            show_default=False,
+        ),
+    ] = None,
+    mode: Annotated[SimMode, typer.Option(help="What to train.", envvar="DILOCO_MODE")] = (
+        SimMode.diloco
+    ),
+    out: Annotated[
+        Path | None, typer.Option(help="Write the result JSON here.", envvar="DILOCO_OUT")
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seeds model, data and drops (default: the config's seed, else 0).",
+            envvar="DILOCO_SEED",
+            show_default=False,
+        ),
+    ] = None,
+    compression: Annotated[
+        str | None, typer.Option(help="none | int8 (default: config).", envvar="DILOCO_COMPRESSION")
+    ] = None,
+    inner_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--inner-steps", "-H", help="H (default: config).", envvar="DILOCO_INNER_STEPS"
+        ),
+    ] = None,
+    rounds: Annotated[
+        int | None,
+        typer.Option(help="Rounds (default: config max_rounds).", envvar="DILOCO_ROUNDS"),
+    ] = None,
+    quorum: Annotated[
+        int | None, typer.Option(help="rounds.quorum (default: config).", envvar="DILOCO_QUORUM")
+    ] = None,
+    target: Annotated[
+        int | None, typer.Option(help="rounds.target (default: config).", envvar="DILOCO_TARGET")
+    ] = None,
+    timeout_s: Annotated[
+        float | None,
+        typer.Option(help="rounds.timeout_s (default: config).", envvar="DILOCO_TIMEOUT_S"),
+    ] = None,
+    outer_lr: Annotated[float | None, typer.Option(envvar="DILOCO_OUTER_LR")] = None,
+    outer_momentum: Annotated[float | None, typer.Option(envvar="DILOCO_OUTER_MOMENTUM")] = None,
+    nesterov: Annotated[
+        bool | None, typer.Option("--nesterov/--no-nesterov", envvar="DILOCO_NESTEROV")
+    ] = None,
+    drop_prob: Annotated[
+        float,
+        typer.Option(
+            help="Lose each contribution with this probability.", envvar="DILOCO_DROP_PROB"
+        ),
+    ] = 0.0,
+    batches: Annotated[
+        str,
+        typer.Option(
+            help="diloco mode: worker i's own batch stream on shard i, or the i-th lease's "
+            "shard and seed each round (as protocol mode and the platform).",
+            envvar="DILOCO_BATCHES",
+        ),
+    ] = "worker",
+    speeds: Annotated[
+        str | None,
+        typer.Option(
+            help="protocol: relative speed of each volunteer, e.g. 1,1,0.5,0.25 (default: all 1).",
+            envvar="DILOCO_SPEEDS",
+            show_default=False,
+        ),
+    ] = None,
+    step_s: Annotated[
+        float,
+        typer.Option(
+            help="protocol: simulated seconds of one inner step at speed 1.",
+            envvar="DILOCO_STEP_S",
+        ),
+    ] = 1.0,
+    join_at: Annotated[
+        str | None,
+        typer.Option(
+            help="protocol: each volunteer's first join, in seconds, e.g. 0,0,60 (default: 0).",
+            envvar="DILOCO_JOIN_AT",
+            show_default=False,
+        ),
+    ] = None,
+    drop_per_min: Annotated[
+        float,
+        typer.Option(
+            help="protocol: chance an online volunteer drops out within a simulated minute.",
+            envvar="DILOCO_DROP_PER_MIN",
+        ),
+    ] = 0.0,
+    return_per_min: Annotated[
+        float,
+        typer.Option(
+            help="protocol: chance an offline volunteer comes back within a simulated minute.",
+            envvar="DILOCO_RETURN_PER_MIN",
+        ),
+    ] = 0.0,
+    outage: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="protocol: volunteer V offline from START s (to END s), as V@START[:END]; "
+            "repeatable.",
+            envvar="DILOCO_OUTAGE",
+            show_default=False,
+        ),
+    ] = None,
+    lease_ttl_s: Annotated[
+        float, typer.Option(help="protocol: the hub's lease TTL.", envvar="DILOCO_LEASE_TTL_S")
+    ] = 30.0,
+    heartbeat_interval_s: Annotated[
+        float,
+        typer.Option(
+            help="protocol: volunteers' heartbeat interval.", envvar="DILOCO_HEARTBEAT_INTERVAL_S"
+        ),
+    ] = 10.0,
+    sweep_interval_s: Annotated[
+        float,
+        typer.Option(
+            help="protocol: how often the sweeper ticks.", envvar="DILOCO_SWEEP_INTERVAL_S"
+        ),
+    ] = 1.0,
+    max_extensions: Annotated[
+        int | None,
+        typer.Option(
+            help="protocol: deadline extensions below quorum (default: no limit).",
+            envvar="DILOCO_MAX_EXTENSIONS",
+            show_default=False,
+        ),
+    ] = None,
+    close_s: Annotated[
+        float,
+        typer.Option(help="protocol: simulated seconds a close takes.", envvar="DILOCO_CLOSE_S"),
+    ] = 0.0,
+    max_sim_s: Annotated[
+        float | None,
+        typer.Option(
+            help="protocol: stop the simulated clock here (default: when the run ends).",
+            envvar="DILOCO_MAX_SIM_S",
+            show_default=False,
+        ),
+    ] = None,
+    eval_windows: Annotated[
+        int,
+        typer.Option(
+            help="Validation windows scored per round (0: all).", envvar="DILOCO_EVAL_WINDOWS"
+        ),
+    ] = 256,
+    single_data: Annotated[
+        str,
+        typer.Option(
+            help="single mode trains on worker 0's shard, or on all the training data.",
+            envvar="DILOCO_SINGLE_DATA",
+        ),
+    ] = "shard",
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Draw eval loss vs tokens to this PNG.", envvar="DILOCO_PLOT"),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads.", envvar="DILOCO_THREADS")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No per-round lines.", envvar="DILOCO_QUIET")] = False,
+) -> None:
+    """Run DiLoCo (or a ddp / single baseline, or volunteers against the round protocol on a
+    simulated clock) in one process and report eval loss and bytes."""
+    import torch
+
+    from diloco.simulate import Mode, RoundRecord, SimOptions, save_result
+    from diloco.simulate import simulate as run_simulation
+    from diloco.simulate_hub import HubSettings
+    from diloco.simulate_protocol import ProtocolOptions, ProtocolRound
+
+    if not 0.0 <= drop_prob < 1.0:
+        fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
+    if single_data not in ("shard", "all"):
+        fail(f"--single-data must be shard or all, not {single_data!r}", ExitStatus.USAGE)
+    if batches not in ("worker", "lease"):
+        fail(f"--batches must be worker or lease, not {batches!r}", ExitStatus.USAGE)
+    speed_list = _numbers("--speeds", speeds)
+    join_list = _numbers("--join-at", join_at)
+    K = workers if workers is not None else len(speed_list) if speed_list else 4
+    if K < 1:
+        fail(f"--workers must be at least 1, not {K}", ExitStatus.USAGE)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cfg = with_overrides(
+            load_config(config),
+            {
+                "inner": {"steps": inner_steps},
+                "rounds": {
+                    "max_rounds": rounds,
+                    "quorum": quorum,
+                    "target": target,
+                    "timeout_s": timeout_s,
+                },
+                "outer": {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov},
+                "compression": {"kind": compression},
+            },
+        )
+    except ConfigError as err:
+        fail(str(err), ExitStatus.USAGE)
+    protocol = None
+    try:
+        if mode is SimMode.protocol:
+            protocol = ProtocolOptions(
+                speeds=speed_list,
+                step_s=step_s,
+                join_at_s=join_list,
+                drop_per_min=drop_per_min,
+                return_per_min=return_per_min,
+                outages=tuple(_outage(o) for o in outage or ()),
+                hub=HubSettings(
+                    sweep_interval_s=sweep_interval_s,
+                    heartbeat_interval_s=heartbeat_interval_s,
+                    lease_ttl_s=lease_ttl_s,
+                    max_extensions=max_extensions,
+                    close_s=close_s,
+                ),
+                max_sim_s=max_sim_s,
+            ).checked(K)
+            if drop_prob:
+                raise ValueError("--drop-prob: protocol mode drops volunteers (--drop-per-min)")
+        elif speed_list or join_list or outage or drop_per_min or return_per_min:
+            raise ValueError(
+                "--speeds, --join-at, --outage, --drop-per-min and --return-per-min "
+                "apply to --mode protocol only"
+            )
+        if batches != "worker" and mode is not SimMode.diloco:
+            raise ValueError(f"--batches {batches} applies to --mode diloco only")
+    except ValueError as err:
+        fail(str(err), ExitStatus.USAGE)
+    opts = SimOptions(
+        workers=K,
+        mode=cast(Mode, mode.value),
+        seed=seed if seed is not None else cfg.seed or 0,
+        drop_prob=drop_prob,
+        eval_windows=eval_windows or None,
+        single_data=cast(Literal["shard", "all"], single_data),
+        batches=cast(Literal["worker", "lease"], batches),
+    )
+
+    def report(r: RoundRecord) -> None:
+        if not quiet:
+            typer.echo(
+                f"round {r.round:4d}  tokens {r.tokens:>10,}  train {r.train_loss:.4f}  "
+                f"eval {r.eval_loss:.4f}  accepted {r.accepted}"
+                + (_protocol_line(r) if isinstance(r, ProtocolRound) else ""),
+                err=True,
+            )
+
+    try:
+        result = run_simulation(cfg, opts, progress=report, protocol=protocol)
+    except (DataError, FileNotFoundError) as err:
+        fail(str(err), ExitStatus.DATA)
+    summary: dict[str, Any] = {
+        "mode": result.mode,
+        "final_eval_loss": round(result.final_eval_loss, 5),
+        "bytes_up_per_worker": result.bytes_up_per_worker,
+        "bytes_down_per_worker": result.bytes_down_per_worker,
+        "wall_s": round(result.wall_s, 1),
+    }
+    if (totals := result.protocol) is not None:
+        summary |= {
+            "rounds": len(result.rounds),
+            "stopped_because": totals.stopped_because,
+            "sim_time_s": totals.sim_time_s,
+            "goodput": round(totals.goodput, 4),
+            "refused": totals.refused,
+            "abandoned": totals.abandoned,
+            "extensions": totals.extensions,
+        }
+    typer.echo(json.dumps(summary))
+    if out:
+        save_result(result, out)
+    if plot:
+        from diloco.plot import plot_results
+
+        plot_results([result.to_json()], plot)
+
+
+def plot_cmd(
+    results: Annotated[list[Path], typer.Argument(help="Result JSON files from simulate.")],
+    out: Annotated[Path, typer.Option(help="PNG to write.", envvar="DILOCO_PLOT_OUT")],
+) -> None:
+    """Draw eval loss vs tokens for one or more simulate results."""
+    from diloco.plot import load_results, plot_results
+
+    try:
+        plot_results(load_results(results), out)
+    except (OSError, json.JSONDecodeError, KeyError) as err:
+        fail(f"cannot plot: {err}", ExitStatus.DATA)
