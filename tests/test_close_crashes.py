@@ -24,30 +24,20 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from diloco.checkpoint import load_checkpoint
-from diloco.config import parse_config
-from diloco.exchange import aggregate_upload
-from diloco.outer import Aggregator, OuterOptimizer
 from tests.conftest import server_run_config
-from tests.support.contribute import API, Work, create_run, register, train, upload
+from tests.support.contribute import (
+    API,
+    Work,
+    create_run,
+    reference_step,
+    register,
+    train,
+    upload,
+)
 from tests.support.live import ServerProcess, wait_for
 
 STAGES = ["claim", "aggregate", "step", "eval", "write", "publish"]
 QUICK = {"claim_ttl_s": 2, "close_retry_base_s": 0.2, "close_retry_max_s": 0.5}
-
-
-def reference(run: dict, base: dict[str, torch.Tensor], works: list[Work]) -> OuterOptimizer:
-    """What the server must compute for round 1: the token-weighted mean of the decoded Δs,
-    one Nesterov step from a fresh momentum, in the order the uploads were accepted."""
-    cfg = parse_config(run["config"])
-    outer = OuterOptimizer(
-        base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-    )
-    shapes = {n: tuple(p.shape) for n, p in base.items()}
-    aggregator = Aggregator(shapes)
-    for work in works:
-        aggregate_upload([work.body()], aggregator, expected=shapes, codec=work.meta.codec)
-    outer.step(aggregator.result())
-    return outer
 
 
 def _momentum_by_name(outer_state: dict) -> dict[str, torch.Tensor]:
@@ -138,7 +128,7 @@ def test_a_server_killed_at_each_stage_of_a_close_publishes_the_exact_step_after
     started.append(doomed)
     http = doomed.wait_ready().client()
     run, base, works = _round_one_with_two_uploads(http)
-    expected = reference(run, base, works)
+    expected = reference_step(run, base, works)
 
     # Execute: it dies at the stage; a new server on the same database and data dir
     wait_for(lambda: not doomed.alive(), timeout=90, what=f"the server to die at {stage}")
@@ -174,7 +164,7 @@ def test_a_close_failing_at_each_stage_in_turn_is_retried_and_publishes_the_exac
     # Assert: five failed attempts recorded, the sixth published (then failed after its
     # commit, which changes nothing), and the result is the exact step
     round1 = _assert_published_once_and_exact(
-        http, server, database_url, run, reference(run, base, works)
+        http, server, database_url, run, reference_step(run, base, works)
     )
     assert round1["close_attempts"] == 6, round1
     assert round1["error"]["code"] == "injected_fault"

@@ -17,11 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from diloco.config import parse_config
-from diloco.exchange import aggregate_upload
-from diloco.outer import Aggregator, OuterOptimizer
 from tests.conftest import server_run_config
-from tests.support.contribute import API, Work, register, train, upload
+from tests.support.contribute import API, reference_step, register, train, upload
 from tests.support.contribute import create_run as post_run
 from tests.support.live import ServerProcess, wait_for
 
@@ -30,21 +27,6 @@ CLOSED_LINE = re.compile(r"run (run_\w+) round (\d+) closed")
 
 def create_run(http: httpx.Client, **rounds: object) -> dict:
     return post_run(http, server_run_config(rounds={"timeout_s": 600, **rounds}))
-
-
-def reference_step(run: dict, base: dict[str, torch.Tensor], works: list[Work]) -> dict:
-    """What the server must compute: token-weighted mean of the decoded Δs, one Nesterov step
-    from a fresh momentum (round 1), in the order the uploads were accepted."""
-    cfg = parse_config(run["config"])
-    outer = OuterOptimizer(
-        base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-    )
-    shapes = {n: tuple(p.shape) for n, p in base.items()}
-    aggregator = Aggregator(shapes)
-    for work in works:
-        aggregate_upload([work.body()], aggregator, expected=shapes, codec=work.meta.codec)
-    outer.step(aggregator.result())
-    return outer.params
 
 
 @pytest.fixture
@@ -86,16 +68,16 @@ def test_server_killed_after_an_accepted_upload_closes_the_round_after_restart(
         what="round 1 to close after the restart",
     )
 
-    # Assert: both uploads counted, parameters equal the in-process reference
+    # Assert: both uploads counted, parameters bit for bit the in-process reference
     (round1, *_) = http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
     assert round1["state"] == "closed" and round1["accepted"] == 2
     assert round1["tokens"] == work_a.meta.tokens + work_b.meta.tokens
     assert round1["close_code"] == "quorum_no_live_leases"
     published = safetensors_load(http.get(f"{API}/runs/{run['id']}/checkpoints/1").content)
-    expected = reference_step(run, base, [work_a, work_b])
+    expected = reference_step(run, base, [work_a, work_b]).params
     assert published.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(published[name], expected[name], rtol=1e-6, atol=1e-7)
+        assert torch.equal(published[name], expected[name]), name
     assert any(not torch.equal(published[n], base[n]) for n in base)
 
 

@@ -20,9 +20,9 @@ from safetensors.torch import load as safetensors_load
 from diloco.codec import EncodedTensor
 from diloco.config import parse_config
 from diloco.data import random_batch
-from diloco.exchange import encode_delta
+from diloco.exchange import aggregate_upload, encode_delta
 from diloco.model import GPT
-from diloco.outer import pseudo_gradient
+from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
 from diloco.train import InnerTrainer, load_parameters, snapshot
 from diloco.wire import ContributionMeta, encode_contribution
 
@@ -128,6 +128,24 @@ def upload(http: httpx.Client, token: str, work: Work, body: bytes | None = None
         content=work.body() if body is None else body,
         headers={**auth(token), "Content-Type": "application/octet-stream"},
     )
+
+
+def reference_step(
+    run: Mapping[str, Any], base: Mapping[str, torch.Tensor], works: list[Work]
+) -> OuterOptimizer:
+    """What the server must compute for a run's round 1 from these uploads: the
+    token-weighted mean of the decoded Δs, one Nesterov step from a fresh momentum, in the
+    order the uploads were accepted. The optimizer, with its parameters and momentum."""
+    cfg = parse_config(run["config"])
+    outer = OuterOptimizer(
+        base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+    )
+    shapes = {n: tuple(p.shape) for n, p in base.items()}
+    aggregator = Aggregator(shapes)
+    for work in works:
+        aggregate_upload([work.body()], aggregator, expected=shapes, codec=work.meta.codec)
+    outer.step(aggregator.result())
+    return outer
 
 
 def state_dict_bytes(params: Mapping[str, torch.Tensor]) -> bytes:
