@@ -100,9 +100,8 @@ def instrument() -> None:
     from sqlalchemy.ext.asyncio import AsyncSession, AsyncSessionTransaction
 
     import server.auth
-    import server.rounds.closing
     import server.rounds.leases
-    import server.rounds.service
+    import server.rounds.sweeper
     from server.metrics import RequestMetrics
 
     _meter(RequestMetrics, "__call__", "middleware RequestMetrics")
@@ -112,9 +111,9 @@ def instrument() -> None:
     _meter(fastapi.routing, "run_endpoint_function", "route function")
     _meter(fastapi.routing, "serialize_response", "serialize_response (pydantic)")
     _meter(server.auth, "_find_contributor", "auth: ContributorAuth (own transaction)")
-    _meter(server.rounds.leases, "heartbeat", "leases.heartbeat")
-    _meter(server.rounds.service, "get_round", "round lookup (session.get)")
-    _meter(server.rounds.closing, "sweep_once", "sweeper (decide_close every sweep)")
+    _meter(server.rounds.leases, "heartbeat", "leases.heartbeat (facts + renewal)")
+    _meter(server.rounds.leases, "join", "leases.join (facts + lease)")
+    _meter(server.rounds.sweeper.Sweeper, "sweep", "sweeper (decide_close every sweep)")
     _meter(AsyncSession, "scalar", "session.scalar (UPDATE ... RETURNING)")
     _meter(AsyncSession, "get", "session.get (SELECT round)")
     _meter(AsyncSession, "commit", "session.commit")
@@ -395,10 +394,10 @@ def sql(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- spy: py-spy raw summary
 
 PARTS = [  # (part, a function name or file fragment on the stack), first match from the top
-    ("sweeper", "sweep_once"),
+    ("sweeper", "sweep (server/rounds/sweeper.py"),
     ("auth dependency", "_find_contributor"),
-    ("round lookup", "get_round"),
-    ("lease UPDATE (leases.heartbeat)", "heartbeat (server/rounds/leases.py"),
+    ("heartbeat: facts + renewal (leases.heartbeat)", "heartbeat (server/rounds/leases.py"),
+    ("join: facts + lease (leases.join)", "join (server/rounds/leases.py"),
     ("request commit (get_session)", "get_session"),
     ("serialize_response", "serialize_response"),
     ("solve_dependencies", "solve_dependencies"),
