@@ -30,16 +30,20 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None  # None: generated into <data_dir>/admin-token
 
     # rounds (the bounds keep every deadline and expiry a representable date)
-    sweep_interval_s: float = Field(1.0, gt=0, le=3600)  # how often the sweeper asks decide_close
+    # how often the sweeper asks decide_close
+    sweep_interval_s: float = Field(1.0, gt=0, le=3600)
     heartbeat_interval_s: float = Field(10.0, gt=0, le=3600)  # what leases tell volunteers
-    lease_ttl_s: float = Field(30.0, gt=0, le=86400)  # a lease lapses this long after its last heartbeat
+    # a lease lapses this long after its last heartbeat
+    lease_ttl_s: float = Field(30.0, gt=0, le=86400)
     max_extensions: int | None = Field(None, ge=0)  # deadline extensions below quorum
     role: Role = Role.ALL
     close_concurrency: int = Field(2, ge=1, le=64)  # rounds one process closes at a time
     close_nice: int = Field(10, ge=0, le=19)  # close threads run this much nicer (0: not)
-    claim_ttl_s: float = Field(60.0, gt=0, le=86400)  # a close's claim lapses unless renewed this often
-    close_retry_base_s: float = Field(2.0, gt=0, le=86400)  # backoff after a failed close: base · 2^(n-1)
-    close_retry_max_s: float = Field(300.0, gt=0, le=86400)  # ... at most this
+    # a close's claim lapses unless renewed this often
+    claim_ttl_s: float = Field(60.0, gt=0, le=86400)
+    # backoff after a failed close: base · 2^(n-1), at most max
+    close_retry_base_s: float = Field(2.0, gt=0, le=86400)
+    close_retry_max_s: float = Field(300.0, gt=0, le=86400)
     # tests only: make this process fail or die at named points (diloco.faults; e.g.
     # "close.write=die"). Empty in production.
     faults: str = ""
