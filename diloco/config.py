@@ -120,6 +120,25 @@ class CompressionSection(_Section):
     block_size: int = Field(4096, ge=64, le=1 << 24)
 
 
+class AggregationSection(_Section):
+    """How a round's contributions are combined; robust by default (``diloco.robust``)."""
+
+    # mean: the token-weighted mean as it is. clipped_mean: each contribution's norm is
+    # first clipped to clip_multiple times the reference norm. centered_clip: the clipped
+    # mean is the centre, and each contribution's distance from it is clipped to the
+    # median distance (one CenteredClip step): bounds a direction as well as a length.
+    method: Literal["mean", "clipped_mean", "centered_clip"] = "clipped_mean"
+    clip_multiple: float = Field(2.0, ge=1.0, le=100.0)
+    # the reference norm is the median of the round's norms; a round with fewer
+    # contributions than this adds the norms of the run's last `history` aggregated ones
+    reference_min: int = Field(3, ge=1, le=1000)
+    history: int = Field(32, ge=0, le=10_000)
+    # the guard: a step whose eval loss passes base eval loss x this (or that is not
+    # finite) is never published; the round tries again without the least-aligned
+    # contribution. The first round's Nesterov step can raise the loss by half: keep room.
+    max_loss_ratio: float = Field(2.0, ge=1.0, le=1000.0)
+
+
 class RunConfig(_Section):
     name: str = Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)  # runs.name
     # seeds the initial model and every lease's shard and batch sampling; None: the server
@@ -131,11 +150,18 @@ class RunConfig(_Section):
     outer: OuterSection = OuterSection()
     rounds: RoundsSection = RoundsSection()
     compression: CompressionSection = CompressionSection()
+    aggregation: AggregationSection = AggregationSection()
 
     @property
     def total_inner_steps(self) -> int:
         """Inner steps a worker takes over the whole run: the cosine schedule's horizon."""
         return self.rounds.max_rounds * self.inner.steps
+
+    @property
+    def lease_tokens(self) -> int:
+        """The most tokens one lease's work can hold (H steps of batch_size x block_size):
+        a contribution's weight (and credit) never counts more, whatever it claims."""
+        return self.inner.steps * self.inner.batch_size * self.model.block_size
 
 
 def error_message(error: ErrorDetails) -> str:

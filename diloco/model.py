@@ -8,6 +8,7 @@ same code on a volunteer's GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -114,3 +115,16 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(cfg: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The model's parameter names and shapes, in order (built on the meta device: no
+    memory), e.g. what an upload's tensors must be."""
+    return dict(_shapes(cfg))

@@ -27,28 +27,27 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from safetensors.torch import save as safetensors_save
 
+from diloco.attacks import Attack
 from diloco.config import RunConfig
 from diloco.data import Dataset, load_tokens, random_batch, split_tokens
-from diloco.exchange import aggregate_upload, encode_delta
+from diloco.exchange import encode_delta
 from diloco.model import GPT
-from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
-from diloco.protocol.rules import assign_lease
+from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
+from diloco.simulate_server import SIM_RUN_ID
 from diloco.train import (
     Batch,
     InnerResult,
     InnerTrainer,
     evaluate,
     load_parameters,
-    parameters_of,
     snapshot,
 )
 from diloco.wire import ContributionMeta, encode_contribution
@@ -58,7 +57,6 @@ if TYPE_CHECKING:
 
 Mode = Literal["diloco", "ddp", "single", "protocol"]
 FP32_BYTES = 4
-SIM_RUN_ID = "simulate"  # the run id in every simulated upload's header
 
 
 @dataclass(frozen=True)
@@ -72,6 +70,8 @@ class SimOptions:
     # diloco mode: worker i's own stream on shard i, or the i-th lease's shard and seed
     batches: Literal["worker", "lease"] = "worker"
     device: str = "cpu"
+    # diloco mode: worker index -> the attack it makes (diloco.attacks), for bench/attacks.py
+    attacks: Mapping[int, Attack] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +82,8 @@ class RoundRecord:
     train_loss: float
     accepted: int  # contributions that reached the outer step (DiLoCo), else workers
     update_norm: float | None = None
+    refused: int = 0  # uploads the server would refuse (non-finite, a replay, ...)
+    left_out: int = 0  # admitted, then left out of the step by the guard
 
 
 @dataclass
@@ -113,7 +115,7 @@ class SimResult:
 Progress = Callable[[RoundRecord], None]
 
 
-def _batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> Callable[[], Batch]:
+def batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> Callable[[], Batch]:
     def next_batch() -> Batch:
         return random_batch(
             shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
@@ -125,7 +127,7 @@ def _batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> 
 def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Callable[[], Batch]:
     """A lease's batches, as the volunteer client draws them: its shard, and a generator
     seeded with its seed, fresh for the round."""
-    return _batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
+    return batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class Upload:
     chunks: list[bytes]  # the encoded body (diloco.wire)
     codec: dict  # the codec's description, as the header names it
     result: InnerResult  # steps, tokens, losses of the inner loop
+    delta: dict[str, torch.Tensor] = field(repr=False)  # Δ before the codec (for attacks)
+    meta: ContributionMeta | None = None  # the header it was sent with
 
     @property
     def nbytes(self) -> int:
@@ -168,7 +172,7 @@ def train_upload(
         loss=result.mean_loss,
         codec=codec,
     )
-    return Upload(list(encode_contribution(meta, encoded)), codec, result)
+    return Upload(list(encode_contribution(meta, encoded)), codec, result, delta, meta)
 
 
 class Recorder:
@@ -186,6 +190,22 @@ class Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
+    def evaluator(self, scratch: GPT) -> Callable[[Mapping[str, torch.Tensor]], float]:
+        """Eval loss of a parameter set (the guard's judge), in ``scratch`` on the same
+        validation windows as the round records."""
+
+        def evaluate_params(params: Mapping[str, torch.Tensor]) -> float:
+            load_parameters(scratch, params)
+            return evaluate(
+                scratch,
+                self.data.val,
+                block_size=self.cfg.model.block_size,
+                max_windows=self.opts.eval_windows,
+                device=self.device,
+            )
+
+        return evaluate_params
+
     def close_round(
         self, model: GPT, record_type: type[RoundRecord] = RoundRecord, **fields: Any
     ) -> None:
@@ -202,7 +222,7 @@ class Recorder:
             self.progress(record)
 
 
-def _generator(seed: int, stream: int) -> torch.Generator:
+def stream_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
 
@@ -247,7 +267,9 @@ def simulate(
         protocol = protocol or ProtocolOptions()
         run, n_shards = protocol_runner(protocol, opts)
     elif opts.mode == "diloco":
-        run = _run_diloco
+        from diloco.simulate_diloco import run_diloco
+
+        run = run_diloco
     else:
         run = _run_baseline
         if opts.mode == "single" and opts.single_data == "all":
@@ -285,73 +307,6 @@ def simulate(
     )
 
 
-def _run_diloco(
-    cfg: RunConfig,
-    opts: SimOptions,
-    data: Dataset,
-    model: GPT,
-    device: torch.device,
-    progress: Progress | None,
-) -> Trained:
-    """K workers, R rounds of H inner steps, Δ through codec + wire, Nesterov outer step.
-    ``model`` ends holding the final global parameters."""
-    R, K = cfg.rounds.max_rounds, opts.workers
-    outer = OuterOptimizer(
-        parameters_of(model),
-        lr=cfg.outer.lr,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
-    shapes = {n: tuple(p.shape) for n, p in outer.params.items()}
-    checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
-    # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
-    trainers, streams = [], []
-    for i in range(K):
-        worker_model = GPT(cfg.model.gpt_config())
-        trainers.append(
-            InnerTrainer(worker_model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
-        )
-        streams.append(_batch_source(data.shards[i], cfg, _generator(opts.seed, i)))
-    drops = _generator(opts.seed, 10_000)
-    recorder = Recorder(cfg, opts, data, device, progress)
-    bytes_up = bytes_down = tokens = 0
-    for r in range(R):
-        aggregator = Aggregator(shapes)
-        losses = []
-        for i, trainer in enumerate(trainers):
-            # this round's batches: the worker's own stream, or the i-th lease's
-            next_batch = streams[i]
-            if opts.batches == "lease":
-                lease = assign_lease(i, round=r + 1, run_seed=opts.seed, n_shards=K)
-                next_batch = lease_batches(data, cfg, lease)
-            # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
-            bytes_down += checkpoint_bytes
-            upload = train_upload(
-                trainer, outer.params, cfg=cfg, round=r + 1, next_batch=next_batch
-            )
-            tokens += upload.result.tokens
-            losses.append(upload.result.mean_loss)
-            bytes_up += upload.nbytes
-            # a dropped upload never reaches the server
-            if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
-                continue
-            aggregate_upload(upload.chunks, aggregator, expected=shapes, codec=upload.codec)
-        # the outer step, unless every contribution was lost
-        update_norm = None
-        if aggregator.count:
-            update_norm = outer.step(aggregator.result())
-        load_parameters(model, outer.params)
-        recorder.close_round(
-            model,
-            round=r + 1,
-            tokens=tokens,
-            train_loss=sum(losses) / len(losses),
-            accepted=aggregator.count,
-            update_norm=update_norm,
-        )
-    return Trained(recorder.records, bytes_up // K, bytes_down // K)
-
-
 def _run_baseline(
     cfg: RunConfig,
     opts: SimOptions,
@@ -365,7 +320,7 @@ def _run_baseline(
     trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
     shards = data.shards[:1] if opts.mode == "single" else data.shards
     sources = [
-        _batch_source(shard, cfg, _generator(opts.seed, i)) for i, shard in enumerate(shards)
+        batch_source(shard, cfg, stream_generator(opts.seed, i)) for i, shard in enumerate(shards)
     ]
 
     def next_batch() -> Batch:

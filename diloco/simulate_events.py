@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -122,6 +123,7 @@ class _ProtocolRun:
             run_seed=opts.seed,
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
+            evaluate=Recorder(cfg, opts, data, device, None).evaluator(GPT(cfg.model.gpt_config())),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
         self.heartbeat_every = timedelta(
@@ -294,9 +296,11 @@ class _ProtocolRun:
                 v.trainer, self.hub.params, cfg=cfg, round=lease.round, next_batch=next_batch
             )
             assert upload.result.tokens == claim.tokens
-            self.hub.store(v.name, lease.round, upload, spent)
-            self._spend(v, spent)
             self.bytes_up += upload.nbytes
+            refused = self.hub.store(v.name, lease.round, upload, spent)
+            if refused is not None:  # an honest volunteer's body is never refused: a bug
+                raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")
+            self._spend(v, spent)
             v.totals.accepted += 1
             self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
         self._join(v)
@@ -327,18 +331,19 @@ class _ProtocolRun:
     def _close(self) -> None:
         closed = self.hub.close(self.now)
         effects, log = closed.effects, closed.log
-        for c in log.contributions:  # every contribution of the round went into the step
-            totals = self.by_name[c.contributor].totals
-            totals.useful_s += c.compute.total_seconds()
-            totals.credit_flops += effects.credit[c.contribution_id]
+        for c in log.contributions:  # what went into the step was useful, and is credited
+            if c.contribution_id in effects.credit:
+                totals = self.by_name[c.contributor].totals
+                totals.useful_s += c.compute.total_seconds()
+                totals.credit_flops += effects.credit[c.contribution_id]
         self.tokens += effects.tokens
-        assert effects.train_loss is not None  # a close has at least quorum >= 1 contributions
         self.recorder.close_round(
             self.hub.model,
             ProtocolRound,
             round=closed.round.index,
             tokens=self.tokens,
-            train_loss=effects.train_loss,
+            # None when the guard rejected the step: nothing was aggregated
+            train_loss=math.nan if effects.train_loss is None else effects.train_loss,
             accepted=effects.accepted,
             update_norm=closed.update_norm,
             opened_at_s=(closed.round.opened_at - EPOCH).total_seconds(),

@@ -7,13 +7,16 @@ One method per server path (read them side by side):
   next ordinal and ``assign_lease`` says its shard and seed; a held lease is renewed.
 - ``heartbeat``: ``server.rounds.leases.heartbeat``: ``admit_heartbeat``.
 - ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
-  before the body is read, ``admit_claim`` on its header, then the row. The caller wakes
-  the sweeper afterwards, as the server's NOTIFY does.
+  before the body is read, ``admit_claim`` on its header, the body checked (finite once
+  decoded, not a replay, its weight capped: ``diloco.simulate_server.RoundDesk``), then
+  the row. The caller wakes the sweeper afterwards, as the server's NOTIFY does.
 - ``decide``: ``server.rounds.sweeper.Sweeper._decide``: ``decide_close`` on the open
   round; CLOSE marks it closing, EXTEND moves its deadline and counts the extension.
 - ``close``: ``server.rounds.closing`` and ``outer_step``: the round's contributions in the
-  order they arrived, through the wire format and the codec into an ``Aggregator``, the
-  outer step, then ``close_effects`` (counts, loss, credit, the next round).
+  order they arrived, through the wire format and the codec into the robust aggregate, the
+  guarded outer step (``diloco.guard``), then ``close_effects`` (counts, loss, credit,
+  the next round). A step the guard rejects is not published (the server would retry the
+  round with backoff; here it closes without a step).
 
 What the simulator leaves out: no blob is ever unreadable (no exclusions), no close fails
 (no retries), no run is paused or cancelled.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -30,9 +34,8 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from diloco.config import RunConfig
-from diloco.exchange import aggregate_upload
 from diloco.model import GPT
-from diloco.outer import Aggregator, OuterOptimizer
+from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
@@ -64,6 +67,7 @@ from diloco.protocol.state import (
     UploadVerdict,
 )
 from diloco.simulate import SIM_RUN_ID, Upload
+from diloco.simulate_server import RoundDesk
 from diloco.train import load_parameters, parameters_of
 
 # ---------------------------------------------------------------- settings
@@ -131,6 +135,7 @@ class Stored:
 class RoundLog:
     """A round's rows and what was decided about it."""
 
+    desk: RoundDesk  # the uploads as the server checks them (diloco.simulate_server)
     leases: dict[str, HubLease] = field(default_factory=dict)  # by contributor, in issue order
     contributions: list[Stored] = field(default_factory=list)  # in the order they arrived
     close_code: str = ""
@@ -164,8 +169,10 @@ class Hub:
         run_seed: int,
         n_shards: int,
         now: datetime,
+        evaluate: Callable[[Mapping[str, torch.Tensor]], float],
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, run_seed
+        self.evaluate = evaluate  # the guard's judge: eval loss of a parameter set
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
         self.leasing = LeasePolicy.of(
@@ -182,6 +189,8 @@ class Hub:
             nesterov=cfg.outer.nesterov,
         )
         self.version = 0
+        self.base_loss = evaluate(self.outer.params)  # the published version's eval loss
+        self.history: list[float] = []  # aggregated norms: the clipping's reference
         self.checkpoint_bytes = len(safetensors_save(self.outer.params))
         self.n_params = model.num_parameters()
         self.rounds: dict[int, RoundView] = {}
@@ -196,7 +205,7 @@ class Hub:
 
     def _open(self, index: int, opened_at: datetime, deadline: datetime) -> None:
         self.rounds[index] = RoundView(index, opened_at, deadline, RoundState.OPEN)
-        self.logs[index] = RoundLog()
+        self.logs[index] = RoundLog(RoundDesk(self.cfg, self.rounds[index]))
         self.current = index
 
     def _current_view(self) -> RoundView | None:
@@ -269,10 +278,16 @@ class Hub:
         assert rnd is not None
         return admit_claim(claim, run_id=SIM_RUN_ID, round=rnd)
 
-    def store(self, who: str, index: int, upload: Upload, compute: timedelta) -> None:
+    def store(self, who: str, index: int, upload: Upload, compute: timedelta) -> Refusal | None:
+        """The body, checked as the server checks it (finite once decoded, not a replay),
+        then stored; or the refusal."""
         log = self.logs[index]
         cid = f"con_{index}_{len(log.contributions) + 1}"
+        admitted = log.desk.admit(cid, who, upload.chunks)
+        if isinstance(admitted, Refusal):
+            return admitted
         log.contributions.append(Stored(cid, who, upload, compute))
+        return None
 
     # ------------------------------------------------------------ the sweeper
 
@@ -311,18 +326,26 @@ class Hub:
         assert self.current is not None
         rnd, log = self.rounds[self.current], self.logs[self.current]
         assert rnd.state is RoundState.CLOSING
-        shapes = {n: tuple(p.shape) for n, p in self.outer.params.items()}
-        aggregator = Aggregator(shapes)
-        for c in log.contributions:  # in the order they arrived, as the server reads them
-            aggregate_upload(c.upload.chunks, aggregator, expected=shapes, codec=c.upload.codec)
-        update_norm = self.outer.step(aggregator.result())
+        stepped = log.desk.close(
+            self.outer,
+            evaluate=self.evaluate,
+            base_loss=self.base_loss,
+            history=self.history,
+            quorum=self.cfg.rounds.quorum,
+        )
+        # a rejected step publishes nothing: the version stays, nobody is credited
+        in_step = {} if stepped.rejected else stepped.aggregate.shares
+        if stepped.rejected is None:
+            assert stepped.eval_loss is not None
+            self.outer, self.base_loss = stepped.outer, stepped.eval_loss
+            norms = [share.norm for share in in_step.values()]
+            self.history = [*self.history, *norms][-self.cfg.aggregation.history :]
         load_parameters(self.model, self.outer.params)
         self.version = rnd.index
+        by_id = {a.source.id: a for a in log.desk.admitted}
         aggregated = [
-            Aggregated(
-                c.contribution_id, c.contributor, c.upload.result.tokens, c.upload.result.mean_loss
-            )
-            for c in log.contributions
+            Aggregated(cid, by_id[cid].contributor, by_id[cid].tokens, by_id[cid].loss)
+            for cid in in_step
         ]
         effects = close_effects(
             now,
@@ -340,4 +363,4 @@ class Hub:
         if effects.next_round is not None:
             following = effects.next_round
             self._open(following.index, following.opened_at, following.deadline)
-        return Closed(closed, log, effects, update_norm)
+        return Closed(closed, log, effects, stepped.update_norm)

@@ -92,6 +92,11 @@ class DuplicateContribution(HubError):
     code = ErrorCode.DUPLICATE_CONTRIBUTION
 
 
+class ReplayedUpload(HubError):
+    status = 409
+    code = ErrorCode.REPLAYED_UPLOAD
+
+
 class NoLease(HubError):
     status = 409
     code = ErrorCode.NO_LEASE
@@ -173,6 +178,7 @@ _REFUSALS: dict[str, type[HubError]] = {
         RoundClosing,
         BaseVersionMismatch,
         DuplicateContribution,
+        ReplayedUpload,
         NoLease,
         RunNotActive,
         AlreadyContributed,

@@ -31,6 +31,7 @@ UPLOAD: Errors = {
         "round_closed",
         "base_version_mismatch",
         "duplicate_contribution",
+        "replayed_upload",
         "no_lease",
         "run_not_active",
     ),

@@ -4,6 +4,7 @@ A fixed `now`; each rule's sentence is pinned, since the dashboard and the API s
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -14,12 +15,15 @@ from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
     admit_join,
+    admit_payload,
     admit_retry,
     admit_upload,
     assign_lease,
     close_effects,
     close_retry_at,
     decide_after_exclusions,
+    judge_step,
+    upload_weight,
 )
 from diloco.protocol.state import (
     Action,
@@ -36,6 +40,7 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
     RunStatus,
+    StepVerdict,
     UploadClaim,
     UploadFacts,
     UploadVerdict,
@@ -404,3 +409,52 @@ def test_naive_times_are_refused_by_every_rule_that_reads_the_clock() -> None:
     ):
         with pytest.raises(ValueError, match=r"^now: must be timezone-aware"):
             call()
+
+
+# ---------------------------------------------------------------- what an upload is worth
+
+
+def test_an_uploads_weight_is_its_claim_at_most_what_a_lease_allows():
+    assert upload_weight(1_000, lease_tokens=4_096) == 1_000
+    assert upload_weight(10**12, lease_tokens=4_096) == 4_096
+    assert upload_weight(-5, lease_tokens=4_096) == 0
+
+
+def test_someone_elses_tensors_are_a_replay():
+    assert admit_payload(False) is None
+    assert admit_payload(True) == refusal(
+        ErrorCode.REPLAYED_UPLOAD,
+        "another contributor already contributed these very tensors to this round: a "
+        "contribution must be your own work",
+    )
+
+
+# ---------------------------------------------------------------- the guard
+
+STEPS = [
+    pytest.param(2.0, 3.9, True, StepVerdict(True, "ok", "eval loss 3.9000"), id="within_bound"),
+    pytest.param(None, 9.0, True, StepVerdict(True, "ok", "eval loss 9.0000"), id="no_base_yet"),
+    pytest.param(
+        2.0, 4.1, True,
+        StepVerdict(
+            False, "loss_rise",
+            "eval loss would rise from 2.0000 to 4.1000, past 2x the base version's",
+        ),
+        id="too_far_a_rise_is_discarded",
+    ),
+    pytest.param(
+        2.0, 1.0, False,
+        StepVerdict(False, "non_finite", "the step's parameters are not all finite"),
+        id="non_finite_parameters_are_discarded",
+    ),
+    pytest.param(
+        2.0, math.nan, True,
+        StepVerdict(False, "non_finite", "the step's parameters are not all finite"),
+        id="a_nan_loss_is_discarded",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("base", "new", "finite", "expected"), STEPS)
+def test_judge_step(base: float | None, new: float, finite: bool, expected: StepVerdict) -> None:
+    assert judge_step(base, new, finite=finite, max_loss_ratio=2.0) == expected

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from diloco.data import load_tokens, random_batch, split_tokens
 from diloco.model import GPT
-from diloco.simulate import SimOptions, _generator, simulate
+from diloco.simulate import SimOptions, simulate, stream_generator
 from diloco.train import evaluate, make_adamw, snapshot
 from tests.conftest import tiny_config
 
@@ -62,7 +62,7 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
         block_size=cfg.model.block_size,
         chunk_size=cfg.data.chunk_size,
     )
-    gen = _generator(5, 0)
+    gen = stream_generator(5, 0)
     opt = make_adamw(model, cfg.inner)
     for step in range(rounds):
         lr = cfg.inner.lr * (step + 1) / 2 if step < 2 else None

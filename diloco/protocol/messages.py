@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     ROUND_CLOSING = "round_closing"
     BASE_VERSION_MISMATCH = "base_version_mismatch"
     DUPLICATE_CONTRIBUTION = "duplicate_contribution"
+    REPLAYED_UPLOAD = "replayed_upload"
     NO_LEASE = "no_lease"
     RUN_NOT_ACTIVE = "run_not_active"
     ALREADY_CONTRIBUTED = "already_contributed"

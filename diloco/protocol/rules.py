@@ -12,9 +12,14 @@ A round's life, top to bottom in this file:
 4. ``decide_close``: the sweeper asks about each open round: close, extend or wait.
 5. ``decide_after_exclusions``: a closing round some of whose contributions could not be
    read closes on the others if they still make quorum, else it reopens.
-6. ``close_effects``: what a close changes besides the checkpoint (counts, loss, credit,
+6. ``judge_step``: the guard, commit or discard: a step that is not finite or raises
+   the eval loss too far is never published.
+7. ``close_effects``: what a close changes besides the checkpoint (counts, loss, credit,
    the run's completion, the next round); ``close_retry_at`` when a failed close is tried
    again.
+
+Between 3 and 4, ``upload_weight`` and ``admit_payload`` say what an accepted upload is
+worth and refuse a replay of someone else's tensors.
 
 No clock, database or network here. The server's services fetch the facts, call a rule
 and persist what it returns; ``diloco simulate --mode protocol`` drives the same rules with
@@ -50,6 +55,7 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
     RunStatus,
+    StepVerdict,
     UploadClaim,
     UploadFacts,
     UploadVerdict,
@@ -210,6 +216,26 @@ def admit_retry(
     )
 
 
+def upload_weight(claimed_tokens: int, lease_tokens: int) -> int:
+    """What a contribution counts for in the step, and in credit: the tokens it claims, but
+    never more than its lease's work can hold (H steps of batch x block). A volunteer's
+    claim is not trusted: claiming 10^12 tokens weighs as much as an honest round."""
+    return max(0, min(claimed_tokens, lease_tokens))
+
+
+def admit_payload(replayed: bool) -> Refusal | None:
+    """The same tensors (the decoded payload's digest) already in the round from another
+    contributor: a replay of someone else's work, refused. (The same contributor's second
+    upload never gets here: ``admit_retry`` answers it.)"""
+    if not replayed:
+        return None
+    return Refusal(
+        ErrorCode.REPLAYED_UPLOAD,
+        "another contributor already contributed these very tensors to this round: a "
+        "contribution must be your own work",
+    )
+
+
 # ---------------------------------------------------------------- 4. closing
 
 
@@ -291,6 +317,27 @@ def decide_after_exclusions(
         f"round {round}: {left_out}; {kept} left, below quorum {quorum}: reopened to wait for more"
     )
     return Decision(action=Action.KEEP_OPEN, reason=reason, code="excluded_below_quorum")
+
+
+# ---------------------------------------------------------------- 5b. the guard
+
+
+def judge_step(
+    base_loss: float | None, new_loss: float | None, *, finite: bool, max_loss_ratio: float
+) -> StepVerdict:
+    """Commit or discard an outer step (torchft's ``should_commit``). A step whose
+    parameters or momentum are not all finite is discarded; so is one whose eval loss is
+    more than ``max_loss_ratio`` times the base version's (when that is known)."""
+    if not finite or new_loss is None or not math.isfinite(new_loss):
+        return StepVerdict(False, "non_finite", "the step's parameters are not all finite")
+    if base_loss is not None and math.isfinite(base_loss) and new_loss > base_loss * max_loss_ratio:
+        return StepVerdict(
+            False,
+            "loss_rise",
+            f"eval loss would rise from {base_loss:.4f} to {new_loss:.4f}, past "
+            f"{max_loss_ratio:g}x the base version's",
+        )
+    return StepVerdict(True, "ok", f"eval loss {new_loss:.4f}")
 
 
 # ---------------------------------------------------------------- 5. what a close changes

@@ -47,8 +47,8 @@ ReasonCode = Literal[
 
 # Why a close attempt failed (stored on the round, retried with backoff), and why a
 # contribution was left out of its round's step (stored on the contribution; it earns 0).
-CloseFailure = Literal["close_failed", "injected_fault"]
-Exclusion = Literal["blob_unreadable"]
+CloseFailure = Literal["close_failed", "injected_fault", "claim_expired", "step_rejected"]
+Exclusion = Literal["blob_unreadable", "banned", "guard"]
 
 
 def require_aware(name: str, value: datetime) -> None:
@@ -297,3 +297,12 @@ class CloseEffects:
     run_status: RunStatus  # the run's status after the close
     next_round: NextRound | None  # None: the run has no further round
     summary: str  # a sentence for the log and the dashboard
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """The guard's word on an outer step: publish it, or discard it and say why."""
+
+    ok: bool
+    code: Literal["ok", "non_finite", "loss_rise"]
+    reason: str

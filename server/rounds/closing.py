@@ -41,7 +41,13 @@ from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_FAILURES, CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Round
-from server.rounds.outer_step import OuterResult, StepInputs, apply_outer_step
+from server.rounds.outer_step import (
+    OuterResult,
+    StepInputs,
+    StepRejected,
+    Stored,
+    apply_outer_step,
+)
 from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage import Storage
@@ -186,16 +192,36 @@ async def _read_inputs(
         base = await checkpoints_service.get(
             session=session, run_id=claim.run_id, version=rnd.base_version
         )
+        # the clipping's reference when the round has few: the run's latest aggregated norms
+        history = list(
+            await session.scalars(
+                select(Contribution.norm)
+                .where(
+                    Contribution.run_id == claim.run_id,
+                    Contribution.aggregated_at.is_not(None),
+                    Contribution.norm.is_not(None),
+                )
+                .order_by(Contribution.aggregated_at.desc())
+                .limit(cfg.aggregation.history)
+            )
+        )
     inputs = StepInputs(
         run_id=claim.run_id,
         version=claim.index,
         cfg=cfg,
         base_state_key=base.state_key,
-        blobs=[(c.id, c.blob_key) for c in rows],
+        base_eval_loss=base.eval_loss,
+        contributions=[Stored(c.id, c.blob_key, float(_weight(c)), c.norm or 0.0) for c in rows],
+        history=[h for h in history if h is not None],
         quorum=cfg.rounds.quorum,
     )
-    aggregated = [Aggregated(c.id, c.contributor_id, c.tokens, c.loss) for c in rows]
+    aggregated = [Aggregated(c.id, c.contributor_id, _weight(c), c.loss) for c in rows]
     return inputs, aggregated
+
+
+def _weight(c: Contribution) -> int:
+    """The tokens it counts for (rows from before weights were measured: their claim)."""
+    return c.tokens if c.weight is None else c.weight
 
 
 def _mine(claim: Claim) -> tuple[ColumnElement[bool], ...]:
@@ -255,17 +281,29 @@ async def _publish(
         if code is None:
             log.warning("run %s round %d: claim lost before publishing", claim.run_id, claim.index)
             return None
-        await _exclude(session, claim, result.excluded)
+        await _exclude(session, result)
         session.add(
             checkpoints_service.row_for(
                 result.files, run_id=claim.run_id, eval_loss=result.eval_loss
             )
         )
-        if effects.credit:  # bulk UPDATE by primary key
+        if result.base_eval_loss is not None:  # measured by this close: the base's own figure
+            await session.execute(
+                update(Checkpoint)
+                .where(Checkpoint.run_id == claim.run_id, Checkpoint.version == claim.index - 1)
+                .values(eval_loss=result.base_eval_loss)
+            )
+        if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it
             await session.execute(
                 update(Contribution),
                 [
-                    {"id": cid, "credit": flops, "aggregated_at": now}
+                    {
+                        "id": cid,
+                        "credit": flops,
+                        "aggregated_at": now,
+                        "cosine": result.shares[cid].cosine,
+                        "clip_factor": result.shares[cid].clip,
+                    }
                     for cid, flops in effects.credit.items()
                 ],
             )
@@ -279,13 +317,17 @@ async def _publish(
     return str(code)
 
 
-async def _exclude(session: AsyncSession, claim: Claim, excluded: dict[str, str]) -> None:
-    if excluded:  # bulk UPDATE by primary key
+async def _exclude(session: AsyncSession, result: OuterResult) -> None:
+    if result.excluded:  # bulk UPDATE by primary key
         await session.execute(
             update(Contribution),
             [
-                {"id": cid, "excluded_code": "blob_unreadable", "excluded_reason": why}
-                for cid, why in excluded.items()
+                {
+                    "id": cid,
+                    "excluded_code": result.exclusion_codes[cid],
+                    "excluded_reason": why,
+                }
+                for cid, why in result.excluded.items()
             ],
         )
 
@@ -310,7 +352,7 @@ async def _reopen(
             .returning(Round.index)
         )
         if won is not None:
-            await _exclude(session, claim, result.excluded)
+            await _exclude(session, result)
     log.warning("run %s: %s", claim.run_id, decision.reason)
 
 
@@ -318,7 +360,13 @@ async def _record_failure(
     sessions: async_sessionmaker[AsyncSession], settings: Settings, claim: Claim, err: Exception
 ) -> None:
     now = datetime.now(UTC)
-    code = "injected_fault" if isinstance(err, InjectedFault) else "close_failed"
+    code = (
+        "injected_fault"
+        if isinstance(err, InjectedFault)
+        else "step_rejected"
+        if isinstance(err, StepRejected)
+        else "close_failed"
+    )
     policy = RetryPolicy(base_s=settings.close_retry_base_s, max_s=settings.close_retry_max_s)
     retry_at = close_retry_at(now, claim.attempt, policy)
     detail = f"attempt {claim.attempt}: {type(err).__name__}: {err}"[:1000]

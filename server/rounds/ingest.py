@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -29,8 +29,15 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.codec import make_codec
 from diloco.config import RunConfig
 from diloco.protocol.messages import Receipt
-from diloco.protocol.rules import admit_claim, admit_retry, admit_upload
+from diloco.protocol.rules import (
+    admit_claim,
+    admit_payload,
+    admit_retry,
+    admit_upload,
+    upload_weight,
+)
 from diloco.protocol.state import Refusal, RunStatus, UploadClaim, UploadFacts
+from diloco.robust import UploadInspector
 from diloco.wire import (
     ContributionDecoder,
     ContributionHeader,
@@ -101,15 +108,27 @@ async def _stream_to_blob(
     decoder: ContributionDecoder,
     *,
     limit: int,
-) -> str:
-    """Write and decode the body; return the sha256 of all its bytes."""
+    check_header: Callable[[ContributionHeader], None],
+) -> tuple[str, UploadInspector]:
+    """Write and decode the body; ``check_header`` judges the header as soon as it has
+    arrived (before any tensor is looked at), then every tensor is decoded and inspected
+    (finite, its norm, the payload's digest) and dropped. The sha256 of all the body's
+    bytes, and the inspection."""
     digest = hashlib.sha256()
     pending = bytearray()
+    inspector: UploadInspector | None = None
 
     def consume(piece: bytes) -> None:
+        nonlocal inspector
         writer.write(piece)
         digest.update(piece)
-        decoder.feed(piece)  # completed tensors are validated and dropped
+        completed = decoder.feed(piece)
+        if inspector is None and decoder.header is not None:
+            check_header(decoder.header)
+            inspector = UploadInspector(decoder.header.meta.codec)
+        for name, encoded in completed:
+            assert inspector is not None  # tensors come after the header
+            inspector.add(name, encoded)
 
     try:
         async for chunk in stream:
@@ -126,7 +145,9 @@ async def _stream_to_blob(
         raise NonFiniteUpload(f"rejected: {err}") from None
     except WireFormatError as err:
         raise MalformedUpload(f"not a valid contribution body: {err}") from None
-    return digest.hexdigest()
+    if inspector is None:
+        raise MalformedUpload("the body ended before its header")
+    return digest.hexdigest(), inspector
 
 
 async def receive(
@@ -157,21 +178,27 @@ async def receive(
     if int(content_length) > limit:
         raise UploadTooLarge(f"{content_length} bytes is over this round's {limit}-byte limit")
 
-    # 2. stream into a temp blob, validating as it goes; 3. check the header
+    # 2. stream into a temp blob, checking the header as soon as it is in, then every
+    # tensor as it completes (decoded: finite; measured); the blob is not kept unless all pass
     decoder = ContributionDecoder(max_bytes=limit)
     key = f"runs/{run_id}/rounds/{index}/{contributor_id}-{secrets.token_hex(4)}.bin"
-    with storage.writer(key) as writer:
-        sha = await _stream_to_blob(stream, writer, decoder, limit=limit)
-        if decoder.header is None:
-            raise MalformedUpload("the body ended before its header")
-        if refusal := admit_claim(_claim(decoder.header), run_id=run_id, round=facts.round):
+    rnd = facts.round
+
+    def check_header(header: ContributionHeader) -> None:
+        if refusal := admit_claim(_claim(header), run_id=run_id, round=rnd):
             raise refused(refusal)
-        check_model(decoder.header, cfg=cfg)
+        check_model(header, cfg=cfg)
+
+    with storage.writer(key) as writer:
+        sha, inspection = await _stream_to_blob(
+            stream, writer, decoder, limit=limit, check_header=check_header
+        )
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
             return _retry_answer(existing, sha)
         writer.commit()
 
     # 4. one transaction: the rules again, under the run's and the round's locks, then the row
+    assert decoder.header is not None
     meta = decoder.header.meta
     try:
         async with sessions() as session, session.begin():
@@ -206,10 +233,17 @@ async def receive(
                     sha256=sha,
                     blob_key=key,
                     created_at=datetime.now(UTC),
+                    weight=upload_weight(meta.tokens, cfg.lease_tokens),
+                    norm=inspection.norm,
+                    payload_sha256=inspection.payload_sha256,
                 )
                 .on_conflict_do_nothing()
                 .returning(Contribution.id)
             )
+            if inserted is None:  # another contributor's upload holds these tensors?
+                replay = await _replayed(session, run_id, index, contributor_id, inspection)
+                if (refusal := admit_payload(replay)) is not None:
+                    raise refused(refusal)
             if inserted is None:  # the same contributor's concurrent upload got in first
                 raced = await session.scalar(
                     select(Contribution).where(
@@ -267,3 +301,22 @@ async def _upload_facts(
         lease_held=lease_id is not None,
     )
     return facts, existing, lease_id
+
+
+async def _replayed(
+    session: AsyncSession,
+    run_id: str,
+    index: int,
+    contributor_id: str,
+    inspection: UploadInspector,
+) -> bool:
+    """Whether another contributor's upload to the round holds these very tensors."""
+    found = await session.scalar(
+        select(Contribution.id).where(
+            Contribution.run_id == run_id,
+            Contribution.round_index == index,
+            Contribution.payload_sha256 == inspection.payload_sha256,
+            Contribution.contributor_id != contributor_id,
+        )
+    )
+    return found is not None

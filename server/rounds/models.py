@@ -103,6 +103,14 @@ class Contribution(Base):
         ),
         # a contributor's own contributions, newest first (GET /contributors/me)
         Index("ix_contributions_contributor_id_created_at", "contributor_id", "created_at"),
+        # the same tensors twice in a round are a replay (protocol.rules.admit_payload)
+        Index(
+            "ix_contributions_run_id_round_index_payload_sha256",
+            "run_id",
+            "round_index",
+            "payload_sha256",
+            unique=True,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -127,6 +135,13 @@ class Contribution(Base):
     # left out of its round's step (e.g. its stored blob could not be read): earns nothing
     excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
     excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # measured by the server when it was accepted (diloco.robust.UploadInspector)
+    weight: Mapped[int | None] = mapped_column(BigInteger, default=None)  # tokens it counts for
+    norm: Mapped[float | None] = mapped_column(Float, default=None)  # ‖Δ‖ as decoded
+    payload_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    # what the round's step made of it (diloco.robust.Share), set when the step is published
+    cosine: Mapped[float | None] = mapped_column(Float, default=None)  # to the aggregate
+    clip_factor: Mapped[float | None] = mapped_column(Float, default=None)
 
 
 class UploadRejection(Base):

@@ -110,6 +110,10 @@ async def round_contributions(
                 excluded=None
                 if c.excluded_code is None
                 else f"{c.excluded_code}: {c.excluded_reason}",
+                weight=c.tokens if c.weight is None else c.weight,
+                norm=c.norm,
+                cosine=c.cosine,
+                clip=c.clip_factor,
             )
             for c, name in accepted
         ],

@@ -74,6 +74,10 @@ class RoundContribution(BaseModel):
     aggregated: bool  # went into the round's outer step
     credit: float  # FLOPs; 0 until aggregated
     excluded: str | None  # why it was left out of the step (e.g. blob_unreadable: ...)
+    weight: int  # the tokens it counts for: its claim, at most what a lease allows
+    norm: float | None  # ‖Δ‖ of its decoded tensors
+    cosine: float | None  # to the round's aggregate, once the step is published
+    clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)
 
 
 class RoundRejection(BaseModel):

@@ -12,14 +12,12 @@ later deadline (extension below quorum, or a resumed run).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from functools import lru_cache
 
-import torch
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig, parse_config
-from diloco.model import GPT
+from diloco.model import parameter_shapes
 from diloco.protocol.rules import decide_close
 from diloco.protocol.state import (
     ClosePolicy,
@@ -29,7 +27,6 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
 )
-from diloco.train import parameters_of
 from diloco.wire_header import DIGEST_BYTES, PREFIX
 from server.contributors.models import Contributor
 from server.errors import NotFound
@@ -58,19 +55,9 @@ def view_of(rnd: Round) -> RoundView:
     )
 
 
-@lru_cache(maxsize=64)
-def _shapes(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    from diloco.config import ModelSection
-
-    section = ModelSection.model_validate_json(model_json)
-    with torch.device("meta"):
-        model = GPT(section.gpt_config())
-    return tuple((n, tuple(p.shape)) for n, p in parameters_of(model).items())
-
-
 def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of the run's model (built on the meta device: no memory)."""
-    return dict(_shapes(cfg.model.model_dump_json()))
+    return parameter_shapes(cfg.model.gpt_config())
 
 
 def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:
@@ -277,7 +264,7 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
         select(
             Contribution.round_index,
             func.count(Contribution.id),
-            func.sum(Contribution.tokens),
+            func.sum(func.coalesce(Contribution.weight, Contribution.tokens)),
             func.avg(Contribution.loss),
         )
         .where(Contribution.run_id == run_id, Contribution.excluded_code.is_(None))

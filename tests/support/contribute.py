@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,11 +20,13 @@ from safetensors.torch import load as safetensors_load
 from diloco.codec import EncodedTensor
 from diloco.config import parse_config
 from diloco.data import random_batch
-from diloco.exchange import aggregate_upload, encode_delta
+from diloco.exchange import encode_delta
 from diloco.model import GPT
-from diloco.outer import Aggregator, OuterOptimizer, pseudo_gradient
+from diloco.outer import OuterOptimizer, pseudo_gradient
+from diloco.protocol.rules import upload_weight
+from diloco.robust import Source, UploadInspector, robust_aggregate
 from diloco.train import InnerTrainer, load_parameters, snapshot
-from diloco.wire import ContributionMeta, encode_contribution
+from diloco.wire import ContributionMeta, decode_contribution, encode_contribution
 
 API = "/api/v1"
 
@@ -64,6 +66,7 @@ class Work:
     lease: dict[str, Any]
     meta: ContributionMeta
     encoded: dict[str, EncodedTensor]
+    delta: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # before the codec
 
     def body(self, **meta_changes: Any) -> bytes:
         meta = self.meta
@@ -118,7 +121,7 @@ def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = No
         loss=result.mean_loss,
         codec=codec,
     )
-    return Work(lease=lease, meta=meta, encoded=encoded)
+    return Work(lease=lease, meta=meta, encoded=encoded, delta=delta)
 
 
 def upload(http: httpx.Client, token: str, work: Work, body: bytes | None = None) -> httpx.Response:
@@ -131,20 +134,38 @@ def upload(http: httpx.Client, token: str, work: Work, body: bytes | None = None
 
 
 def reference_step(
-    run: Mapping[str, Any], base: Mapping[str, torch.Tensor], works: list[Work]
+    run: Mapping[str, Any],
+    base: Mapping[str, torch.Tensor],
+    works: list[Work],
+    outer_state: Mapping[str, Any] | None = None,
 ) -> OuterOptimizer:
-    """What the server must compute for a run's round 1 from these uploads: the
-    token-weighted mean of the decoded Δs, one Nesterov step from a fresh momentum, in the
-    order the uploads were accepted. The optimizer, with its parameters and momentum."""
+    """What the server must compute for a round from these uploads (in the order they were
+    accepted), with the library's own pieces: each body inspected as ingest does (its
+    norm), weighted by the tokens it counts for, the run's robust aggregate, one Nesterov
+    step from the base version's momentum (``outer_state``; fresh for round 1). The
+    optimizer, with its parameters and momentum."""
     cfg = parse_config(run["config"])
+    shapes = {n: tuple(p.shape) for n, p in base.items()}
+    sources = []
+    for i, work in enumerate(works):
+        body = work.body()
+        _, encoded = decode_contribution(body, shapes, codec=work.meta.codec)
+        inspector = UploadInspector(work.meta.codec)
+        for name, tensor in encoded.items():
+            inspector.add(name, tensor)
+        weight = upload_weight(work.meta.tokens, cfg.lease_tokens)
+        sources.append(Source(str(i), float(weight), inspector.norm, lambda body=body: [body]))
+    aggregate = robust_aggregate(
+        sources, shapes=shapes, codec=works[0].meta.codec, policy=cfg.aggregation
+    )
+    if outer_state is not None:  # the parameters in the order the momentum was saved in
+        base = {name: base[name] for name in outer_state["names"]}
     outer = OuterOptimizer(
         base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
     )
-    shapes = {n: tuple(p.shape) for n, p in base.items()}
-    aggregator = Aggregator(shapes)
-    for work in works:
-        aggregate_upload([work.body()], aggregator, expected=shapes, codec=work.meta.codec)
-    outer.step(aggregator.result())
+    if outer_state is not None:
+        outer.load_state_dict(outer_state)
+    outer.step(aggregate.delta)
     return outer
 
 

@@ -1,0 +1,97 @@
+"""What a hostile volunteer can send: one function per attack, for the attack benchmark
+(``bench/attacks.py``, in the simulator) and the tests that send the same bytes to a real
+server. Each takes the honest work of the round and returns what the attacker uploads.
+
+Not a library for attacking anyone: every attack here is one that issue 11 measured
+against the server, and that the server must refuse or bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal, get_args
+
+import torch
+
+from diloco.codec import EncodedTensor
+from diloco.exchange import encode_delta
+from diloco.wire import ContributionMeta, encode_contribution
+
+Attack = Literal[
+    "huge_scales",  # finite int8 scales so large that the decoded values overflow to Inf
+    "scaled10",  # the honest Δ times 10
+    "scaled100",  # ... times 100
+    "sign_flip",  # −Δ: pulls the model back the way it came
+    "noise",  # Gaussian noise with the honest Δ's norm: no signal at all
+    "token_inflation",  # claims 10^12 tokens, to outweigh everyone (and earn their credit)
+    "replay",  # uploads another volunteer's tensors as its own
+    "stale",  # its Δ from an older version, relabelled as trained from the current one
+]
+ATTACKS: tuple[Attack, ...] = get_args(Attack)
+INFLATED_TOKENS = 10**12
+
+
+def tamper_delta(
+    attack: Attack, delta: Mapping[str, torch.Tensor], *, seed: int
+) -> dict[str, torch.Tensor]:
+    """The Δ an attacker sends in place of its honest ``delta`` (attacks on the values)."""
+    if attack == "scaled10":
+        return {n: t * 10 for n, t in delta.items()}
+    if attack == "scaled100":
+        return {n: t * 100 for n, t in delta.items()}
+    if attack == "sign_flip":
+        return {n: -t for n, t in delta.items()}
+    if attack == "noise":
+        gen = torch.Generator().manual_seed(seed)
+        noise = {n: torch.randn(t.shape, generator=gen) for n, t in delta.items()}
+        scale = _norm(delta) / _norm(noise)
+        return {n: t * scale for n, t in noise.items()}
+    return dict(delta)
+
+
+def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return sum(float(t.double().pow(2).sum()) for t in tensors.values()) ** 0.5
+
+
+def huge_scales(encoded: Mapping[str, EncodedTensor]) -> dict[str, EncodedTensor]:
+    """Every int8 block at ±127 with the largest finite float32 scale: each frame passes the
+    wire format's checks (finite, non-negative scales), and decodes to ±Inf."""
+    out = {}
+    for name, e in encoded.items():
+        data = torch.where(e.data >= 0, 127, -127).to(torch.int8)
+        scales = torch.full_like(e.scales, torch.finfo(torch.float32).max)
+        out[name] = EncodedTensor(e.shape, data, scales)
+    return out
+
+
+def hostile_body(
+    attack: Attack,
+    delta: Mapping[str, torch.Tensor],
+    meta: ContributionMeta,
+    *,
+    kind: str,
+    block_size: int,
+    seed: int = 0,
+    other_delta: Mapping[str, torch.Tensor] | None = None,
+    stale_delta: Mapping[str, torch.Tensor] | None = None,
+) -> bytes:
+    """The whole upload body an attacker sends: ``delta`` and ``meta`` are its honest
+    work's; ``other_delta`` another volunteer's Δ this round (``replay``); ``stale_delta``
+    its own Δ from an earlier round (``stale``)."""
+    if attack == "replay":
+        if other_delta is None:
+            raise ValueError("replay: needs another volunteer's Δ")
+        delta = other_delta
+    elif attack == "stale":
+        if stale_delta is None:
+            raise ValueError("stale: needs an earlier round's Δ")
+        delta = stale_delta
+    else:
+        delta = tamper_delta(attack, delta, seed=seed)
+    encoded, codec = encode_delta(delta, kind=kind, block_size=block_size)
+    if attack == "huge_scales":
+        encoded = huge_scales(encoded)
+    if attack == "token_inflation":
+        meta = dataclasses.replace(meta, tokens=INFLATED_TOKENS)
+    return b"".join(encode_contribution(dataclasses.replace(meta, codec=codec), encoded))

@@ -1,0 +1,224 @@
+"""Contributions from volunteers we do not know: checked after decoding, combined robustly.
+
+**Inspection** (``UploadInspector``), as an upload streams in: every tensor must decode to
+finite values (an int8 frame with a finite but huge scale decodes to Inf), the payload's
+L2 norm is measured, and the decoded payload gets a digest (the same tensors replayed by
+someone else are recognised whatever header they come with).
+
+**Aggregation** (``robust_aggregate``), at the close, over the round's stored uploads, each
+read again as a stream (memory O(model) whatever the number of contributions):
+
+- ``mean``: Σ wᵢΔᵢ / Σ wᵢ, the weights wᵢ the tokens each contribution counts for.
+- ``clipped_mean`` (the default): each Δᵢ is first scaled by
+  cᵢ = min(1, clip_multiple · r / ‖Δᵢ‖), where r is the median norm of the round (or of
+  the run's recent history too, when the round has few contributions): no contribution
+  moves the model further than clip_multiple times a typical one (BTARD's bound).
+- ``centered_clip``: the clipped mean v is the centre; one CenteredClip step (Karimireddy
+  et al., 2021) then moves it by Σ wᵢ sᵢ (Δᵢ − v) / Σ wᵢ, with sᵢ = min(1, τ / ‖Δᵢ − v‖)
+  and τ the median distance: a contribution far from the others in *direction* (a sign
+  flip, noise) is bounded too, not only one that is long.
+
+Passes over the stored uploads: the weighted sum (1), the dot products with it for each
+contribution's cosine (2; the telemetry and the guard's culprit choice need it), and for
+``centered_clip`` the clipped distances (3). Norms come from the inspection at upload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.codec import EncodedTensor, codec_from_description
+from diloco.config import AggregationSection
+from diloco.outer import AggregationError
+from diloco.wire import ContributionDecoder, NonFiniteWireError, WireFormatError
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+# ---------------------------------------------------------------- inspecting an upload
+
+
+class UploadInspector:
+    """Feed it an upload's tensors as they complete (``ContributionDecoder.feed``'s
+    output); it refuses a tensor that decodes to a non-finite value and measures the
+    payload. ``norm`` and ``payload_sha256`` are final once every tensor was added."""
+
+    def __init__(self, codec: dict) -> None:
+        self._codec = codec_from_description(codec)
+        self._sq = 0.0  # Σ x², in float64
+        self._digest = hashlib.sha256()
+
+    def add(self, name: str, encoded: EncodedTensor) -> None:
+        x = self._codec.decode(encoded)  # (numel,) fp32
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteWireError(
+                f"tensor {name!r} decodes to non-finite values: its int8 values times their "
+                "scales overflow float32"
+            )
+        self._sq += float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+        self._digest.update(name.encode())
+        self._digest.update(encoded.data.numpy().tobytes())
+        self._digest.update(encoded.scales.numpy().tobytes())
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self._sq)
+
+    @property
+    def payload_sha256(self) -> str:
+        return self._digest.hexdigest()
+
+
+# ---------------------------------------------------------------- sources and their passes
+
+
+@dataclass(frozen=True)
+class Source:
+    """One stored contribution, ready to be read again as often as a pass needs."""
+
+    id: str
+    weight: float  # the tokens it counts for (protocol.rules.upload_weight)
+    norm: float  # ‖Δ‖, measured when it was accepted
+    chunks: Callable[[], Iterable[bytes]]  # its body, from the start, on each call
+
+
+class SourceUnreadable(Exception):
+    """A stored contribution that cannot be read back (missing, damaged): leave it out."""
+
+    def __init__(self, source_id: str, reason: str) -> None:
+        super().__init__(f"{source_id}: {reason}")
+        self.source_id, self.reason = source_id, reason
+
+
+def _tensors(source: Source, shapes: Shapes, codec: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's decoded tensors in body order, checked against the model and codec; its
+    trailer digest is verified at the end (a consumer discards what it summed if not)."""
+    decoder = ContributionDecoder(shapes, codec=codec)
+    decode = codec_from_description(codec).decode
+    try:
+        for chunk in source.chunks():
+            for name, encoded in decoder.feed(chunk):
+                yield name, decode(encoded)
+        decoder.finish()
+    except OSError as err:
+        why = f"its stored upload cannot be read: {err.strerror}"
+        raise SourceUnreadable(source.id, why) from None
+    except WireFormatError as err:
+        raise SourceUnreadable(source.id, f"its stored upload is damaged: {err}") from None
+
+
+def _accumulate(
+    into: dict[str, torch.Tensor], source: Source, scale: float, shapes: Shapes, codec: dict
+) -> None:
+    seen = 0
+    for name, x in _tensors(source, shapes, codec):
+        into[name].add_(x.view(into[name].shape), alpha=scale)
+        seen += 1
+    if seen != len(into):
+        raise SourceUnreadable(source.id, f"its stored upload has {seen} of {len(into)} tensors")
+
+
+def _dot(source: Source, v: Mapping[str, torch.Tensor], shapes: Shapes, codec: dict) -> float:
+    total = 0.0
+    for name, x in _tensors(source, shapes, codec):
+        total += float(torch.dot(x.reshape(-1).double(), v[name].reshape(-1).double()))
+    return total
+
+
+# ---------------------------------------------------------------- the aggregate
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one contribution put into the aggregate, for the round's telemetry."""
+
+    weight: float
+    norm: float
+    clip: float  # the factor its Δ (clipped_mean) or its distance from the centre was scaled by
+    cosine: float | None  # to the aggregate's centre (None: a zero vector)
+    distance: float  # ‖Δ − v‖ from the centre v: how far it pulls away from the others
+
+
+@dataclass
+class Aggregate:
+    delta: dict[str, torch.Tensor]  # the update for the outer step
+    shares: dict[str, Share] = field(default_factory=dict)  # by source id
+    reference_norm: float | None = None  # r, the norm clipping compared against
+
+
+def reference_norm(
+    norms: Sequence[float], history: Sequence[float], policy: AggregationSection
+) -> float | None:
+    """r: the round's median norm; with fewer than ``reference_min`` contributions, the
+    median over the run's recent history and the round together; None with nothing to
+    compare against (then nothing is clipped: the guard still watches the step)."""
+    pool = list(norms) if len(norms) >= policy.reference_min else [*history, *norms]
+    if len(pool) < policy.reference_min:
+        return None
+    return statistics.median(pool)
+
+
+def robust_aggregate(
+    sources: Sequence[Source],
+    *,
+    shapes: Shapes,
+    codec: dict,
+    policy: AggregationSection,
+    history: Sequence[float] = (),
+) -> Aggregate:
+    """The round's update from ``sources`` as ``policy.method`` says (module docstring).
+    Raises ``SourceUnreadable`` for the first source that cannot be read back; the caller
+    leaves it out and calls again."""
+    if not sources:
+        raise AggregationError("no contributions to aggregate")
+    total_weight = sum(s.weight for s in sources)
+    if not total_weight > 0:
+        raise AggregationError("the contributions' weights add up to nothing")
+    ref = (
+        None
+        if policy.method == "mean"
+        else reference_norm([s.norm for s in sources], history, policy)
+    )
+    clip = {
+        s.id: 1.0
+        if ref is None or s.norm <= policy.clip_multiple * ref
+        else policy.clip_multiple * ref / s.norm
+        for s in sources
+    }
+
+    # pass 1: v = Σ wᵢ cᵢ Δᵢ / Σ wᵢ
+    v = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    for s in sources:
+        _accumulate(v, s, s.weight * clip[s.id] / total_weight, shapes, codec)
+
+    # pass 2: each one's dot product with v: its cosine, and (centred clipping) its distance
+    v_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in v.values())
+    v_norm = math.sqrt(v_sq)
+    dots = {s.id: _dot(s, v, shapes, codec) for s in sources}
+
+    def cosine(s: Source) -> float | None:
+        return dots[s.id] / (s.norm * v_norm) if s.norm > 0 and v_norm > 0 else None
+
+    # ‖Δᵢ − v‖² = ‖Δᵢ‖² − 2⟨Δᵢ, v⟩ + ‖v‖², with no further pass
+    dist = {s.id: math.sqrt(max(0.0, s.norm**2 - 2 * dots[s.id] + v_sq)) for s in sources}
+    if policy.method != "centered_clip":
+        shares = {s.id: Share(s.weight, s.norm, clip[s.id], cosine(s), dist[s.id]) for s in sources}
+        return Aggregate(v, shares, ref)
+
+    # pass 3: v + Σ wᵢ sᵢ (Δᵢ − v) / Σ wᵢ, sᵢ = min(1, τ / ‖Δᵢ − v‖), τ the median distance
+    tau = statistics.median(dist.values())
+    pull = {s.id: 1.0 if dist[s.id] <= tau else tau / dist[s.id] for s in sources}
+    moved = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    for s in sources:
+        _accumulate(moved, s, s.weight * pull[s.id] / total_weight, shapes, codec)
+    kept = sum(s.weight * pull[s.id] for s in sources) / total_weight
+    for name, centre in v.items():
+        moved[name].add_(centre, alpha=1.0 - kept)  # v + Σ wᵢsᵢΔᵢ/W − (Σ wᵢsᵢ/W) v
+    shares = {s.id: Share(s.weight, s.norm, pull[s.id], cosine(s), dist[s.id]) for s in sources}
+    return Aggregate(moved, shares, ref)

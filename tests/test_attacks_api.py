@@ -1,0 +1,174 @@
+"""One hostile volunteer among honest ones, through a real server, for every attack of
+``diloco.attacks``: its upload is refused or bounded, the published checkpoint is finite,
+the round's update stays within a small multiple of the honest update, and refused or
+excluded work earns no credit. Then the guard: with robust aggregation off, a step that an
+attacker blows up is discarded and published again without it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from diloco.attacks import ATTACKS, Attack, hostile_body
+from diloco.checkpoint import load_checkpoint
+from diloco.config import parse_config
+from tests.conftest import server_run_config
+from tests.support.contribute import (
+    API,
+    Work,
+    auth,
+    create_run,
+    fetch_params,
+    reference_step,
+    register,
+    train,
+    upload,
+)
+from tests.support.live import ServerProcess, wait_for
+
+HONEST = 4
+REFUSED = {"huge_scales": (400, "non_finite"), "replay": (409, "replayed_upload")}
+
+
+def update_norm(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a[n] - b[n]).double().pow(2).sum()) for n in a))
+
+
+def finite(params: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in params.values())
+
+
+def version(http: httpx.Client, run_id: str) -> int:
+    return int(http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"])
+
+
+def close_round(
+    http: httpx.Client,
+    run: dict,
+    honest: list[str],
+    attacker: str,
+    attack: Attack | None,
+    *,
+    stale: Work | None = None,
+) -> tuple[httpx.Response, list[Work], Work]:
+    """Everyone joins and trains; the honest upload, then the attacker (honest too when
+    ``attack`` is None); the round closes."""
+    works = {token: train(http, token, run["id"], steps=1) for token in [*honest, attacker]}
+    before = version(http, run["id"])
+    for token in honest:
+        assert upload(http, token, works[token]).status_code == 201
+    mine, cfg = works[attacker], parse_config(run["config"])
+    body = None
+    if attack is not None:
+        body = hostile_body(
+            attack,
+            mine.delta,
+            mine.meta,
+            kind=cfg.compression.kind,
+            block_size=cfg.compression.block_size,
+            other_delta=works[honest[0]].delta,
+            stale_delta=stale.delta if stale else None,
+        )
+    sent = upload(http, attacker, mine, body=body)
+    if sent.status_code >= 400:  # refused: it stops, so the round need not wait for it
+        index = mine.lease["round"]
+        http.delete(f"{API}/runs/{run['id']}/rounds/{index}/lease", headers=auth(attacker))
+    wait_for(lambda: version(http, run["id"]) == before + 1, timeout=60, what="the round")
+    return sent, [works[t] for t in honest], mine
+
+
+def credit_of(http: httpx.Client, run_id: str, index: int, name: str) -> float:
+    listed = http.get(f"{API}/runs/{run_id}/rounds/{index}/contributions").json()
+    return sum(c["credit"] for c in listed["contributions"] if c["contributor_name"] == name)
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_one_attacker_is_refused_or_bounded(
+    server: ServerProcess, http: httpx.Client, attack: Attack
+) -> None:
+    # Prepare: four honest volunteers and one attacker on a run that closes with all five
+    config = server_run_config(rounds={"quorum": HONEST, "target": HONEST + 1, "max_rounds": 3})
+    run = create_run(http, config)
+    honest = [register(http, f"honest-{attack}-{i}") for i in range(HONEST)]
+    attacker = register(http, f"attacker-{attack}")
+    stale = None
+    if attack == "stale":  # round 1 honest by all; the attacker keeps its Δ for round 2
+        _, _, stale = close_round(http, run, honest, attacker, None)
+    base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/latest")
+    index = version(http, run["id"]) + 1
+
+    # Execute
+    sent, works, _ = close_round(http, run, honest, attacker, attack, stale=stale)
+
+    # Assert: refused with its code, or taken and bounded
+    if attack in REFUSED:
+        status, code = REFUSED[attack]
+        assert (sent.status_code, sent.json()["error"]) == (status, code), sent.text
+    else:
+        assert sent.status_code == 201, sent.text
+    published = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/{index}")
+    assert finite(published)
+    moved = update_norm(published, base)
+    # the honest update: computed here from the honest uploads alone (from the base
+    # version's momentum: round 2, for the stale attack, carries round 1's)
+    state = None
+    if index > 1:
+        checkpoints = server.data_dir / "blobs" / "runs" / run["id"] / "checkpoints"
+        state = load_checkpoint(checkpoints / f"{index - 1}.state.safetensors").outer_state
+    honest_norm = update_norm(reference_step(run, base, works, state).params, base)
+    assert moved <= 2.0 * honest_norm, (attack, moved, honest_norm)
+    name = f"attacker-{attack}"
+    if attack in REFUSED:
+        assert credit_of(http, run["id"], index, name) == 0
+    listed = http.get(f"{API}/runs/{run['id']}/rounds/{index}/contributions").json()
+    for c in listed["contributions"]:  # telemetry for every aggregated contribution
+        if c["aggregated"]:
+            assert c["norm"] > 0 and c["cosine"] is not None and 0 < c["clip"] <= 1
+    if attack == "token_inflation":  # weighed (and credited) as one lease's work, no more
+        cfg = parse_config(run["config"])
+        mine = next(c for c in listed["contributions"] if c["contributor_name"] == name)
+        assert mine["weight"] == cfg.lease_tokens < mine["tokens"]
+        n_params = http.get(f"{API}/runs/{run['id']}").json()["n_params"]
+        assert mine["credit"] == pytest.approx(6 * n_params * cfg.lease_tokens)
+
+
+def test_the_guard_discards_a_step_an_attacker_blows_up_and_publishes_without_it(
+    http: httpx.Client,
+) -> None:
+    # Prepare: robust aggregation off, so the plain mean follows a Δ 10^4 times too long
+    config = server_run_config(rounds={"quorum": 2, "target": 3, "max_rounds": 3})
+    config["aggregation"] = {"method": "mean"}
+    run = create_run(http, config)
+    honest = [register(http, f"guarded-{i}") for i in range(2)]
+    attacker = register(http, "guard-attacker")
+    base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")
+    works = {token: train(http, token, run["id"], steps=1) for token in [*honest, attacker]}
+    mine = works[attacker]
+    blown: dict[str, Any] = {n: t * 1e4 for n, t in mine.delta.items()}
+    cfg = parse_config(run["config"])
+    body = hostile_body(
+        "scaled10", blown, mine.meta, kind=cfg.compression.kind,
+        block_size=cfg.compression.block_size,
+    )  # fmt: skip
+
+    # Execute
+    for token in honest:
+        assert upload(http, token, works[token]).status_code == 201
+    assert upload(http, attacker, mine, body=body).status_code == 201  # finite: it is taken
+    wait_for(lambda: version(http, run["id"]) == 1, timeout=60, what="round 1")
+
+    # Assert: published as if the attacker had never uploaded; its work is excluded, unpaid
+    published = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/1")
+    expected = reference_step(run, base, [works[t] for t in honest]).params
+    assert all(torch.equal(published[n], expected[n]) for n in expected)
+    listed = http.get(f"{API}/runs/{run['id']}/rounds/1/contributions").json()["contributions"]
+    excluded = [c for c in listed if c["excluded"]]
+    assert [c["contributor_name"] for c in excluded] == ["guard-attacker"]
+    assert excluded[0]["excluded"].startswith("guard: the step with it was discarded (eval loss")
+    assert excluded[0]["credit"] == 0 and not excluded[0]["aggregated"]
+    (round1, *_) = http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
+    assert round1["accepted"] == 2
