@@ -128,7 +128,7 @@ class AggregationSection(_Section):
     # mean is the centre, and each contribution's distance from it is clipped to the
     # median distance (one CenteredClip step): bounds a direction as well as a length.
     method: Literal["mean", "clipped_mean", "centered_clip"] = "clipped_mean"
-    clip_multiple: float = Field(2.0, ge=1.0, le=100.0)
+    clip_multiple: float = Field(1.0, ge=1.0, le=100.0)
     # the reference norm is the median of the round's norms; a round with fewer
     # contributions than this adds the norms of the run's last `history` aggregated ones
     reference_min: int = Field(3, ge=1, le=1000)

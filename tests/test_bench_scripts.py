@@ -49,3 +49,22 @@ def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_
     assert result["setup"]["join"]["n_errors"] == 0
     assert result["phases"]["upload"]["upload"]["ok"] == 2
     assert result["limits"]["asyncpg_update"]["count"] > 0
+
+
+def test_attacks_bench_compares_an_attacker_with_the_attack_free_run(tmp_path):
+    out = tmp_path / "attacks.json"
+
+    proc = subprocess.run(
+        [sys.executable, "bench/attacks.py", "--quick", "--jobs", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Goals" in proc.stdout and "NOT MET" not in proc.stdout
+    results = json.loads(out.read_text())
+    assert set(results) == {
+        f"{method}/{attack}" for method in ("mean", "clipped_mean")
+        for attack in ("none/0", "scaled100/1", "scaled100/2")
+    }  # fmt: skip
+    free = results["mean/none/0"]["final_eval_loss"]
+    assert results["clipped_mean/scaled100/1"]["final_eval_loss"] <= free * 1.03

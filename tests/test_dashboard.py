@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from diloco.attacks import hostile_body
+from diloco.config import parse_config
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ADMIN_TOKEN, wait_for
@@ -305,12 +307,14 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
         token = register(http, "closer")
         work = train(http, token, failing["id"], steps=1)
         first, second = register(http, "damaged"), register(http, "intact")
-        assert upload(http, first, train(http, first, leaving["id"], steps=1)).status_code == 201
+        # both hold leases before the first upload, so the round waits for the second
+        works = {t: train(http, t, leaving["id"], steps=1) for t in (first, second)}
+        assert upload(http, first, works[first]).status_code == 201
         (blob,) = (server.data_dir / "blobs" / "runs" / leaving["id"] / "rounds" / "1").glob(
             "*.bin"
         )
         blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
-        assert upload(http, second, train(http, second, leaving["id"], steps=1)).status_code == 201
+        assert upload(http, second, works[second]).status_code == 201
         assert upload(http, token, work).status_code == 201
         wait_for(
             lambda: http.get(f"{API}/runs/{leaving['id']}").json()["checkpoint_version"] == 1,
@@ -326,6 +330,40 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
     pg.get_by_role("button", name="Contributions of round 1").click()
     cell = pg.get_by_text("left out: blob_unreadable: its stored upload is damaged")
     expect(cell).to_have_count(1, timeout=10_000)
+
+
+def test_a_clipped_contribution_shows_its_norm_cosine_and_clip(page, server):
+    # Prepare: two honest volunteers and one who sends its update scaled 100x; the robust
+    # aggregate bounds that one to the round's median norm
+    pg, _ = page
+    with server.client() as http:
+        run = create_run(http, server_run_config(rounds={"quorum": 3, "target": 3}))
+        cfg = parse_config(run["config"])
+        tokens = [register(http, name) for name in ("steady", "also-steady", "loud")]
+        works = [train(http, token, run["id"], steps=1) for token in tokens]
+        loud = hostile_body(
+            "scaled100", works[2].delta, works[2].meta,
+            kind=cfg.compression.kind, block_size=cfg.compression.block_size,
+        )  # fmt: skip
+        for token, work, body in zip(tokens, works, (None, None, loud), strict=True):
+            assert upload(http, token, work, body=body).status_code == 201
+        wait_for(
+            lambda: http.get(f"{API}/runs/{run['id']}").json()["checkpoint_version"] == 1,
+            timeout=60, what="round 1 to close",
+        )  # fmt: skip
+
+    # Execute: the round's contributions in the run view
+    open_page(pg, f"#/runs/{run['id']}")
+    pg.get_by_role("button", name="Contributions of round 1").click()
+
+    # Assert: the loud one's row shows it was clipped (about 1/100), the others untouched
+    loud_row = pg.locator("tr", has=pg.get_by_text("loud", exact=True))
+    expect(loud_row.locator("td.clipped")).to_have_text(re.compile(r"×0\.0\d\d"), timeout=10_000)
+    for name in ("steady", "also-steady"):
+        row = pg.locator("tr", has=pg.get_by_text(name, exact=True))
+        expect(row).to_contain_text("×1")
+    headers = pg.locator("th").all_text_contents()
+    assert {"Weight", "Norm", "Cosine", "Clip"} <= set(headers), headers
 
 
 def test_api_docs_render_offline_under_their_csp(server, page):

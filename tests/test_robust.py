@@ -150,7 +150,7 @@ def test_centered_clip_pulls_an_outlier_direction_towards_the_others():
     honest = [delta(1), {n: t * 1.1 for n, t in delta(1).items()}, delta(2)]
     flipped = {n: -t for n, t in delta(1).items()}
     sources = [source(str(i), d) for i, d in enumerate([*honest, flipped])]
-    policy = AggregationSection(method="centered_clip", reference_min=3)
+    policy = AggregationSection(method="centered_clip", clip_multiple=2.0, reference_min=3)
 
     cclip = robust_aggregate(sources, shapes=SHAPES, codec=CODEC, policy=policy)
     clipped = robust_aggregate(sources, shapes=SHAPES, codec=CODEC, policy=CLIPPED)

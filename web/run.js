@@ -236,12 +236,21 @@ export function runPage(main, runId) {
     contribTitle.textContent = `Contributions to round ${data.round} (${data.state})`;
     replace(contribBox,
       data.contributions.length
-        ? table(["Contributor", "Tokens", "Steps", "Train loss", "Accepted at", "Aggregated", "Credit"],
+        ? table(["Contributor", "Tokens", "Weight", "Steps", "Train loss", "Norm", "Cosine", "Clip",
+          "Accepted at", "Aggregated", "Credit"],
           data.contributions.map((c) => h("tr", {},
             h("td", { class: "name", text: c.contributor_name }),
             h("td", { text: int(c.tokens) }),
+            // what it counts for: its claim, at most what a lease allows
+            h("td", c.weight < c.tokens ? { class: "clipped", text: int(c.weight), title: "capped at what a lease allows" }
+              : { text: int(c.weight) }),
             h("td", { text: String(c.inner_steps) }),
             h("td", { text: num(c.loss) }),
+            h("td", { text: num(c.norm, 4) }),
+            h("td", { text: num(c.cosine, 2) }),
+            // the factor the robust aggregate scaled it by: below 1, this one was bounded
+            h("td", c.clip !== null && c.clip < 1 ? { class: "clipped", text: `×${num(c.clip, 3)}`, title: "bounded by the robust aggregate" }
+              : { text: c.clip === null ? "–" : "×1" }),
             h("td", { text: when(c.created_at) }),
             h("td", c.excluded ? { class: "close-error", text: `left out: ${c.excluded}` }
               : { text: c.aggregated ? "yes" : "not yet" }),

@@ -227,7 +227,7 @@ async def receive(
                     lease_id=lease_id,
                     base_version=meta.base_version,
                     tokens=meta.tokens,
-                    inner_steps=meta.inner_steps,
+                    inner_steps=min(meta.inner_steps, cfg.inner.steps),  # at most H
                     loss=meta.loss,
                     nbytes=writer.nbytes,
                     sha256=sha,
