@@ -63,6 +63,10 @@ class Forbidden(HubError):
     code = ErrorCode.FORBIDDEN
 
 
+class Banned(Forbidden):
+    code = ErrorCode.BANNED
+
+
 class NotFound(HubError):
     status = 404
     code = ErrorCode.NOT_FOUND

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 Errors = dict[int, tuple[str, ...]]
 
 ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
-CONTRIBUTOR: Errors = {401: ("unauthorized",)}
+CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
 RUN: Errors = {404: ("run_not_found",)}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 UPLOAD: Errors = {
@@ -73,6 +73,9 @@ ERRORS: dict[str, Errors] = {
     "GET /api/v1/contributors": RUN,
     "GET /api/v1/contributors/me": CONTRIBUTOR,
     "PATCH /api/v1/contributors/me": CONTRIBUTOR,
+    "POST /api/v1/contributors/me/token": CONTRIBUTOR,
+    "POST /api/v1/contributors/{contributor_id}/ban": {**ADMIN, 404: ("not_found",)},
+    "POST /api/v1/contributors/{contributor_id}/unban": {**ADMIN, 404: ("not_found",)},
     "GET /api/v1/speedtest": {},
     "POST /api/v1/speedtest": {413: ("body_too_large",), 422: ()},
     "GET /api/v1/hub": {},
@@ -214,8 +217,9 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
             for status, codes in _errors_of(key, op).items():
                 op["responses"][str(status)] = _error_response(codes)
             op["responses"] = dict(sorted(op["responses"].items()))
-            if 401 in ERRORS[key]:  # 403 is only ever "this needs the admin token"
-                op["security"] = [{"adminToken" if 403 in ERRORS[key] else "contributorToken": []}]
+            if 401 in ERRORS[key]:  # 403 forbidden is only ever "this needs the admin token"
+                admin = "forbidden" in ERRORS[key].get(403, ())
+                op["security"] = [{"adminToken" if admin else "contributorToken": []}]
     if listed:
         raise KeyError(f"server.openapi.ERRORS lists operations the app lacks: {sorted(listed)}")
     components = schema.setdefault("components", {})

@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     # who you are (401, 403)
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
+    BANNED = "banned"  # 403: an admin banned this contributor; the detail names the reason
     # what you named (404, 405)
     NOT_FOUND = "not_found"
     RUN_NOT_FOUND = "run_not_found"

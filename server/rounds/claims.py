@@ -29,6 +29,10 @@ from server.settings import Settings
 log = logging.getLogger("diloco.rounds")
 
 
+class BannedInStep(Exception):
+    """The step used work of a contributor who was banned while it computed."""
+
+
 @dataclass(frozen=True)
 class Claim:
     run_id: str
@@ -98,10 +102,13 @@ async def record_failure(
         if isinstance(err, InjectedFault)
         else "step_rejected"
         if isinstance(err, StepRejected)
+        else "contributor_banned"
+        if isinstance(err, BannedInStep)
         else "close_failed"
     )
     policy = RetryPolicy(base_s=settings.close_retry_base_s, max_s=settings.close_retry_max_s)
-    retry_at = close_retry_at(now, claim.attempt, policy)
+    # a ban is no fault of the close: no backoff
+    retry_at = now if isinstance(err, BannedInStep) else close_retry_at(now, claim.attempt, policy)
     detail = f"attempt {claim.attempt}: {type(err).__name__}: {err}"[:1000]
     CLOSE_FAILURES.labels(code).inc()
     async with sessions() as session, session.begin():

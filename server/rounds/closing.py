@@ -15,7 +15,9 @@ many worker processes share the database.
    nothing.
 
 A close that fails is recorded on the round (``error_code``, ``error``) and tried again
-with backoff; it never stops another round's close.
+with backoff; it never stops another round's close. A close whose step used the work of a
+contributor banned while it computed publishes nothing either (``contributor_banned``): it
+is computed again at once, without that work (``server.rounds.bans``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
-from server.rounds import claims
+from server.rounds import bans, claims
 from server.rounds import service as rounds_service
-from server.rounds.claims import Claim, claim_next
+from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.models import Contribution, Round
 from server.rounds.outer_step import (
     OuterResult,
@@ -103,6 +105,10 @@ async def close_claimed(
             faults.hit("close.publish")
     except asyncio.CancelledError:
         raise
+    except BannedInStep as err:  # not a failure: computed again at once, without them
+        log.warning("run %s round %d: %s", claim.run_id, claim.index, err)
+        await claims.record_failure(sessions, settings, claim, err)
+        return False
     except Exception as err:  # recorded on the round and retried: never stops other rounds
         log.exception(
             "run %s round %d: close attempt %d failed", claim.run_id, claim.index, claim.attempt
@@ -219,6 +225,13 @@ async def _publish(
         if code is None:
             log.warning("run %s round %d: claim lost before publishing", claim.run_id, claim.index)
             return None
+        if banned := await bans.used_banned(
+            session=session, contribution_ids=[a.contribution_id for a in aggregated]
+        ):  # raising rolls this transaction back: nothing of this step is published
+            raise BannedInStep(
+                f"contributions {', '.join(banned)} were excluded by a ban while the step "
+                "computed; computing it again without them"
+            )
         await _exclude(session, result)
         session.add(
             checkpoints_service.row_for(

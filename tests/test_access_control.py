@@ -1,0 +1,274 @@
+"""Access control through a real server on a real Postgres: an admin bans a contributor (its
+token is refused at once, its pending work is left out of the step and earns nothing), and
+a contributor rotates its token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import server_run_config
+from tests.support.contribute import (
+    API,
+    auth,
+    create_run,
+    fetch_params,
+    reference_step,
+    register,
+    train,
+    upload,
+)
+from tests.support.live import ServerProcess, admin_headers, wait_for
+
+
+def me(http: httpx.Client, token: str) -> httpx.Response:
+    return http.get(f"{API}/contributors/me", headers=auth(token))
+
+
+def contributor_id(http: httpx.Client, token: str) -> str:
+    r = me(http, token)
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
+def ban(http: httpx.Client, cid: str, reason: str) -> httpx.Response:
+    return http.post(
+        f"{API}/contributors/{cid}/ban", json={"reason": reason}, headers=admin_headers()
+    )
+
+
+def assert_banned(r: httpx.Response, reason: str) -> None:
+    assert r.status_code == 403, r.text
+    assert r.json()["error"] == "banned"
+    assert reason in r.json()["detail"]
+
+
+def version(http: httpx.Client, run_id: str) -> int:
+    return int(http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"])
+
+
+# ---------------------------------------------------------------- bans
+
+
+def test_a_contributor_banned_mid_round_is_refused_at_once_and_left_out_of_the_step(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    # Prepare: two volunteers hold leases on round 1 (it closes when both have uploaded, or
+    # at a far deadline); the one about to be banned uploads an accepted contribution first
+    run = create_run(http, server_run_config(rounds={"quorum": 1, "target": 2, "max_rounds": 3}))
+    run_id = run["id"]
+    honest, cheat = register(http, "honest-ban"), register(http, "cheat-ban")
+    base = fetch_params(http, f"{API}/runs/{run_id}/checkpoints/0")
+    works = {token: train(http, token, run_id, steps=1) for token in (honest, cheat)}
+    assert upload(http, cheat, works[cheat]).status_code == 201
+    cheat_id = contributor_id(http, cheat)
+
+    # Execute: the admin bans it while the round is open
+    r = ban(http, cheat_id, "uploaded someone else's work")
+
+    # Assert: the ban excluded its contribution and released its lease, and every path of
+    # its token is refused at once, naming the reason
+    assert r.status_code == 200, r.text
+    state = r.json()
+    assert (state["id"], state["excluded"], state["leases_released"]) == (cheat_id, 1, 1)
+    assert state["banned_at"] is not None and state["ban_reason"] == "uploaded someone else's work"
+    lease = works[cheat].lease
+    beat = http.post(
+        f"{API}/runs/{run_id}/rounds/1/heartbeat",
+        json={"lease_id": lease["lease_id"]},
+        headers=auth(cheat),
+    )
+    assert_banned(beat, "someone else's work")
+    assert_banned(http.post(f"{API}/runs/{run_id}/join", headers=auth(cheat)), "someone else")
+    assert_banned(upload(http, cheat, works[cheat]), "someone else's work")
+    assert_banned(me(http, cheat), "someone else's work")
+    assert_banned(
+        http.delete(f"{API}/runs/{run_id}/rounds/1/lease", headers=auth(cheat)), "someone"
+    )
+    assert_banned(http.post(f"{API}/contributors/me/token", headers=auth(cheat)), "someone")
+    assert version(http, run_id) == 0  # the banned work no longer counts toward a close
+
+    # Execute: the honest volunteer uploads; the round closes
+    assert upload(http, honest, works[honest]).status_code == 201
+    wait_for(lambda: version(http, run_id) == 1, timeout=90, what="round 1 to close")
+
+    # Assert: the banned contribution is listed as excluded with no credit, and the step is
+    # exactly the one the honest upload alone makes
+    listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
+    by_name = {c["contributor_name"]: c for c in listed}
+    assert by_name["cheat-ban"]["excluded"].startswith("banned: ")
+    assert (by_name["cheat-ban"]["aggregated"], by_name["cheat-ban"]["credit"]) == (False, 0)
+    assert by_name["honest-ban"]["aggregated"] and by_name["honest-ban"]["credit"] > 0
+    rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
+    assert rounds[0]["accepted"] == 1
+    published = fetch_params(http, f"{API}/runs/{run_id}/checkpoints/1")
+    expected = reference_step(run, base, [works[honest]]).params
+    assert published.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(published[name], tensor), name
+    board = http.get(f"{API}/contributors", params={"run": run_id}).json()["contributors"]
+    assert {c["name"]: c["credit"] for c in board}["cheat-ban"] == 0
+
+
+def test_a_ban_that_lands_while_the_step_computes_discards_it_and_recomputes_without_them(
+    pg_admin_url: str, tmp_path: Path
+) -> None:
+    from tests.support.pg import fresh_database
+
+    with fresh_database(pg_admin_url) as url:
+        # Prepare: a server whose first close stalls (5 s) once its step is computed, just
+        # before it writes and publishes; both uploads in, the round closing
+        proc = ServerProcess(
+            data_dir=tmp_path / "srv", database_url=url, faults="close.write=stall"
+        )
+        try:
+            http = proc.wait_ready().client()
+            config = server_run_config(rounds={"quorum": 1, "target": 2, "max_rounds": 3})
+            run = create_run(http, config)
+            run_id = run["id"]
+            honest, cheat = register(http, "honest-late"), register(http, "cheat-late")
+            base = fetch_params(http, f"{API}/runs/{run_id}/checkpoints/0")
+            works = {token: train(http, token, run_id, steps=1) for token in (cheat, honest)}
+            for token in (cheat, honest):
+                assert upload(http, token, works[token]).status_code == 201
+            wait_for(
+                lambda: "stalling at close.write" in proc.output(),
+                timeout=60,
+                what="the close to compute its step",
+            )
+
+            # Execute: the ban lands while the step that used the cheat's work is pending
+            r = ban(http, contributor_id(http, cheat), "too late for the step")
+            assert r.status_code == 200 and r.json()["excluded"] == 1, r.text
+
+            # Assert: that step was never published; the one published is the honest upload's
+            # alone, computed on the next attempt, and the round says why it took two
+            wait_for(lambda: version(http, run_id) == 1, timeout=90, what="round 1 to close")
+            closed = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"][0]
+            assert closed["error"]["code"] == "contributor_banned", closed
+            assert (closed["close_attempts"], closed["accepted"]) == (2, 1)
+            published = fetch_params(http, f"{API}/runs/{run_id}/checkpoints/1")
+            expected = reference_step(run, base, [works[honest]]).params
+            for name, tensor in expected.items():
+                assert torch.equal(published[name], tensor), name
+            listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()
+            by_name = {c["contributor_name"]: c for c in listed["contributions"]}
+            assert by_name["cheat-late"]["excluded"].startswith("banned: ")
+            assert by_name["cheat-late"]["credit"] == 0
+        finally:
+            proc.stop()
+
+
+def test_unban_lets_the_same_token_work_again(http: httpx.Client) -> None:
+    # Prepare
+    token = register(http, "banned-then-forgiven")
+    cid = contributor_id(http, token)
+    assert ban(http, cid, "testing").status_code == 200
+    assert_banned(me(http, token), "testing")
+
+    # Execute
+    r = http.post(f"{API}/contributors/{cid}/unban", headers=admin_headers())
+
+    # Assert
+    assert r.status_code == 200, r.text
+    assert (r.json()["banned_at"], r.json()["ban_reason"]) == (None, None)
+    assert me(http, token).status_code == 200
+
+
+def test_banning_again_replaces_the_reason_and_keeps_the_time(http: httpx.Client) -> None:
+    token = register(http, "banned-twice")
+    cid = contributor_id(http, token)
+    first = ban(http, cid, "first reason").json()
+
+    second = ban(http, cid, "second reason").json()
+
+    assert second["banned_at"] == first["banned_at"]
+    assert_banned(me(http, token), "second reason")
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "unauthorized"),
+        ({"Authorization": "Bearer nonsense"}, 401, "unauthorized"),
+        ("contributor", 403, "forbidden"),
+    ],
+)
+def test_ban_and_unban_need_the_admin_token(
+    http: httpx.Client, headers: dict | str, status: int, code: str
+) -> None:
+    token = register(http, f"not-an-admin-{status}-{code}")
+    cid = contributor_id(http, token)
+    sent = auth(token) if headers == "contributor" else headers
+
+    banned = http.post(f"{API}/contributors/{cid}/ban", json={"reason": "x"}, headers=sent)
+    unbanned = http.post(f"{API}/contributors/{cid}/unban", headers=sent)
+
+    for r in (banned, unbanned):
+        assert (r.status_code, r.json()["error"]) == (status, code), r.text
+    assert me(http, token).status_code == 200
+
+
+def test_banning_an_unknown_contributor_is_404(http: httpx.Client) -> None:
+    for action, body in (("ban", {"reason": "x"}), ("unban", None)):
+        r = http.post(
+            f"{API}/contributors/ctr_000000000000/{action}", json=body, headers=admin_headers()
+        )
+        assert (r.status_code, r.json()["error"]) == (404, "not_found"), r.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"reason": ""},
+        {"reason": "   "},
+        {"reason": "x" * 501},
+        {"reason": "line\nbreak"},
+        {"reason": 5},
+        {"reason": "ok", "extra": 1},
+        "not an object",
+    ],
+)
+def test_a_bad_ban_body_is_422_and_bans_no_one(http: httpx.Client, body: object) -> None:
+    token = register(http, "bad-ban-body")
+    cid = contributor_id(http, token)
+
+    r = http.post(f"{API}/contributors/{cid}/ban", json=body, headers=admin_headers())
+
+    assert (r.status_code, r.json()["error"]) == (422, "invalid_request"), r.text
+    assert me(http, token).status_code == 200
+
+
+def test_a_malformed_contributor_id_is_422(http: httpx.Client) -> None:
+    r = http.post(
+        f"{API}/contributors/{'c' * 33}/ban", json={"reason": "x"}, headers=admin_headers()
+    )
+    assert (r.status_code, r.json()["error"]) == (422, "invalid_request"), r.text
+
+
+# ---------------------------------------------------------------- token rotation
+
+
+def test_a_rotated_token_replaces_the_old_one_at_once(http: httpx.Client) -> None:
+    # Prepare
+    old = register(http, "rotator")
+    cid = contributor_id(http, old)
+
+    # Execute
+    r = http.post(f"{API}/contributors/me/token", headers=auth(old))
+
+    # Assert: the new token is the same contributor; the old one is unknown from now on
+    assert r.status_code == 200, r.text
+    new = r.json()["token"]
+    assert new != old and r.json()["id"] == cid and r.json()["name"] == "rotator"
+    assert me(http, new).json()["id"] == cid
+    for refused in (
+        me(http, old),
+        http.post(f"{API}/contributors/me/token", headers=auth(old)),
+        http.post(f"{API}/runs/run_unknown/join", headers=auth(old)),
+    ):
+        assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
