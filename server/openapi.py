@@ -21,6 +21,7 @@ Errors = dict[int, tuple[str, ...]]
 
 ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
 CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
+LIMITED: Errors = {429: ("rate_limited",)}  # server.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 UPLOAD: Errors = {
@@ -37,6 +38,7 @@ UPLOAD: Errors = {
     ),
     411: ("length_required",),
     413: ("upload_too_large",),
+    **LIMITED,
 }
 
 ERRORS: dict[str, Errors] = {
@@ -69,15 +71,15 @@ ERRORS: dict[str, Errors] = {
     "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
     "GET /api/v1/runs/{run_id}/shards/{index}": FILE,
-    "POST /api/v1/contributors": {},
+    "POST /api/v1/contributors": LIMITED,
     "GET /api/v1/contributors": RUN,
     "GET /api/v1/contributors/me": CONTRIBUTOR,
     "PATCH /api/v1/contributors/me": CONTRIBUTOR,
     "POST /api/v1/contributors/me/token": CONTRIBUTOR,
     "POST /api/v1/contributors/{contributor_id}/ban": {**ADMIN, 404: ("not_found",)},
     "POST /api/v1/contributors/{contributor_id}/unban": {**ADMIN, 404: ("not_found",)},
-    "GET /api/v1/speedtest": {},
-    "POST /api/v1/speedtest": {413: ("body_too_large",), 422: ()},
+    "GET /api/v1/speedtest": LIMITED,
+    "POST /api/v1/speedtest": {413: ("body_too_large",), 422: (), **LIMITED},
     "GET /api/v1/hub": {},
     "GET /install.sh": {500: ("unsafe_public_url",)},
     "GET /downloads/": {503: ("wheel_unavailable",)},

@@ -1,15 +1,18 @@
 """Access control through a real server on a real Postgres: an admin bans a contributor (its
-token is refused at once, its pending work is left out of the step and earns nothing), and
-a contributor rotates its token."""
+token is refused at once, its pending work is left out of the step and earns nothing), a
+contributor rotates its token, and registration, the speed test and uploads are
+rate-limited per client address with 429 and Retry-After."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from server.settings import Settings
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
@@ -272,3 +275,88 @@ def test_a_rotated_token_replaces_the_old_one_at_once(http: httpx.Client) -> Non
         http.post(f"{API}/runs/run_unknown/join", headers=auth(old)),
     ):
         assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
+
+
+# ---------------------------------------------------------------- rate limits
+
+LIMITS = {"rate_register": "2/minute", "rate_speedtest": "1/second", "rate_upload": "1/minute"}
+
+
+@pytest.fixture(scope="module")
+def limited(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A server with small limits, on its own database."""
+    from tests.support.pg import fresh_database
+
+    with fresh_database(pg_admin_url) as url:
+        proc = ServerProcess(
+            data_dir=tmp_path_factory.mktemp("limited"), database_url=url, **LIMITS
+        )
+        try:
+            yield proc.wait_ready()
+        finally:
+            proc.stop()
+
+
+def assert_limited(r: httpx.Response, *, at_most: int) -> None:
+    assert r.status_code == 429, r.text
+    assert r.json()["error"] == "rate_limited"
+    wait = r.headers["Retry-After"]
+    assert wait.isdigit() and 1 <= int(wait) <= at_most, wait
+    assert r.json()["retry_after_s"] == int(wait)
+
+
+def test_registration_over_the_limit_is_429_with_retry_after(limited: ServerProcess) -> None:
+    with limited.client() as http:
+        # Prepare: the address's two registrations a minute
+        for i in range(2):
+            assert http.post(f"{API}/contributors", json={"name": f"r{i}"}).status_code == 201
+
+        # Execute
+        third = http.post(f"{API}/contributors", json={"name": "r2"})
+
+        # Assert: refused, and only for this address (uvicorn trusts X-Forwarded-For from
+        # 127.0.0.1, a local proxy, as it does by default)
+        assert_limited(third, at_most=60)
+        other = http.post(
+            f"{API}/contributors", json={"name": "r3"}, headers={"X-Forwarded-For": "10.1.2.3"}
+        )
+        assert other.status_code == 201, other.text
+        board = http.get(f"{API}/contributors").json()
+        assert sorted(c["name"] for c in board["contributors"]) == ["r0", "r1", "r3"]
+
+
+def test_the_speed_test_over_the_limit_is_429_both_ways(limited: ServerProcess) -> None:
+    with limited.client() as http:
+        time.sleep(1.1)  # a fresh window
+        assert http.get(f"{API}/speedtest", params={"bytes": 10}).status_code == 200
+
+        again = http.post(f"{API}/speedtest", content=b"x" * 10)
+
+        assert_limited(again, at_most=1)
+
+
+def test_uploads_over_the_limit_are_429_before_the_token_or_body_is_looked_at(
+    limited: ServerProcess,
+) -> None:
+    with limited.client() as http:
+        # Prepare: this minute's one upload, refused for want of a lease, still counts
+        elsewhere = {"X-Forwarded-For": "10.9.9.9"}  # this address registered its share
+        made = http.post(f"{API}/contributors", json={"name": "uploader"}, headers=elsewhere)
+        token = made.json()["token"]
+        url = f"{API}/runs/run_unknown/rounds/1/contribution"
+        first = http.put(url, content=b"junk", headers=auth(token))
+        assert first.status_code == 404, first.text
+
+        # Execute: no token, and a body far over any limit
+        again = http.put(url, content=b"x" * (1 << 20), headers={"Content-Length": str(1 << 20)})
+
+        # Assert
+        assert_limited(again, at_most=60)
+
+
+def test_a_rate_limit_setting_must_parse() -> None:
+    assert Settings(rate_upload="").rate_upload == ""
+    assert Settings(rate_upload="5/minute;100/day").rate_upload == "5/minute;100/day"
+    for bad in ("fast", "20/fortnight", "0/hour", "-1/hour"):
+        with pytest.raises(ValueError, match="rate_upload"):
+            Settings(rate_upload=bad)

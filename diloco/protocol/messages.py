@@ -60,6 +60,8 @@ class ErrorCode(StrEnum):
     INVALID_CONFIG = "invalid_config"
     INVALID_REQUEST = "invalid_request"
     INVALID_DATA = "invalid_data"
+    # too many requests from one address (429, with Retry-After)
+    RATE_LIMITED = "rate_limited"
     # ours (500, 503)
     INTERNAL = "internal"
     UNSAFE_PUBLIC_URL = "unsafe_public_url"

@@ -5,6 +5,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from server import ratelimit
 from server.auth import AdminAuth, ContributorAuth, ContributorReadAuth
 from server.contributors import service
 from server.contributors.schemas import (
@@ -20,11 +21,12 @@ from server.contributors.schemas import (
 )
 from server.db import SessionDep
 from server.inputs import ContributorId, RunFilter
+from server.ratelimit import Action
 
 router = APIRouter(prefix="/api/v1/contributors", tags=["contributors"])
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, dependencies=ratelimit.depends(Action.REGISTER))
 async def register(body: ContributorCreate, session: SessionDep) -> ContributorCreated:
     """Register a volunteer; the token in the answer is shown only this once."""
     contributor, token = await service.register(session=session, name=body.name)
