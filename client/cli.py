@@ -32,6 +32,7 @@ app = typer.Typer(
 )
 app.add_typer(run_app, name="run")
 app.command()(account_cli.register)
+app.command("rotate-token")(account_cli.rotate_token)
 app.command()(volunteer_cli.doctor)
 app.command()(volunteer_cli.me)
 app.command()(simulate_cli.simulate)

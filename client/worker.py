@@ -110,6 +110,7 @@ class _Worker:
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
         self.invalid_in_a_row = 0
+        self.banned: ApiError | None = None  # a heartbeat was answered 403 banned: fatal
 
     async def run(self) -> None:
         o = self.opts
@@ -193,6 +194,8 @@ class _Worker:
                 await self.restore_optimizer(lease, cfg.name)
             params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
             trained = None if lost.is_set() else await self.train(lease, params, shard, bar, lost)
+            if self.banned is not None:
+                raise self.banned
             if trained is None:
                 if self.interrupted.is_set():
                     return  # stopping: run_worker gives the lease back
@@ -257,6 +260,10 @@ class _Worker:
                 )
             except ApiError as err:
                 if err.code in LOST_LEASE_CODES:
+                    lost.set()
+                    return
+                if err.code == ErrorCode.BANNED:  # stop training now; round() raises it
+                    self.banned = err
                     lost.set()
                     return
                 if err.code not in warned:
@@ -377,6 +384,12 @@ async def run_worker(opts: WorkerOptions) -> WorkerSummary:
         else:
             worker.summary.stopped_because = f"stopped after --max-hours {opts.max_hours:g}"
         await worker.release()
+    except ApiError as err:
+        if err.code == ErrorCode.BANNED:  # every request would be refused: stop for good
+            worker.summary.stopped_because = "stopped: the hub's admin banned this contributor"
+        else:
+            worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
+        raise
     except BaseException as err:
         worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
         raise

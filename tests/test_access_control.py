@@ -1,10 +1,15 @@
 """Access control through a real server on a real Postgres: an admin bans a contributor (its
 token is refused at once, its pending work is left out of the step and earns nothing), a
-contributor rotates its token, and registration, the speed test and uploads are
-rate-limited per client address with 429 and Retry-After."""
+contributor rotates its token (by the API and by ``diloco rotate-token``), and registration,
+the speed test and uploads are rate-limited per client address with 429 and Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +17,8 @@ import httpx
 import pytest
 import torch
 
+from client.api import ServerAPI
+from client.http import RetryPolicy
 from server.settings import Settings
 from tests.conftest import server_run_config
 from tests.support.contribute import (
@@ -25,6 +32,8 @@ from tests.support.contribute import (
     upload,
 )
 from tests.support.live import ServerProcess, admin_headers, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def me(http: httpx.Client, token: str) -> httpx.Response:
@@ -277,6 +286,126 @@ def test_a_rotated_token_replaces_the_old_one_at_once(http: httpx.Client) -> Non
         assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
 
 
+def test_diloco_rotate_token_stores_the_new_token(
+    server: ServerProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    # Prepare: registered with the CLI, its token in the credentials file
+    env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "config")}
+    env.pop("DILOCO_HOME", None)
+
+    def diloco(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "client.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=env,
+        )
+
+    done = diloco("register", server.url, "--name", "cli-rotator")
+    assert done.returncode == 0, done.stderr
+    stored = tmp_path / "config" / "credentials.json"
+    old = next(iter(json.loads(stored.read_text()).values()))
+
+    # Execute
+    done = diloco("rotate-token", server.url)
+
+    # Assert: the file holds the new token, which works; the old one does not
+    assert done.returncode == 0, done.stderr
+    assert "stored in" in done.stdout
+    new = next(iter(json.loads(stored.read_text()).values()))
+    assert new["contributor_id"] == old["contributor_id"] and new["token"] != old["token"]
+    assert me(http, new["token"]).json()["id"] == old["contributor_id"]
+    assert me(http, old["token"]).status_code == 401
+    assert stored.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_banned_volunteer_stops_with_the_reason(
+    server: ServerProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    # Prepare: a registered volunteer, then banned
+    env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "config")}
+    env.pop("DILOCO_HOME", None)
+    token = register(http, "banned-volunteer")
+    assert ban(http, contributor_id(http, token), "sybil accounts").status_code == 200
+
+    # Execute
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli", "join", server.url, "--token", token, "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=env,
+    )
+
+    # Assert: refused (exit 4), saying why
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "403 banned" in done.stderr and "sybil accounts" in done.stderr
+
+
+def test_a_volunteer_banned_while_it_trains_stops_at_its_next_heartbeat(
+    pg_admin_url: str, tmp_path: Path
+) -> None:
+    from tests.support.pg import fresh_database
+
+    with fresh_database(pg_admin_url) as url:
+        proc = ServerProcess(data_dir=tmp_path / "srv", database_url=url, heartbeat_interval_s=1)
+        volunteer = None
+        try:
+            # Prepare: a volunteer training a round far too long to finish
+            http = proc.wait_ready().client()
+            run = create_run(http, server_run_config(inner={"steps": 100_000}))
+            token = register(http, "trains-then-banned")
+            env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "config")}
+            env.pop("DILOCO_HOME", None)
+            args = ["join", proc.url, "--run", run["id"], "--token", token, "--quiet"]
+            volunteer = subprocess.Popen(
+                [sys.executable, "-m", "client.cli", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=REPO,
+                env=env,
+            )
+
+            def training() -> bool:
+                current = http.get(f"{API}/runs/{run['id']}").json()["current_round"]
+                return any(lease["last_step"] for lease in current["leases"])
+
+            wait_for(training, timeout=120, what="the volunteer to report training steps")
+
+            # Execute
+            assert ban(http, contributor_id(http, token), "bad actor").status_code == 200
+
+            # Assert: it stops on its own within a few heartbeats, saying why
+            out, _ = volunteer.communicate(timeout=60)
+            assert volunteer.returncode == 4, out
+            assert "403 banned" in out and "bad actor" in out
+            assert "the hub's admin banned this contributor" in out
+        finally:
+            if volunteer is not None and volunteer.poll() is None:
+                volunteer.kill()
+                volunteer.wait()
+            proc.stop()
+
+
+def test_diloco_rotate_token_without_credentials_is_a_usage_error(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "empty")}
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli", "rotate-token", server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
+    assert done.returncode == 2 and "not registered" in done.stderr
+
+
 # ---------------------------------------------------------------- rate limits
 
 LIMITS = {"rate_register": "2/minute", "rate_speedtest": "1/second", "rate_upload": "1/minute"}
@@ -333,6 +462,20 @@ def test_the_speed_test_over_the_limit_is_429_both_ways(limited: ServerProcess) 
         again = http.post(f"{API}/speedtest", content=b"x" * 10)
 
         assert_limited(again, at_most=1)
+
+
+def test_the_client_waits_out_a_429_within_its_retry_budget(limited: ServerProcess) -> None:
+    async def twice() -> float:
+        policy = RetryPolicy(attempts=3, base_delay_s=0.1, total_s=10.0)
+        async with ServerAPI(limited.url, retry=policy) as api:
+            await api.speedtest_download(10)
+            started = time.monotonic()
+            got, _ = await api.speedtest_download(10)  # 429 Retry-After: 1, then again
+            assert got == 10
+            return time.monotonic() - started
+
+    time.sleep(1.1)
+    assert asyncio.run(twice()) >= 0.9
 
 
 def test_uploads_over_the_limit_are_429_before_the_token_or_body_is_looked_at(
