@@ -383,6 +383,15 @@ class ServerAPI:
             raise ValueError(f"run action must be pause, resume or cancel, not {action!r}")
         return await self._json("POST", f"/runs/{run_id}/{action}", idempotent=False)
 
+    async def new_invite(self, run_id: str) -> str:
+        """Make the run private with a new invite code (admin); the code."""
+        data = await self._json("POST", f"/runs/{run_id}/invite", idempotent=False)
+        return require(data, "invite", str, "the invite answer")
+
+    async def become_member(self, run_id: str, invite: str) -> dict[str, Any]:
+        """Join a private run's members with its invite code (a public run: nothing to do)."""
+        return await self._json("POST", f"/runs/{run_id}/members", body={"invite": invite})
+
     async def list_rounds(self, run_id: str) -> list[dict[str, Any]]:
         """The run's rounds, oldest first."""
         data = await self._json("GET", f"/runs/{run_id}/rounds")

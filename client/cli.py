@@ -72,6 +72,13 @@ def join(
             help="Contributor token to use instead of the stored one.", envvar="DILOCO_TOKEN"
         ),
     ] = None,
+    invite: Annotated[
+        str | None,
+        typer.Option(
+            help="A private run's invite code, from its owner (once is enough).",
+            envvar="DILOCO_INVITE",
+        ),
+    ] = None,
     device: Annotated[
         Device | None,
         typer.Option(
@@ -120,6 +127,7 @@ def join(
         run_id=run or defaults.run,
         name=name or (None if token else defaults.name),
         token=token,
+        invite=invite,
         device=device.value if device else defaults.device or Device.auto.value,
         max_rounds=max_rounds,
         max_hours=max_hours,

@@ -54,6 +54,7 @@ MAX_INVALID_IN_A_ROW = 3
 class WorkerOptions:
     server_url: str
     run_id: str | None = None  # None: the newest active run
+    invite: str | None = None  # a private run's invite code: become a member first
     name: str | None = None  # register under this name (first use only)
     token: str | None = None  # use this contributor token instead of the stored one
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -119,6 +120,8 @@ class _Worker:
         )
         await identity.report_hardware(self.api, self.local.device, say=self.say)
         run_id = self.opts.run_id or await self.pick_run()
+        if o.invite:
+            await self.api.become_member(run_id, o.invite)
         self.say.info(f"joining run {run_id} on {self.api.server_url} ({self.local.device})")
         while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
             lease = await self.join(run_id)

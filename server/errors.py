@@ -71,6 +71,14 @@ class Banned(Forbidden):
     code = ErrorCode.BANNED
 
 
+class NotInvited(Forbidden):
+    code = ErrorCode.NOT_INVITED
+
+
+class InvalidInvite(Forbidden):
+    code = ErrorCode.INVALID_INVITE
+
+
 class NotFound(HubError):
     status = 404
     code = ErrorCode.NOT_FOUND

@@ -54,8 +54,16 @@ ERRORS: dict[str, Errors] = {
     "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "GET /api/v1/runs/{run_id}/rounds": RUN,
     "GET /api/v1/runs/{run_id}/rounds/{index}/contributions": {404: ("run_not_found", "not_found")},
+    "POST /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
+    "DELETE /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
+    "POST /api/v1/runs/{run_id}/members": {
+        **CONTRIBUTOR,
+        403: ("banned", "invalid_invite"),
+        **RUN,
+    },
     "POST /api/v1/runs/{run_id}/join": {
         **CONTRIBUTOR,
+        403: ("banned", "not_invited"),
         **RUN,
         409: ("run_not_active", "already_contributed", "round_closing"),
     },

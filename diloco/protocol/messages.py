@@ -37,6 +37,8 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     BANNED = "banned"  # 403: an admin banned this contributor; the detail names the reason
+    NOT_INVITED = "not_invited"  # 403: joining a private run needs its invite code first
+    INVALID_INVITE = "invalid_invite"  # 403: not the private run's current invite code
     # what you named (404, 405)
     NOT_FOUND = "not_found"
     RUN_NOT_FOUND = "run_not_found"

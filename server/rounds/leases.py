@@ -38,7 +38,14 @@ from diloco.protocol.state import (
     RunStatus,
 )
 from server.auth import UNKNOWN_TOKEN, banned, hash_token
-from server.errors import HubError, LeaseNotFound, RunNotFound, Unauthorized, refused
+from server.errors import (
+    HubError,
+    LeaseNotFound,
+    NotInvited,
+    RunNotFound,
+    Unauthorized,
+    refused,
+)
 from server.rounds import service as rounds_service
 from server.rounds.models import Lease as LeaseRow
 from server.settings import Settings
@@ -78,7 +85,9 @@ SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, 
        run.chunk_len, run.shards::text AS shards, run.config::text AS config,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
        l.id AS lease_id, l.shard, l.seed, l.last_heartbeat, l.expires_at,
-       c.version, c.sha256, c.nbytes,
+       c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
+       EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
+               AND m.contributor_id = me.id) AS member,
        EXISTS (SELECT 1 FROM contributions x WHERE x.run_id = $3
                AND x.round_index = r.index AND x.contributor_id = me.id) AS contributed
 FROM me
@@ -144,6 +153,11 @@ async def join(
             raise await _no_one(conn, token_hash)
         if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+        if row["private"] and not row["member"]:
+            raise NotInvited(
+                f"run {run_id} is private: join it with the invite code its owner gave you "
+                f"(POST /api/v1/runs/{run_id}/members, or diloco join --invite CODE)"
+            )
         view = _round_view(row)
         held = None
         if row["lease_id"] is not None:
