@@ -1,4 +1,5 @@
-"""``diloco register``: a contributor identity on a server, and the client's defaults.
+"""``diloco register``: a contributor identity on a server, and the client's defaults;
+``diloco rotate-token``: a new token for it.
 
 The installer (``GET /install.sh``) runs it; a volunteer can run it by hand too. It stores the
 token with the other credentials and writes ``client.toml`` so that a bare ``diloco join``
@@ -132,3 +133,33 @@ def register(
     except ClientConfigError as err:
         fail(str(err), ExitStatus.ERROR)
     typer.echo(f"defaults for `diloco join` written to {path}")
+
+
+def rotate_token(
+    server: Annotated[
+        str | None,
+        typer.Argument(
+            help="Server URL (default: the configured server).",
+            envvar="DILOCO_SERVER",
+            metavar="SERVER_URL",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Replace the stored contributor token with a new one; the old one stops working at once
+    (do this if it may have leaked). Stop any `diloco join` using it first."""
+    url = server_url(server, client_config())
+    try:
+        stored = credentials.load_credentials(url)
+    except CredentialsError as err:
+        fail(str(err), ExitStatus.USAGE)
+    if stored is None:
+        fail(f"not registered on {url}; nothing to rotate", ExitStatus.USAGE)
+    token = run_api(url, stored.token, lambda api: api.rotate_token())
+    try:  # written atomically: the file holds the old token or the new one, never half
+        path = credentials.save_credentials(url, dataclasses.replace(stored, token=token))
+    except CredentialsError as err:
+        # the old token is already dead: this is the only copy of the new one
+        typer.echo(f"new token (store it yourself, it is not shown again): {token}", err=True)
+        fail(f"the server rotated the token but {err}", ExitStatus.ERROR)
+    typer.echo(f"new token for {stored.name} ({stored.contributor_id}) on {url} stored in {path}")

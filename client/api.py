@@ -6,9 +6,10 @@ Connection errors, timeouts and 5xx answers are retried with exponential backoff
 within a bounded number of attempts and a bounded total time; a 4xx is never retried, it is
 raised at once as an :class:`ApiError` carrying the server's ``error`` code.
 
-Calls that are not idempotent (register, create a run, pause/resume/cancel) are retried only
-when the request cannot have taken effect: the connection could not be opened, or the server
-answered 503 ``unavailable``.
+Calls that are not idempotent (register, create a run, pause/resume/cancel, token rotation)
+are retried only when the request cannot have taken effect: the connection could not be
+opened, or the server answered 503 ``unavailable`` or 429 ``rate_limited``. A 429 is retried
+after its ``Retry-After`` when that fits in the policy's total time, else raised at once.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ class ServerAPI:
             try:
                 return await attempt_once()
             except ApiError as err:
+                if err.status == 429 and err.retry_after_s is not None:  # nothing was done
+                    wait = err.retry_after_s
+                    if attempt == policy.attempts or (
+                        time.monotonic() - started + wait > policy.total_s
+                    ):
+                        raise
+                    await asyncio.sleep(wait)
+                    continue
                 if not (err.status == 503 or (idempotent and err.status >= 500)):
                     raise
                 last: Exception = err
@@ -190,6 +199,12 @@ class ServerAPI:
         data = await self._json("POST", "/contributors", body={"name": name}, idempotent=False)
         where = "the registration answer"
         return require(data, "id", str, where), require(data, "token", str, where)
+
+    async def rotate_token(self) -> str:
+        """A new token for this contributor; the current one stops working at once. Not
+        retried once sent: a lost answer leaves only the new token, which we never saw."""
+        data = await self._json("POST", "/contributors/me/token", idempotent=False)
+        return require(data, "token", str, "the token rotation answer")
 
     async def me(self) -> dict[str, Any]:
         """``{"id", "name", "created_at"}`` for this token; 401 if the server does not know it."""
@@ -367,6 +382,15 @@ class ServerAPI:
         if action not in ("pause", "resume", "cancel"):
             raise ValueError(f"run action must be pause, resume or cancel, not {action!r}")
         return await self._json("POST", f"/runs/{run_id}/{action}", idempotent=False)
+
+    async def new_invite(self, run_id: str) -> str:
+        """Make the run private with a new invite code (admin); the code."""
+        data = await self._json("POST", f"/runs/{run_id}/invite", idempotent=False)
+        return require(data, "invite", str, "the invite answer")
+
+    async def become_member(self, run_id: str, invite: str) -> dict[str, Any]:
+        """Join a private run's members with its invite code (a public run: nothing to do)."""
+        return await self._json("POST", f"/runs/{run_id}/members", body={"invite": invite})
 
     async def list_rounds(self, run_id: str) -> list[dict[str, Any]]:
         """The run's rounds, oldest first."""

@@ -32,6 +32,7 @@ app = typer.Typer(
 )
 app.add_typer(run_app, name="run")
 app.command()(account_cli.register)
+app.command("rotate-token")(account_cli.rotate_token)
 app.command()(volunteer_cli.doctor)
 app.command()(volunteer_cli.me)
 app.command()(simulate_cli.simulate)
@@ -69,6 +70,13 @@ def join(
         str | None,
         typer.Option(
             help="Contributor token to use instead of the stored one.", envvar="DILOCO_TOKEN"
+        ),
+    ] = None,
+    invite: Annotated[
+        str | None,
+        typer.Option(
+            help="A private run's invite code, from its owner (once is enough).",
+            envvar="DILOCO_INVITE",
         ),
     ] = None,
     device: Annotated[
@@ -119,6 +127,7 @@ def join(
         run_id=run or defaults.run,
         name=name or (None if token else defaults.name),
         token=token,
+        invite=invite,
         device=device.value if device else defaults.device or Device.auto.value,
         max_rounds=max_rounds,
         max_hours=max_hours,

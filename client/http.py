@@ -2,8 +2,10 @@
 and reading the server's JSON and error answers.
 
 A 4xx is never retried: it is raised at once as an :class:`ApiError` carrying the server's
-``error`` code. Connection errors, timeouts and 5xx answers are retried with exponential
-backoff and jitter (``backoff_delay``), within a bounded number of attempts and total time.
+``error`` code; but a ``429 rate_limited`` is waited out for its ``Retry-After`` when that
+fits in the retry policy (``client.api``). Connection errors, timeouts and 5xx answers are
+retried with exponential backoff and jitter (``backoff_delay``), within a bounded number of
+attempts and total time.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ CHUNK = 1 << 20
 class ApiError(Exception):
     """The server answered with an error status; ``code`` is its ``error`` field."""
 
-    def __init__(self, status: int, code: str, detail: str, body: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        body: Mapping[str, Any],
+        *,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"server refused ({status} {code}): {detail}")
         self.status, self.code, self.detail, self.body = status, code, detail, dict(body)
+        self.retry_after_s = retry_after_s  # from a Retry-After header in seconds, if any
 
     @property
     def retryable(self) -> bool:
@@ -82,17 +93,26 @@ class RetryableError(Exception):
         self.cause = cause
 
 
+def retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` in seconds (the form the hub sends); None for a date or garbage."""
+    if value is None or not (value.isascii() and value.strip().isdigit()):
+        return None
+    return float(value.strip())
+
+
 async def error_from(resp: aiohttp.ClientResponse) -> ApiError:
     text = await resp.text(errors="replace")
     try:
         body = json.loads(text)
     except json.JSONDecodeError:
         body = None
+    wait = retry_after(resp.headers.get("Retry-After"))
     if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return ApiError(resp.status, body["error"], str(body.get("detail", "")), body)
+        detail = str(body.get("detail", ""))
+        return ApiError(resp.status, body["error"], detail, body, retry_after_s=wait)
     snippet = " ".join(text.split())[:200] or "(empty body)"
     detail = f"{resp.method} {resp.url} answered {resp.status} {resp.reason}: {snippet}"
-    return ApiError(resp.status, "http_error", detail, {})
+    return ApiError(resp.status, "http_error", detail, {}, retry_after_s=wait)
 
 
 async def json_object(resp: aiohttp.ClientResponse) -> dict[str, Any]:

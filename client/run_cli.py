@@ -190,6 +190,14 @@ def cancel(
     _action("cancel", run_id, server, admin_token, as_json)
 
 
+@run_app.command("invite")
+def invite(run_id: RunId, server: Server, admin_token: AdminToken = None) -> None:
+    """Make a run private with a new invite code and print it (an older code stops
+    admitting); volunteers then join with `diloco join --invite CODE`."""
+    code = run_api(server, admin_token, lambda api: api.new_invite(run_id))
+    typer.echo(code)
+
+
 @run_app.command("rounds")
 def rounds(
     run_id: RunId, server: Server, admin_token: AdminToken = None, as_json: AsJson = False

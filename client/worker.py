@@ -54,6 +54,7 @@ MAX_INVALID_IN_A_ROW = 3
 class WorkerOptions:
     server_url: str
     run_id: str | None = None  # None: the newest active run
+    invite: str | None = None  # a private run's invite code: become a member first
     name: str | None = None  # register under this name (first use only)
     token: str | None = None  # use this contributor token instead of the stored one
     device: str = "auto"  # auto | cpu | cuda | mps
@@ -110,6 +111,7 @@ class _Worker:
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
         self.invalid_in_a_row = 0
+        self.banned: ApiError | None = None  # a heartbeat was answered 403 banned: fatal
 
     async def run(self) -> None:
         o = self.opts
@@ -118,6 +120,8 @@ class _Worker:
         )
         await identity.report_hardware(self.api, self.local.device, say=self.say)
         run_id = self.opts.run_id or await self.pick_run()
+        if o.invite:
+            await self.api.become_member(run_id, o.invite)
         self.say.info(f"joining run {run_id} on {self.api.server_url} ({self.local.device})")
         while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
             lease = await self.join(run_id)
@@ -193,6 +197,8 @@ class _Worker:
                 await self.restore_optimizer(lease, cfg.name)
             params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
             trained = None if lost.is_set() else await self.train(lease, params, shard, bar, lost)
+            if self.banned is not None:
+                raise self.banned
             if trained is None:
                 if self.interrupted.is_set():
                     return  # stopping: run_worker gives the lease back
@@ -257,6 +263,10 @@ class _Worker:
                 )
             except ApiError as err:
                 if err.code in LOST_LEASE_CODES:
+                    lost.set()
+                    return
+                if err.code == ErrorCode.BANNED:  # stop training now; round() raises it
+                    self.banned = err
                     lost.set()
                     return
                 if err.code not in warned:
@@ -377,6 +387,12 @@ async def run_worker(opts: WorkerOptions) -> WorkerSummary:
         else:
             worker.summary.stopped_because = f"stopped after --max-hours {opts.max_hours:g}"
         await worker.release()
+    except ApiError as err:
+        if err.code == ErrorCode.BANNED:  # every request would be refused: stop for good
+            worker.summary.stopped_because = "stopped: the hub's admin banned this contributor"
+        else:
+            worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
+        raise
     except BaseException as err:
         worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
         raise

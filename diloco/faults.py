@@ -10,7 +10,9 @@ or in a child process through a setting (``DILOCO_FAULTS``), in the same words::
     close.aggregate=fail*2,close.write=die,volunteer.upload=die@2
 
 ``fail`` raises :class:`InjectedFault` (the caller's error handling runs), ``die`` sends the
-process SIGKILL (nothing runs: a crash). ``@n`` fires from the n-th hit of the point on
+process SIGKILL (nothing runs: a crash), ``stall`` sleeps ``STALL_S`` in the thread that hit
+the point (a slow close, for a test to act while it computes: use it only at points hit
+off the event loop, the close's compute stages). ``@n`` fires from the n-th hit of the point on
 (counting from 1), ``*k`` fires k times (default once). An unarmed injector costs one dict
 lookup per hit. Production processes never arm one.
 """
@@ -22,6 +24,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,10 +41,11 @@ POINTS = frozenset(
     }
 )
 _SPEC = re.compile(
-    r"^(?P<point>[a-z.]+)=(?P<action>fail|die)(?:@(?P<at>\d+))?(?:\*(?P<times>\d+))?$"
+    r"^(?P<point>[a-z.]+)=(?P<action>fail|die|stall)(?:@(?P<at>\d+))?(?:\*(?P<times>\d+))?$"
 )
 
-Kind = Literal["fail", "die"]
+Kind = Literal["fail", "die", "stall"]
+STALL_S = 5.0  # how long a stall lasts
 
 
 class InjectedFault(RuntimeError):
@@ -68,7 +72,7 @@ class FaultInjector:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             m = _SPEC.match(part)
             if m is None:
-                raise ValueError(f"fault {part!r}: expected point=fail|die[@n][*k]")
+                raise ValueError(f"fault {part!r}: expected point=fail|die|stall[@n][*k]")
             at, times = int(m["at"] or 1), int(m["times"] or 1)
             injector._arm(m["point"], m["action"], at=at, times=times)  # type: ignore[arg-type]
         return injector
@@ -98,6 +102,10 @@ class FaultInjector:
             n = self._hits[point] = self._hits.get(point, 0) + 1
             fire = rule.at <= n < rule.at + rule.times
         if not fire:
+            return
+        if rule.kind == "stall":
+            print(f"fault injected: stalling at {point} (hit {n})", file=sys.stderr, flush=True)
+            time.sleep(STALL_S)
             return
         if rule.kind == "die":
             print(f"fault injected: dying at {point} (hit {n})", file=sys.stderr, flush=True)

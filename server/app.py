@@ -25,6 +25,7 @@ from server.downloads.router import router as downloads_router
 from server.handlers import error_response
 from server.janitor import Janitor
 from server.metrics import RequestMetrics, watch_loop_lag
+from server.ratelimit import RateLimits
 from server.request_id import RequestId
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
@@ -100,6 +101,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     )
     app.state.settings = settings
     app.state.admin_token = admin_token
+    app.state.rate_limits = RateLimits(settings)
     handlers.install(app)
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
     app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent

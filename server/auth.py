@@ -10,6 +10,10 @@ itself is refused, and no row lock is held through a long upload. Join and heart
 frequent ones, do the same inside their own single facts statement
 (``server.rounds.leases``). Reads of one's own profile (``ContributorReadAuth``) leave it
 alone.
+
+A banned contributor (``banned_at`` set by an admin) is refused on every path with ``403
+banned`` and the admin's reason, from the moment the ban commits: each request reads the
+row afresh, nothing is cached.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server.contributors.models import Contributor
-from server.errors import Forbidden, Unauthorized
+from server.errors import Banned, Forbidden, Unauthorized
 
 
 def new_token(prefix: str) -> str:
@@ -53,6 +57,14 @@ def require_admin(request: Request) -> None:
         raise Unauthorized("the admin token is wrong; it is in <data-dir>/admin-token")
 
 
+UNKNOWN_TOKEN = "unknown contributor token; register with POST /api/v1/contributors"
+
+
+def banned(reason: str | None) -> Banned:
+    """The answer to a banned contributor's request."""
+    return Banned(f"this contributor is banned by the hub's admin: {reason or 'no reason given'}")
+
+
 async def _find_contributor(request: Request, *, touch: bool) -> Contributor:
     token_hash = hash_token(bearer_token(request))
     sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
@@ -69,7 +81,9 @@ async def _find_contributor(request: Request, *, touch: bool) -> Contributor:
                 select(Contributor).where(Contributor.token_hash == token_hash)
             )
     if found is None:
-        raise Unauthorized("unknown contributor token; register with POST /api/v1/contributors")
+        raise Unauthorized(UNKNOWN_TOKEN)
+    if found.banned_at is not None:
+        raise banned(found.ban_reason)
     return found
 
 

@@ -27,6 +27,10 @@ class HubError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": self.code, "detail": self.detail, **self.extra}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers this error needs besides its body (none, but for a few)."""
+        return {}
+
 
 class MalformedUpload(HubError):
     status = 400
@@ -61,6 +65,18 @@ class Unauthorized(HubError):
 class Forbidden(HubError):
     status = 403
     code = ErrorCode.FORBIDDEN
+
+
+class Banned(Forbidden):
+    code = ErrorCode.BANNED
+
+
+class NotInvited(Forbidden):
+    code = ErrorCode.NOT_INVITED
+
+
+class InvalidInvite(Forbidden):
+    code = ErrorCode.INVALID_INVITE
 
 
 class NotFound(HubError):
@@ -150,6 +166,17 @@ class InvalidRequest(HubError):
 class InvalidData(HubError):
     status = 422
     code = ErrorCode.INVALID_DATA
+
+
+class RateLimited(HubError):
+    status = 429
+    code = ErrorCode.RATE_LIMITED
+
+    def __init__(self, detail: str, *, retry_after_s: int) -> None:
+        super().__init__(detail, retry_after_s=retry_after_s)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.extra["retry_after_s"])}
 
 
 class Internal(HubError):

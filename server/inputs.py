@@ -35,6 +35,15 @@ RunId = Annotated[
         description="a run id (`run_<12 hex>`); an unknown one is 404 `run_not_found`",
     ),
 ]
+ContributorId = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=RUN_ID_CHARS,  # contributors.id is varchar(32) too: ctr_<12 hex>
+        pattern=NO_CONTROL_CHARS,
+        description="a contributor id (`ctr_<12 hex>`); an unknown one is 404 `not_found`",
+    ),
+]
 RunFilter = Annotated[
     str | None,
     Query(

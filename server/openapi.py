@@ -20,7 +20,8 @@ from fastapi import FastAPI
 Errors = dict[int, tuple[str, ...]]
 
 ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
-CONTRIBUTOR: Errors = {401: ("unauthorized",)}
+CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
+LIMITED: Errors = {429: ("rate_limited",)}  # server.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 UPLOAD: Errors = {
@@ -37,6 +38,7 @@ UPLOAD: Errors = {
     ),
     411: ("length_required",),
     413: ("upload_too_large",),
+    **LIMITED,
 }
 
 ERRORS: dict[str, Errors] = {
@@ -52,8 +54,16 @@ ERRORS: dict[str, Errors] = {
     "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "GET /api/v1/runs/{run_id}/rounds": RUN,
     "GET /api/v1/runs/{run_id}/rounds/{index}/contributions": {404: ("run_not_found", "not_found")},
+    "POST /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
+    "DELETE /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
+    "POST /api/v1/runs/{run_id}/members": {
+        **CONTRIBUTOR,
+        403: ("banned", "invalid_invite"),
+        **RUN,
+    },
     "POST /api/v1/runs/{run_id}/join": {
         **CONTRIBUTOR,
+        403: ("banned", "not_invited"),
         **RUN,
         409: ("run_not_active", "already_contributed", "round_closing"),
     },
@@ -69,12 +79,15 @@ ERRORS: dict[str, Errors] = {
     "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
     "GET /api/v1/runs/{run_id}/shards/{index}": FILE,
-    "POST /api/v1/contributors": {},
+    "POST /api/v1/contributors": LIMITED,
     "GET /api/v1/contributors": RUN,
     "GET /api/v1/contributors/me": CONTRIBUTOR,
     "PATCH /api/v1/contributors/me": CONTRIBUTOR,
-    "GET /api/v1/speedtest": {},
-    "POST /api/v1/speedtest": {413: ("body_too_large",), 422: ()},
+    "POST /api/v1/contributors/me/token": CONTRIBUTOR,
+    "POST /api/v1/contributors/{contributor_id}/ban": {**ADMIN, 404: ("not_found",)},
+    "POST /api/v1/contributors/{contributor_id}/unban": {**ADMIN, 404: ("not_found",)},
+    "GET /api/v1/speedtest": LIMITED,
+    "POST /api/v1/speedtest": {413: ("body_too_large",), 422: (), **LIMITED},
     "GET /api/v1/hub": {},
     "GET /install.sh": {500: ("unsafe_public_url",)},
     "GET /downloads/": {503: ("wheel_unavailable",)},
@@ -214,8 +227,9 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
             for status, codes in _errors_of(key, op).items():
                 op["responses"][str(status)] = _error_response(codes)
             op["responses"] = dict(sorted(op["responses"].items()))
-            if 401 in ERRORS[key]:  # 403 is only ever "this needs the admin token"
-                op["security"] = [{"adminToken" if 403 in ERRORS[key] else "contributorToken": []}]
+            if 401 in ERRORS[key]:  # 403 forbidden is only ever "this needs the admin token"
+                admin = "forbidden" in ERRORS[key].get(403, ())
+                op["security"] = [{"adminToken" if admin else "contributorToken": []}]
     if listed:
         raise KeyError(f"server.openapi.ERRORS lists operations the app lacks: {sorted(listed)}")
     components = schema.setdefault("components", {})

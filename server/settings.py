@@ -10,6 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
+from limits import parse_many
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -64,6 +65,30 @@ class Settings(BaseSettings):
     # the volunteer installer (GET /install.sh) and the client wheel under /downloads/
     public_url: str | None = None  # what volunteers reach us at; None: each request's base URL
     client_wheel: Path | None = None  # a prebuilt diloco_hub-*.whl; None: build from source
+
+    # rate limits per client address (server.ratelimit), in the ``limits`` notation:
+    # "20/hour", several as "5/minute;100/day"; empty: no limit
+    rate_register: str = "20/hour"  # POST /api/v1/contributors
+    rate_speedtest: str = "30/hour"  # GET and POST /api/v1/speedtest, counted together
+    rate_upload: str = "600/hour"  # PUT .../contribution: one per round per volunteer
+
+    def rate_limit(self, action: str) -> str:
+        return str(getattr(self, f"rate_{action}"))
+
+    @field_validator("rate_register", "rate_speedtest", "rate_upload")
+    @classmethod
+    def _rate(cls, rule: str) -> str:
+        rule = rule.strip()
+        if rule:
+            try:
+                items = parse_many(rule)
+            except ValueError as err:
+                raise ValueError(
+                    f"{rule!r} is not a rate limit like '20/hour' or '5/minute;100/day' ({err})"
+                ) from None
+            if any(item.amount < 1 for item in items):
+                raise ValueError(f"{rule!r}: a limit of 0 refuses everything; empty means none")
+        return rule
 
     @field_validator("public_url", "client_wheel", mode="before")
     @classmethod

@@ -3,7 +3,8 @@
 ``GET`` streams N incompressible bytes (one random MiB, repeated: nothing of size N is
 built in memory); ``POST`` reads a body and throws it away, answering how many bytes arrived
 and how long reading them took on the server's side. No authentication: a volunteer checks
-its link before it registers. Bodies are capped at ``MAX_BYTES`` both ways.
+its link before it registers. Bodies are capped at ``MAX_BYTES`` both ways, and each
+address may run it ``rate_speedtest`` times (``server.ratelimit``; both directions count).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from server import ratelimit
 from server.errors import BodyTooLarge, InvalidRequest
+from server.ratelimit import Action
 
 MIB = 1 << 20
 MAX_BYTES = 64 * MIB
@@ -50,6 +53,7 @@ async def _payload(nbytes: int) -> AsyncIterator[bytes]:
     "",
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
+    dependencies=ratelimit.depends(Action.SPEEDTEST),
 )
 async def download(
     nbytes: Annotated[int, Query(alias="bytes", ge=1, le=MAX_BYTES)] = DEFAULT_BYTES,
@@ -72,7 +76,7 @@ async def drain(stream: AsyncIterator[bytes], *, limit: int) -> int:
     return received
 
 
-@router.post("")
+@router.post("", dependencies=ratelimit.depends(Action.SPEEDTEST))
 async def upload(request: Request) -> SpeedtestResult:
     """Read and discard the body (at most 64 MiB; with or without Content-Length)."""
     length = request.headers.get("content-length")

@@ -22,6 +22,7 @@ from client.api import (
 )
 from client.cli_support import ExitStatus, exit_status_for
 from client.credentials import Credentials, CredentialsError, ServerURLError
+from client.http import retry_after
 from client.lease import Lease, ProtocolError, parse_lease
 from client.training import DeviceError, LocalTrainer, resolve_device
 from diloco.codec import codec_from_description
@@ -122,6 +123,25 @@ def test_a_4xx_is_raised_at_once_and_a_5xx_is_retried_up_to_the_attempts():
     assert _count_tries(api, ApiError(409, "round_closed", "closed", {})) == (1, "ApiError")
     assert _count_tries(api, ApiError(500, "http_error", "boom", {})) == (3, "ApiError")
     assert _count_tries(api, TimeoutError()) == (3, "ServerUnreachable")
+
+
+def test_a_429_is_waited_out_when_its_retry_after_fits_in_the_policy():
+    api = ServerAPI("http://localhost:1", retry=FAST)
+
+    def limited(wait: float | None) -> ApiError:
+        return ApiError(429, "rate_limited", "too many", {}, retry_after_s=wait)
+
+    # nothing was done: retried even when the call is not idempotent, up to the attempts
+    assert _count_tries(api, limited(0.001), idempotent=False) == (3, "ApiError")
+    # longer than the policy's total time: raised at once; no Retry-After: a plain 4xx
+    assert _count_tries(api, limited(60.0)) == (1, "ApiError")
+    assert _count_tries(api, limited(None)) == (1, "ApiError")
+
+
+def test_retry_after_is_read_as_whole_seconds_only():
+    assert retry_after("7") == 7.0 and retry_after(" 1 ") == 1.0
+    for other in (None, "", "1.5", "-1", "¹", "Wed, 21 Oct 2015 07:28:00 GMT"):
+        assert retry_after(other) is None, other
 
 
 def test_a_call_that_may_have_acted_is_retried_only_on_503():

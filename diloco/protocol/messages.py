@@ -36,6 +36,9 @@ class ErrorCode(StrEnum):
     # who you are (401, 403)
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
+    BANNED = "banned"  # 403: an admin banned this contributor; the detail names the reason
+    NOT_INVITED = "not_invited"  # 403: joining a private run needs its invite code first
+    INVALID_INVITE = "invalid_invite"  # 403: not the private run's current invite code
     # what you named (404, 405)
     NOT_FOUND = "not_found"
     RUN_NOT_FOUND = "run_not_found"
@@ -59,6 +62,8 @@ class ErrorCode(StrEnum):
     INVALID_CONFIG = "invalid_config"
     INVALID_REQUEST = "invalid_request"
     INVALID_DATA = "invalid_data"
+    # too many requests from one address (429, with Retry-After)
+    RATE_LIMITED = "rate_limited"
     # ours (500, 503)
     INTERNAL = "internal"
     UNSAFE_PUBLIC_URL = "unsafe_public_url"

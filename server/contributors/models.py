@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import String, func
+from sqlalchemy import String, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -23,3 +23,7 @@ class Contributor(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(default=None)
     # what the volunteer client reports about its machine (contributors.schemas.Hardware)
     hardware: Mapped[dict[str, Any] | None] = mapped_column(JSONB, default=None)
+    # set by an admin (POST /contributors/{id}/ban): the token is refused with 403 banned
+    # while set, and the contributor's work in rounds not yet closed was excluded
+    banned_at: Mapped[datetime | None] = mapped_column(default=None)
+    ban_reason: Mapped[str | None] = mapped_column(Text, default=None)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diloco.config import NO_CONTROL_CHARS as _Text  # these strings end up on the dashboard
 
+# no control characters, and something besides spaces
+_Reason = r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$"
 _Count = Annotated[int, Field(ge=0, le=1 << 62)]
 
 
@@ -19,6 +21,24 @@ class ContributorCreated(BaseModel):
     id: str
     name: str
     token: str  # shown once: only its hash is stored
+
+
+class BanIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # told to the contributor on every refused request, and shown to admins
+    reason: str = Field(min_length=1, max_length=500, pattern=_Reason)
+
+
+class BanState(BaseModel):
+    """A contributor's ban, as the admin's ban and unban answer it."""
+
+    id: str
+    name: str
+    banned_at: datetime | None  # None: not banned
+    ban_reason: str | None
+    excluded: int  # contributions the ban excluded (this call's; 0 for an unban)
+    leases_released: int  # live leases it released (this call's; 0 for an unban)
 
 
 class Hardware(BaseModel):

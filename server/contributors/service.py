@@ -1,4 +1,5 @@
-"""Contributors: registration, the hardware profile, one's own record, the leaderboard.
+"""Contributors: registration, the hardware profile, one's own record, the leaderboard;
+bans and token rotation.
 
 Every figure is computed from the ``contributions`` rows, the one source of truth: a row
 exists only for an accepted upload, and ``aggregated_at`` / ``credit`` are set only in the
@@ -9,6 +10,7 @@ never counts, and an accepted one counts toward credit only once its outer step 
 from __future__ import annotations
 
 import secrets
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, func, select, update
@@ -17,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from server.auth import hash_token, new_token
 from server.contributors.models import Contributor
 from server.contributors.schemas import (
+    BanState,
     Hardware,
     Leaderboard,
     LeaderboardEntry,
@@ -27,7 +30,8 @@ from server.contributors.schemas import (
     SortKey,
     Totals,
 )
-from server.errors import Unauthorized
+from server.errors import NotFound, Unauthorized
+from server.rounds import bans as rounds_bans
 from server.rounds.models import Contribution
 from server.runs import service as runs_service
 from server.runs.models import Run
@@ -58,6 +62,71 @@ async def set_hardware(
     if updated is None:  # deleted between authentication and now
         raise Unauthorized(f"contributor {contributor_id} no longer exists; register again")
     return updated
+
+
+async def rotate_token(*, session: AsyncSession, contributor: Contributor) -> str:
+    """A new token for the contributor; the one it authenticated with stops working when
+    this commits. Of two rotations with the same token at once, one wins; the other is 401."""
+    token = new_token("ctr")
+    rotated = await session.scalar(
+        update(Contributor)
+        .where(Contributor.id == contributor.id, Contributor.token_hash == contributor.token_hash)
+        .values(token_hash=hash_token(token))
+        .returning(Contributor.id)
+    )
+    if rotated is None:
+        raise Unauthorized("this token was rotated or revoked meanwhile; use the new one")
+    return token
+
+
+# ---------------------------------------------------------------- bans (admin)
+
+
+async def ban(
+    *, session: AsyncSession, contributor_id: str, reason: str, now: datetime
+) -> BanState:
+    """Ban the contributor: its token is refused from this commit on (403 banned), its work
+    in rounds not yet closed is excluded and its live leases are released, all in this
+    transaction. Banning again replaces the reason and keeps the first ban's time."""
+    banned = await session.scalar(
+        update(Contributor)
+        .where(Contributor.id == contributor_id)
+        .values(
+            banned_at=func.coalesce(Contributor.banned_at, now),
+            ban_reason=reason,
+        )
+        .returning(Contributor)
+    )
+    if banned is None:
+        raise NotFound(f"no contributor {contributor_id!r}; GET /api/v1/contributors lists them")
+    excluded, released = await rounds_bans.withdraw(
+        session=session, contributor_id=contributor_id, reason=reason, now=now
+    )
+    return _ban_state(banned, excluded=excluded, released=released)
+
+
+async def unban(*, session: AsyncSession, contributor_id: str) -> BanState:
+    """Lift the ban: the token works again. Work the ban excluded stays excluded."""
+    lifted = await session.scalar(
+        update(Contributor)
+        .where(Contributor.id == contributor_id)
+        .values(banned_at=None, ban_reason=None)
+        .returning(Contributor)
+    )
+    if lifted is None:
+        raise NotFound(f"no contributor {contributor_id!r}; GET /api/v1/contributors lists them")
+    return _ban_state(lifted, excluded=0, released=0)
+
+
+def _ban_state(contributor: Contributor, *, excluded: int, released: int) -> BanState:
+    return BanState(
+        id=contributor.id,
+        name=contributor.name,
+        banned_at=contributor.banned_at,
+        ban_reason=contributor.ban_reason,
+        excluded=excluded,
+        leases_released=released,
+    )
 
 
 # ---------------------------------------------------------------- figures

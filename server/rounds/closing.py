@@ -15,7 +15,9 @@ many worker processes share the database.
    nothing.
 
 A close that fails is recorded on the round (``error_code``, ``error``) and tried again
-with backoff; it never stops another round's close.
+with backoff; it never stops another round's close. A close whose step used the work of a
+contributor banned while it computed publishes nothing either (``contributor_banned``): it
+is computed again at once, without that work (``server.rounds.bans``).
 """
 
 from __future__ import annotations
@@ -24,27 +26,25 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from sqlalchemy.sql.elements import ColumnElement
 
-from diloco.faults import FaultInjector, InjectedFault
-from diloco.protocol.rules import close_effects, close_retry_at
-from diloco.protocol.state import Aggregated, Decision, RetryPolicy, RoundState, RunStatus
+from diloco.faults import FaultInjector
+from diloco.protocol.rules import close_effects
+from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
-from server.metrics import CLOSE_FAILURES, CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
+from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
+from server.rounds import bans, claims
 from server.rounds import service as rounds_service
+from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.models import Contribution, Round
 from server.rounds.outer_step import (
     OuterResult,
     StepInputs,
-    StepRejected,
     Stored,
     apply_outer_step,
 )
@@ -53,14 +53,6 @@ from server.settings import Settings
 from server.storage import Storage
 
 log = logging.getLogger("diloco.rounds")
-
-
-@dataclass(frozen=True)
-class Claim:
-    run_id: str
-    index: int
-    token: str  # this worker's, for this attempt
-    attempt: int  # claims taken on the round so far, this one included
 
 
 async def mark_closing(
@@ -76,48 +68,6 @@ async def mark_closing(
     return won is not None
 
 
-async def claim_next(
-    *, sessions: async_sessionmaker[AsyncSession], settings: Settings, now: datetime
-) -> Claim | None:
-    """Claim one closing round that is free (or whose claim expired) and due; None if none."""
-    token = secrets.token_hex(8)
-    due = (
-        select(Round.run_id, Round.index)
-        .where(
-            Round.state == RoundState.CLOSING,
-            or_(Round.claim_expires_at.is_(None), Round.claim_expires_at <= now),
-            or_(Round.retry_at.is_(None), Round.retry_at <= now),
-        )
-        .order_by(Round.retry_at.asc().nulls_first(), Round.opened_at)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-        .cte("due")
-    )
-    taken_over = Round.claim_token.is_not(None)  # its holder stopped renewing: it died
-    async with sessions() as session, session.begin():
-        row = (
-            await session.execute(
-                update(Round)
-                .where(Round.run_id == due.c.run_id, Round.index == due.c.index)
-                .values(
-                    claim_token=token,
-                    claim_expires_at=now + timedelta(seconds=settings.claim_ttl_s),
-                    close_attempts=Round.close_attempts + 1,
-                    error_code=case((taken_over, "claim_expired"), else_=Round.error_code),
-                    error=case(
-                        (taken_over, "the worker closing it stopped renewing its claim"),
-                        else_=Round.error,
-                    ),
-                    error_at=case((taken_over, now), else_=Round.error_at),
-                )
-                .returning(Round.run_id, Round.index, Round.close_attempts)
-            )
-        ).one_or_none()
-    if row is None:
-        return None
-    return Claim(run_id=row[0], index=row[1], token=token, attempt=row[2])
-
-
 async def close_claimed(
     *,
     sessions: async_sessionmaker[AsyncSession],
@@ -131,7 +81,7 @@ async def close_claimed(
     runs on ``executor`` (the sweeper's low-priority close threads). Any failure is recorded
     on the round (retried later) instead of raised."""
     started = datetime.now(UTC)
-    renewal = asyncio.create_task(_renew(sessions, settings, claim))
+    renewal = asyncio.create_task(claims.renew(sessions, settings, claim))
     try:
         inputs, aggregated = await _read_inputs(sessions, claim)
         faults.hit("close.claim")
@@ -155,11 +105,15 @@ async def close_claimed(
             faults.hit("close.publish")
     except asyncio.CancelledError:
         raise
+    except BannedInStep as err:  # not a failure: computed again at once, without them
+        log.warning("run %s round %d: %s", claim.run_id, claim.index, err)
+        await claims.record_failure(sessions, settings, claim, err)
+        return False
     except Exception as err:  # recorded on the round and retried: never stops other rounds
         log.exception(
             "run %s round %d: close attempt %d failed", claim.run_id, claim.index, claim.attempt
         )
-        await _record_failure(sessions, settings, claim, err)
+        await claims.record_failure(sessions, settings, claim, err)
         return False
     finally:
         renewal.cancel()
@@ -224,16 +178,6 @@ def _weight(c: Contribution) -> int:
     return c.tokens if c.weight is None else c.weight
 
 
-def _mine(claim: Claim) -> tuple[ColumnElement[bool], ...]:
-    """The WHERE of every write a claim holder makes: still closing, still its claim."""
-    return (
-        Round.run_id == claim.run_id,
-        Round.index == claim.index,
-        Round.state == RoundState.CLOSING,
-        Round.claim_token == claim.token,
-    )
-
-
 async def _publish(
     sessions: async_sessionmaker[AsyncSession],
     claim: Claim,
@@ -276,11 +220,18 @@ async def _publish(
                 + result.decision.reason,
             }
         code = await session.scalar(
-            update(Round).where(*_mine(claim)).values(**closed).returning(Round.close_code)
+            update(Round).where(*claims.mine(claim)).values(**closed).returning(Round.close_code)
         )
         if code is None:
             log.warning("run %s round %d: claim lost before publishing", claim.run_id, claim.index)
             return None
+        if banned := await bans.used_banned(
+            session=session, contribution_ids=[a.contribution_id for a in aggregated]
+        ):  # raising rolls this transaction back: nothing of this step is published
+            raise BannedInStep(
+                f"contributions {', '.join(banned)} were excluded by a ban while the step "
+                "computed; computing it again without them"
+            )
         await _exclude(session, result)
         session.add(
             checkpoints_service.row_for(
@@ -341,7 +292,7 @@ async def _reopen(
     async with sessions() as session, session.begin():
         won = await session.scalar(
             update(Round)
-            .where(*_mine(claim))
+            .where(*claims.mine(claim))
             .values(
                 state=RoundState.OPEN,
                 claim_token=None,
@@ -354,63 +305,6 @@ async def _reopen(
         if won is not None:
             await _exclude(session, result)
     log.warning("run %s: %s", claim.run_id, decision.reason)
-
-
-async def _record_failure(
-    sessions: async_sessionmaker[AsyncSession], settings: Settings, claim: Claim, err: Exception
-) -> None:
-    now = datetime.now(UTC)
-    code = (
-        "injected_fault"
-        if isinstance(err, InjectedFault)
-        else "step_rejected"
-        if isinstance(err, StepRejected)
-        else "close_failed"
-    )
-    policy = RetryPolicy(base_s=settings.close_retry_base_s, max_s=settings.close_retry_max_s)
-    retry_at = close_retry_at(now, claim.attempt, policy)
-    detail = f"attempt {claim.attempt}: {type(err).__name__}: {err}"[:1000]
-    CLOSE_FAILURES.labels(code).inc()
-    async with sessions() as session, session.begin():
-        await session.execute(
-            update(Round)
-            .where(*_mine(claim))
-            .values(
-                claim_token=None,
-                claim_expires_at=None,
-                error_code=code,
-                error=detail,
-                error_at=now,
-                retry_at=retry_at,
-            )
-        )
-    log.warning(
-        "run %s round %d: %s; retrying at %s",
-        claim.run_id,
-        claim.index,
-        detail,
-        retry_at.isoformat(),
-    )
-
-
-async def _renew(
-    sessions: async_sessionmaker[AsyncSession], settings: Settings, claim: Claim
-) -> None:
-    """Keep the claim while the compute runs; stop when it is no longer ours."""
-    every = settings.claim_ttl_s / 3
-    while True:
-        await asyncio.sleep(every)
-        now = datetime.now(UTC)
-        async with sessions() as session, session.begin():
-            kept = await session.scalar(
-                update(Round)
-                .where(*_mine(claim))
-                .values(claim_expires_at=now + timedelta(seconds=settings.claim_ttl_s))
-                .returning(Round.index)
-            )
-        if kept is None:
-            log.warning("run %s round %d: claim lost", claim.run_id, claim.index)
-            return
 
 
 def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> None:

@@ -9,7 +9,9 @@ Order of work, so that a bad upload costs little and leaves nothing behind:
    (``admit_claim``) and against the run's model and codec;
 4. the blob is committed (fsync + rename) and the row inserted in one short transaction
    that holds the run and the round ``FOR SHARE`` and asks ``admit_upload`` again, so a
-   round cannot start closing, nor the run be paused, between the check and the insert.
+   round cannot start closing, nor the run be paused, between the check and the insert;
+   it holds the contributor ``FOR SHARE`` too, so a ban that lands while the body streams
+   is either seen here (403 banned) or waits, and then excludes the row it finds.
 Any failure aborts the temp blob; a 2xx means blob fsynced and row committed.
 """
 
@@ -44,6 +46,8 @@ from diloco.wire import (
     NonFiniteWireError,
     WireFormatError,
 )
+from server.auth import banned
+from server.contributors.models import Contributor
 from server.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -208,6 +212,7 @@ async def receive(
                 .where(Round.run_id == run_id, Round.index == index)
                 .with_for_update(read=True)
             )
+            await _not_banned(session, contributor_id)
             facts, raced, lease_id = await _upload_facts(session, locked, index, contributor_id)
             verdict = admit_upload(facts)
             if isinstance(verdict, Refusal):
@@ -272,6 +277,19 @@ def _retry_answer(existing: Contribution, sha: str) -> Accepted:
     return Accepted(
         False, Receipt(contribution_id=existing.id, round=existing.round_index, sha256=sha)
     )
+
+
+async def _not_banned(session: AsyncSession, contributor_id: str) -> None:
+    """Refuse a contributor banned since its token was checked; hold its row until commit."""
+    ban = (
+        await session.execute(
+            select(Contributor.banned_at, Contributor.ban_reason)
+            .where(Contributor.id == contributor_id)
+            .with_for_update(read=True)
+        )
+    ).one_or_none()
+    if ban is not None and ban.banned_at is not None:
+        raise banned(ban.ban_reason)
 
 
 async def _upload_facts(

@@ -37,8 +37,15 @@ from diloco.protocol.state import (
     RoundView,
     RunStatus,
 )
-from server.auth import hash_token
-from server.errors import LeaseNotFound, RunNotFound, Unauthorized, refused
+from server.auth import UNKNOWN_TOKEN, banned, hash_token
+from server.errors import (
+    HubError,
+    LeaseNotFound,
+    NotInvited,
+    RunNotFound,
+    Unauthorized,
+    refused,
+)
 from server.rounds import service as rounds_service
 from server.rounds.models import Lease as LeaseRow
 from server.settings import Settings
@@ -50,10 +57,12 @@ API = "/api/v1"
 # Fixed statements on the asyncpg pool (``server.db.make_fast_pool``): asyncpg prepares each
 # once per connection. The first statement of each request reads every fact the rule needs
 # and marks the contributor seen (``me``: refused or not, the action counts); no row comes
-# back for an unknown token. Column names are the models' (tests/test_migrations.py pins
+# back for an unknown token nor for a banned contributor (``refusal`` then says which, off
+# the hot path). Column names are the models' (tests/test_migrations.py pins
 # the schema to them).
 
-_ME = "me AS (UPDATE contributors SET last_seen_at = $2 WHERE token_hash = $1 RETURNING id)"
+_ME = """me AS (UPDATE contributors SET last_seen_at = $2
+        WHERE token_hash = $1 AND banned_at IS NULL RETURNING id)"""
 
 HEARTBEAT_FACTS = f"""
 WITH {_ME}
@@ -76,7 +85,9 @@ SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, 
        run.chunk_len, run.shards::text AS shards, run.config::text AS config,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
        l.id AS lease_id, l.shard, l.seed, l.last_heartbeat, l.expires_at,
-       c.version, c.sha256, c.nbytes,
+       c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
+       EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
+               AND m.contributor_id = me.id) AS member,
        EXISTS (SELECT 1 FROM contributions x WHERE x.run_id = $3
                AND x.round_index = r.index AND x.contributor_id = me.id) AS contributed
 FROM me
@@ -103,8 +114,15 @@ RENEW_LEASE = """
 UPDATE leases SET last_heartbeat = $2, expires_at = $3 WHERE id = $1
 RETURNING id, shard, seed, expires_at
 """
+BAN = "SELECT banned_at, ban_reason FROM contributors WHERE token_hash = $1"
 
-UNKNOWN_TOKEN = "unknown contributor token; register with POST /api/v1/contributors"
+
+async def _no_one(conn: asyncpg.Connection, token_hash: str) -> HubError:
+    """Why ``me`` matched no one: a banned contributor (403 banned), else an unknown token."""
+    row = await conn.fetchrow(BAN, token_hash)
+    if row is not None and row["banned_at"] is not None:
+        return banned(row["ban_reason"])
+    return Unauthorized(UNKNOWN_TOKEN)
 
 
 def _round_view(row: asyncpg.Record) -> RoundView | None:
@@ -129,11 +147,17 @@ async def join(
     rule's refusal. No transaction: one statement reads every fact; a new lease then takes
     the round's next ordinal (an atomic counter) and is inserted."""
     async with pool.acquire() as conn:
-        row = await conn.fetchrow(JOIN_FACTS, hash_token(token), now, run_id)
+        token_hash = hash_token(token)
+        row = await conn.fetchrow(JOIN_FACTS, token_hash, now, run_id)
         if row is None:
-            raise Unauthorized(UNKNOWN_TOKEN)
+            raise await _no_one(conn, token_hash)
         if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+        if row["private"] and not row["member"]:
+            raise NotInvited(
+                f"run {run_id} is private: join it with the invite code its owner gave you "
+                f"(POST /api/v1/runs/{run_id}/members, or diloco join --invite CODE)"
+            )
         view = _round_view(row)
         held = None
         if row["lease_id"] is not None:
@@ -245,9 +269,10 @@ async def heartbeat(
     """Renew the lease, or the rule's refusal. No transaction: one statement reads the facts
     (and marks the contributor seen), one indexed UPDATE renews."""
     async with pool.acquire() as conn:
-        row = await conn.fetchrow(HEARTBEAT_FACTS, hash_token(token), now, run_id, index, lease_id)
+        token_hash = hash_token(token)
+        row = await conn.fetchrow(HEARTBEAT_FACTS, token_hash, now, run_id, index, lease_id)
         if row is None:
-            raise Unauthorized(UNKNOWN_TOKEN)
+            raise await _no_one(conn, token_hash)
         if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
         rnd = _round_view(row)

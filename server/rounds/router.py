@@ -4,11 +4,13 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request, Response
 
+from server import ratelimit
 from server.auth import ContributorAuth, bearer_token
 from server.db import SessionDep
 from server.errors import HubError
 from server.inputs import RoundIndex, RunId
 from server.metrics import UPLOAD_BYTES, UPLOADS
+from server.ratelimit import Action
 from server.rounds import ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
@@ -99,6 +101,7 @@ async def release_lease(
     "/rounds/{index}/contribution",
     status_code=201,
     responses={200: {"description": "an identical retry of an accepted upload"}},
+    dependencies=ratelimit.depends(Action.UPLOAD),  # before the token or a byte of the body
 )
 async def contribution(
     run_id: RunId,

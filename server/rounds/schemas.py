@@ -33,7 +33,8 @@ __all__ = [
 class CloseError(BaseModel):
     """The latest failed attempt to close a round; kept after a later attempt succeeds."""
 
-    code: str  # close_failed | injected_fault | claim_expired
+    # close_failed | injected_fault | step_rejected | contributor_banned | claim_expired
+    code: str
     detail: str  # what went wrong, as a sentence
     at: datetime
     attempts: int  # close attempts (claims) so far

@@ -3,14 +3,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, Integer, String, func
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from diloco.protocol.state import RunStatus
 from server.db import Base
 
-__all__ = ["Run", "RunStatus"]
+__all__ = ["Run", "RunMember", "RunStatus"]
 
 
 class Run(Base):
@@ -36,3 +36,21 @@ class Run(Base):
     checkpoint_version: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
+    # sha256 of the invite code: while set, the run is private (joining needs membership,
+    # RunMember, which the code grants); None: anyone may join
+    invite_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class RunMember(Base):
+    """A contributor admitted to a private run with its invite code (kept when the code is
+    replaced: a new code is for newcomers)."""
+
+    __tablename__ = "run_members"
+
+    run_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    joined_at: Mapped[datetime] = mapped_column()

@@ -10,12 +10,12 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from diloco.config import ConfigError, parse_config
-from server.auth import AdminAuth
+from server.auth import AdminAuth, ContributorAuth
 from server.db import SessionDep
 from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
 from server.inputs import RunId, check_text
 from server.runs import service
-from server.runs.schemas import RunList, RunOut
+from server.runs.schemas import Invite, Member, MemberIn, RunList, RunOut
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -124,3 +124,31 @@ async def resume(run_id: RunId, request: Request, session: SessionDep, _: AdminA
 async def cancel(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
     """Stop the run for good; its checkpoints stay downloadable."""
     return await _transition(run_id, "cancel", request, session)
+
+
+@router.post("/{run_id}/invite")
+async def invite(run_id: RunId, session: SessionDep, _: AdminAuth) -> Invite:
+    """Make the run private with a new invite code, shown only this once (admin token). An
+    older code stops admitting; whoever it admitted stays a member."""
+    return Invite(run_id=run_id, invite=await service.new_invite(session=session, run_id=run_id))
+
+
+@router.delete("/{run_id}/invite", status_code=204)
+async def drop_invite(run_id: RunId, session: SessionDep, _: AdminAuth) -> None:
+    """Make the run public again: anyone may join (admin token)."""
+    await service.make_public(session=session, run_id=run_id)
+
+
+@router.post("/{run_id}/members")
+async def join_private(
+    run_id: RunId, body: MemberIn, contributor: ContributorAuth, session: SessionDep
+) -> Member:
+    """Become a member of a private run with its invite code (contributor token); then
+    ``join`` works. Idempotent; a public run needs no membership."""
+    return await service.admit(
+        session=session,
+        run_id=run_id,
+        contributor_id=contributor.id,
+        invite=body.invite,
+        now=datetime.now(UTC),
+    )

@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.rounds.schemas import CloseError
 
@@ -58,9 +58,27 @@ class RunOut(BaseModel):
     config: dict[str, Any]
     n_params: int
     checkpoint_version: int
+    private: bool  # joining needs the run's invite code (POST /runs/{id}/members)
     data: DataInfo
     current_round: CurrentRound | None
     latest: LatestMetrics | None
+
+
+class Invite(BaseModel):
+    run_id: str
+    invite: str  # shown once: only its hash is stored; hand it to whom may join
+
+
+class MemberIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    invite: str = Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")
+
+
+class Member(BaseModel):
+    run_id: str
+    contributor_id: str
+    joined_at: datetime | None  # None: the run is public, nothing to join
 
 
 class RunList(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 from datetime import UTC, datetime
@@ -11,18 +12,20 @@ from typing import Any, Literal
 
 import torch
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig
 from diloco.model import GPT
 from diloco.outer import OuterOptimizer
 from diloco.train import parameters_of
+from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
-from server.errors import InvalidTransition, RunNotFound, StorageFailed
+from server.errors import InvalidInvite, InvalidTransition, RunNotFound, StorageFailed
 from server.rounds import service as rounds_service
 from server.runs import data as run_data
-from server.runs.models import Run, RunStatus
-from server.runs.schemas import DataInfo, LatestMetrics, RunOut
+from server.runs.models import Run, RunMember, RunStatus
+from server.runs.schemas import DataInfo, LatestMetrics, Member, RunOut
 from server.settings import Settings
 from server.storage import Storage
 
@@ -155,6 +158,48 @@ async def transition(*, session: AsyncSession, run_id: str, action: str, now: da
     return run
 
 
+# ---------------------------------------------------------------- private runs
+
+
+async def new_invite(*, session: AsyncSession, run_id: str) -> str:
+    """Make the run private with a new invite code (the old one, if any, stops admitting;
+    the members it admitted stay). The code is returned once; only its hash is stored."""
+    run = await get(session=session, run_id=run_id, lock="update")
+    code = new_token("inv")
+    run.invite_hash = hash_token(code)
+    await session.flush()
+    return code
+
+
+async def make_public(*, session: AsyncSession, run_id: str) -> None:
+    """Anyone may join again; the members stay members (should it go private again)."""
+    run = await get(session=session, run_id=run_id, lock="update")
+    run.invite_hash = None
+    await session.flush()
+
+
+async def admit(
+    *, session: AsyncSession, run_id: str, contributor_id: str, invite: str, now: datetime
+) -> Member:
+    """Admit the contributor to the private run with its current invite code (again:
+    changes nothing); a public run admits anyone without a membership."""
+    run = await get(session=session, run_id=run_id)
+    if run.invite_hash is None:
+        return Member(run_id=run_id, contributor_id=contributor_id, joined_at=None)
+    if not hmac.compare_digest(hash_token(invite), run.invite_hash):
+        raise InvalidInvite(f"that is not run {run_id}'s invite code; ask its owner for it")
+    joined = await session.scalar(
+        insert(RunMember)
+        .values(run_id=run_id, contributor_id=contributor_id, joined_at=now)
+        .on_conflict_do_update(
+            index_elements=[RunMember.run_id, RunMember.contributor_id],
+            set_={"run_id": RunMember.run_id},  # a no-op that returns the existing row
+        )
+        .returning(RunMember.joined_at)
+    )
+    return Member(run_id=run_id, contributor_id=contributor_id, joined_at=joined)
+
+
 async def view(*, session: AsyncSession, settings: Settings, run: Run, now: datetime) -> RunOut:
     current = await rounds_service.current_view(
         session=session, settings=settings, run=run, now=now
@@ -173,6 +218,7 @@ async def view(*, session: AsyncSession, settings: Settings, run: Run, now: date
         config=run.config,
         n_params=run.n_params,
         checkpoint_version=run.checkpoint_version,
+        private=run.invite_hash is not None,
         data=DataInfo(
             train_tokens=run.train_tokens,
             val_tokens=run.val_tokens,

@@ -106,6 +106,10 @@ class ServerProcess(Proc):
             "DILOCO_ADMIN_TOKEN": ADMIN_TOKEN,
             "DILOCO_SWEEP_INTERVAL_S": "0.2",
             "DILOCO_TORCH_THREADS": "1",
+            # every test client is 127.0.0.1: no rate limit unless a test sets one
+            "DILOCO_RATE_REGISTER": "",
+            "DILOCO_RATE_SPEEDTEST": "",
+            "DILOCO_RATE_UPLOAD": "",
             **{f"DILOCO_{k.upper()}": str(v) for k, v in settings.items()},
         }
         args = [sys.executable, "-m", "client.cli", "serve", "--host", "127.0.0.1"]
