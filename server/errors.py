@@ -9,6 +9,7 @@ becomes the matching error through ``refused``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from diloco.protocol.messages import ErrorCode
@@ -26,6 +27,10 @@ class HubError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": self.code, "detail": self.detail, **self.extra}
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries besides the body (``Retry-After``)."""
+        return {}
 
 
 class MalformedUpload(HubError):
@@ -122,6 +127,13 @@ class InvalidTransition(HubError):
     code = ErrorCode.INVALID_TRANSITION
 
 
+class RequestTimeout(HubError):
+    # the request line and headers, or the body, stopped arriving (server.connection,
+    # server.body_timeout); the connection is closed after this answer
+    status = 408
+    code = ErrorCode.REQUEST_TIMEOUT
+
+
 class LengthRequired(HubError):
     status = 411
     code = ErrorCode.LENGTH_REQUIRED
@@ -137,6 +149,12 @@ class BodyTooLarge(HubError):
     code = ErrorCode.BODY_TOO_LARGE
 
 
+class ModelTooLarge(HubError):
+    # run creation: a close of this model would need more memory than the server may use
+    status = 422
+    code = ErrorCode.MODEL_TOO_LARGE
+
+
 class InvalidConfig(HubError):
     status = 422
     code = ErrorCode.INVALID_CONFIG
@@ -150,6 +168,23 @@ class InvalidRequest(HubError):
 class InvalidData(HubError):
     status = 422
     code = ErrorCode.INVALID_DATA
+
+
+class TooManyUploads(HubError):
+    """Too many uploads in flight, the contributor's or the server's; ``retry_after_s``
+    is in the body and in the ``Retry-After`` header."""
+
+    status = 429
+    code = ErrorCode.TOO_MANY_UPLOADS
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(math.ceil(self.extra["retry_after_s"]))}
+
+
+class HeaderTooLarge(HubError):
+    # the request line and headers are over max_header_bytes (server.connection)
+    status = 431
+    code = ErrorCode.HEADER_TOO_LARGE
 
 
 class Internal(HubError):

@@ -99,7 +99,7 @@ def unexpected(exc: BaseException, *, request_id: str, method: str, path: str) -
 
 async def _hub_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HubError)
-    return error_response(exc.status, exc.code, exc.detail, **exc.extra)
+    return error_response(exc.status, exc.code, exc.detail, exc.headers(), **exc.extra)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
