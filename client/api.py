@@ -29,6 +29,7 @@ from client.credentials import normalize_server_url
 from client.download import Fetched, fetch_once
 from client.http import (
     CHUNK,
+    TRY_AGAIN,
     ApiError,
     DownloadError,
     RetryableError,
@@ -132,10 +133,13 @@ class ServerAPI:
         policy's attempts or total time run out."""
         policy, started = retry or self.retry, time.monotonic()
         for attempt in range(1, policy.attempts + 1):
+            asked = None  # how long the server asked us to wait
             try:
                 return await attempt_once()
             except ApiError as err:
-                if not (err.status == 503 or (idempotent and err.status >= 500)):
+                if err.status in TRY_AGAIN:  # refused before acting: safe to send again
+                    asked = err.retry_after_s
+                elif not (err.status == 503 or (idempotent and err.status >= 500)):
                     raise
                 last: Exception = err
             except RetryableError as err:
@@ -150,6 +154,8 @@ class ServerAPI:
                         f"{last}; it may or may not have taken effect, check before repeating it"
                     ) from err
             delay = backoff_delay(attempt, policy, random.random())
+            if asked is not None:
+                delay = max(delay, min(asked, policy.max_delay_s))
             if attempt == policy.attempts or time.monotonic() - started + delay > policy.total_s:
                 break
             await asyncio.sleep(delay)

@@ -1,9 +1,12 @@
 """HTTP plumbing the API client shares: errors, retry policy with jittered backoff, timeouts,
 and reading the server's JSON and error answers.
 
-A 4xx is never retried: it is raised at once as an :class:`ApiError` carrying the server's
-``error`` code. Connection errors, timeouts and 5xx answers are retried with exponential
-backoff and jitter (``backoff_delay``), within a bounded number of attempts and total time.
+A 4xx is raised at once as an :class:`ApiError` carrying the server's ``error`` code,
+except 408 (``request_timeout``: the request stalled and the server dropped it) and 429
+(``too_many_uploads``): the server refused those before acting, and they are tried again,
+no sooner than the server's ``Retry-After`` (at most ``max_delay_s``). Connection errors,
+timeouts and 5xx answers are retried with exponential backoff and jitter
+(``backoff_delay``), within a bounded number of attempts and total time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,20 @@ class ApiError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.status >= 500
+        return self.status >= 500 or self.status in TRY_AGAIN
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When the server said to come back (the body's ``retry_after_s``), if it did."""
+        after = self.body.get("retry_after_s")
+        if isinstance(after, bool) or not isinstance(after, int | float) or not after >= 0:
+            return None
+        return float(after)
+
+
+# refused before the server acted on it, to be tried again later: the request stalled
+# (408), too many uploads at once (429)
+TRY_AGAIN = frozenset({408, 429})
 
 
 class ServerUnreachable(Exception):
