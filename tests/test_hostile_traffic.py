@@ -230,6 +230,7 @@ def test_a_contributors_third_upload_in_flight_gets_429_and_the_drops_free_its_s
     assert (refused.status_code, refused.json()["error"]) == (429, "too_many_uploads")
     assert refused.headers["retry-after"] == "5"
     assert refused.json()["retry_after_s"] == 5.0
+    assert refused.headers["connection"] == "close"  # its unread body cannot hold it
     for sock in stalls:  # dropped after the body timeout: their slots are given back
         assert parse_answer(read_to_close(sock))[0] == 408
     assert upload(http, token, work).status_code == 201
