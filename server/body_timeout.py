@@ -11,16 +11,14 @@ an error while parsing a JSON body into a 400), with ``Connection: close`` so th
 closes the connection after it. Only the time the app waits for the client counts: while
 the app itself is busy, nothing is read, and no deadline runs.
 
-An answer sent before the body was read to its end (a 429, 401 or 409 refusing an upload
-at once) carries ``Connection: close`` too: uvicorn would otherwise keep the connection,
-and a client could drip the unread rest of the body into it for ever, unanswered.
+The unread rest of a body answered before it was read (an upload refused at once) is the
+connection's business: ``server.connection`` gives it ``header_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import RequestTimeout
@@ -38,26 +36,21 @@ class BodyTimeout:
             return
         stalled: RequestTimeout | None = None
         replaced = False  # the app's answer was replaced by the 408
-        body_read = not _has_body(scope)
 
         async def bounded_receive() -> Message:
-            nonlocal stalled, body_read
+            nonlocal stalled
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+                return await asyncio.wait_for(receive(), self.idle_timeout_s)
             except TimeoutError:
                 stalled = RequestTimeout(
                     f"the request body sent nothing for {self.idle_timeout_s:g} s; "
                     "it was dropped, send it again"
                 )
                 raise stalled from None
-            body_read = body_read or not message.get("more_body", False)
-            return message
 
         async def send_or_replace(message: Message) -> None:
             nonlocal replaced
             if stalled is None:
-                if message["type"] == "http.response.start" and not body_read:
-                    MutableHeaders(scope=message)["Connection"] = "close"
                 await send(message)
             elif message["type"] == "http.response.start" and not replaced:
                 replaced = True
@@ -67,10 +60,3 @@ class BodyTimeout:
             # the replaced answer's own messages are dropped
 
         await self.app(scope, bounded_receive, send_or_replace)
-
-
-def _has_body(scope: Scope) -> bool:
-    for name, value in scope["headers"]:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0 ")):
-            return True
-    return False

@@ -14,6 +14,12 @@ loop for 12 s). ``GuardedHttpTools`` is uvicorn's httptools protocol with two gu
   request_timeout`` when part of a head had come (a client that opened a connection and
   went quiet, or drips a header a byte at a time, holds a file descriptor for that long at
   most; an idle keep-alive connection is closed silently, as uvicorn's keep-alive does).
+  The unread rest of a body that was answered before it was read (an upload refused at
+  once: 401, 409, 429) has the same deadline: uvicorn would read and drop it for ever.
+
+A refusal here closes gently: the answer, then our end of the connection (FIN), then
+whatever the client still sends is dropped for ``LINGER_S`` at most; closing at once with
+its bytes unread would send a reset, and the client might never read the answer.
 
 Bodies have their own deadline (``server.body_timeout``), in the app, where the upload's
 temp blob is cleaned up. ``diloco serve`` always uses this protocol (``server.main``).
@@ -33,6 +39,7 @@ from uvicorn.server import ServerState
 from server.errors import HeaderTooLarge, HubError, RequestTimeout
 
 _END = b"\r\n\r\n"  # the blank line that ends a request's head
+LINGER_S = 2.0  # after a refusal, how long the client's further bytes are read and dropped
 
 
 def error_bytes(err: HubError) -> bytes:
@@ -62,40 +69,49 @@ class GuardedHttpTools(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._in_head = True  # the next bytes are a request's head
+        self._in_body = False  # a request's body is arriving
         self._head_bytes = 0  # of the head so far
         self._tail = b""  # the last 3 bytes of the head so far (a blank line may straddle)
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._lingering: asyncio.TimerHandle | None = None  # refused: closing
 
-    # -- the deadline
+    # -- the deadline, and refusing
 
     def _arm(self) -> None:
         self._disarm()
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._timed_out)
 
     def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._in_head or self.transport.is_closing():
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self._lingering is not None:
             return
-        if not self._head_bytes:  # an idle connection: nothing asked, nothing to answer
-            self.transport.close()
-            return
-        self._refuse(
-            RequestTimeout(
-                f"the request line and headers did not arrive within {self.header_timeout_s:g} s"
+        if self._in_head and self._head_bytes:
+            self._refuse(
+                RequestTimeout(
+                    f"the request line and headers did not arrive within "
+                    f"{self.header_timeout_s:g} s"
+                )
             )
-        )
+        else:  # idle, or the rest of a body already answered: nothing to say
+            self.transport.close()
 
     def _refuse(self, err: HubError) -> None:
-        """Answer ``err`` (unless an answer is under way on this connection) and close."""
+        """Answer ``err`` (unless an answer is under way on this connection), then close:
+        after our FIN, what the client still sends is read and dropped for LINGER_S at
+        most, so that it reads our answer rather than a reset."""
+        self._disarm()
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             self.transport.write(error_bytes(err))
-        self.transport.close()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        # the client's EOF closes the connection sooner (uvicorn's eof_received)
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
 
     # -- uvicorn's protocol, with the guards
 
@@ -105,9 +121,13 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            return  # refused: dropped unread
         if self._in_head and not self._count_head(data):
             return
         super().data_received(data)
@@ -119,8 +139,6 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head_bytes += counted
         self._tail = (self._tail + data)[-(len(_END) - 1) :]
         if self._head_bytes > self.max_header_bytes:
-            self._in_head = False
-            self._disarm()
             self._refuse(
                 HeaderTooLarge(
                     f"the request line and headers are over {self.max_header_bytes} bytes"
@@ -130,18 +148,21 @@ class GuardedHttpTools(HttpToolsProtocol):
         return True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head, self._in_body = False, True
         self._disarm()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        self._in_head, self._head_bytes, self._tail = True, 0, b""  # the next request's head
+        self._in_head, self._in_body = True, False  # the next bytes are the next request's
+        self._head_bytes, self._tail = 0, b""
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._in_head and not self.transport.is_closing():
-            self._arm()  # the next request's head has header_timeout_s from now
+        if not self.transport.is_closing() and (self._in_head or self._in_body):
+            # the next request's head, and the unread rest of a body answered before it
+            # was read (an upload refused at once), have header_timeout_s from now
+            self._arm()
 
 
 def guarded(*, max_header_bytes: int, header_timeout_s: float) -> type[GuardedHttpTools]:
