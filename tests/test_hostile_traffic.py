@@ -216,6 +216,25 @@ def test_a_stalled_upload_is_dropped_with_408_and_its_temp_blob_removed(server, 
     assert [r["error"] for r in seen["rejections"]] == ["request_timeout"]
 
 
+def test_a_stalled_run_data_upload_is_dropped_with_408(server):
+    sock = connect(server)
+    head = (
+        f"POST {API}/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: {admin_headers()['Authorization']}\r\n"
+        "Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: 5000000\r\n\r\n"
+    )
+    part = '--xyz\r\nContent-Disposition: form-data; name="data"; filename="c.txt"\r\n\r\n'
+    sock.sendall(head.encode() + part.encode() + b"a" * 2_000_000)  # then nothing
+    started = time.monotonic()
+
+    status, _, body = parse_answer(read_to_close(sock))
+
+    assert (status, body["error"]) == (408, "request_timeout")
+    assert time.monotonic() - started <= BODY_IDLE_TIMEOUT_S + SLACK_S
+    leftovers = server.data_dir / "tmp"
+    assert not leftovers.exists() or not list(leftovers.iterdir())
+
+
 def test_the_unread_rest_of_a_refused_upload_cannot_hold_the_connection(server, run_id):
     sock = stalled_upload(server, "ctr_not_a_token", {"run_id": run_id, "round": 1}, 50_000)
     sock.settimeout(0.2)
