@@ -8,8 +8,10 @@ liked. Here every wait of the app for body bytes (ASGI ``receive``) is bounded b
 is removed on its way out (``server.rounds.ingest``: the ``BlobWriter`` aborts), the run
 upload's temp file too. Whatever the app then answers is replaced by the 408 (FastAPI turns
 an error while parsing a JSON body into a 400), with ``Connection: close`` so that uvicorn
-closes the connection after it. Only the time the app waits for the client counts: while
-the app itself is busy, nothing is read, and no deadline runs.
+closes the connection after it. Only the time the app waits for the client's body counts:
+while the app itself is busy, nothing is read, and no deadline runs; once the body is all
+in, a ``receive`` only waits for the client to leave (a streamed download listens for
+that for as long as it lasts) and is not bounded.
 
 The unread rest of a body answered before it was read (an upload refused at once) is the
 connection's business: ``server.connection`` gives it ``header_timeout_s``.
@@ -36,17 +38,22 @@ class BodyTimeout:
             return
         stalled: RequestTimeout | None = None
         replaced = False  # the app's answer was replaced by the 408
+        body_done = False  # the last body message has arrived
 
         async def bounded_receive() -> Message:
-            nonlocal stalled
+            nonlocal stalled, body_done
+            if body_done:  # now receive only waits for the client to leave (a streamed
+                return await receive()  # answer listens for that): no deadline
             try:
-                return await asyncio.wait_for(receive(), self.idle_timeout_s)
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
             except TimeoutError:
                 stalled = RequestTimeout(
                     f"the request body sent nothing for {self.idle_timeout_s:g} s; "
                     "it was dropped, send it again"
                 )
                 raise stalled from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
 
         async def send_or_replace(message: Message) -> None:
             nonlocal replaced

@@ -174,6 +174,22 @@ def test_a_head_dripped_a_byte_at_a_time_is_cut_at_the_header_timeout(server):
             time.sleep(0.2)
 
 
+def test_a_download_outlasting_the_body_timeout_is_not_cut(server):
+    sock = connect(server)
+    sock.sendall(f"GET {API}/speedtest?bytes={64 << 20} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    started, got = time.monotonic(), 0
+    while got < (64 << 20) + 100 and time.monotonic() - started < 30:  # read slowly
+        piece = sock.recv(1 << 20)
+        if not piece:
+            break
+        got += len(piece)
+        if time.monotonic() - started < BODY_IDLE_TIMEOUT_S + 1:
+            time.sleep(0.05)
+
+    assert time.monotonic() - started > BODY_IDLE_TIMEOUT_S  # it did outlast the timeout
+    assert got > 64 << 20  # the whole body (and its head) arrived
+
+
 def test_a_head_over_the_cap_gets_431_and_the_server_still_answers(server, http):
     sock = connect(server)
     big = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (100 << 10) + b"\r\n\r\n"
