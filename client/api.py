@@ -30,6 +30,7 @@ from client.credentials import normalize_server_url
 from client.download import Fetched, fetch_once
 from client.http import (
     CHUNK,
+    TRY_AGAIN,
     ApiError,
     DownloadError,
     RetryableError,
@@ -133,18 +134,17 @@ class ServerAPI:
         policy's attempts or total time run out."""
         policy, started = retry or self.retry, time.monotonic()
         for attempt in range(1, policy.attempts + 1):
+            asked = None  # how long the server asked us to wait
             try:
                 return await attempt_once()
             except ApiError as err:
-                if err.status == 429 and err.retry_after_s is not None:  # nothing was done
-                    wait = err.retry_after_s
-                    if attempt == policy.attempts or (
-                        time.monotonic() - started + wait > policy.total_s
+                if err.status in TRY_AGAIN:  # refused before acting: safe to send again
+                    asked = err.retry_after_s
+                    if err.status == 429 and (
+                        asked is None or time.monotonic() - started + asked > policy.total_s
                     ):
-                        raise
-                    await asyncio.sleep(wait)
-                    continue
-                if not (err.status == 503 or (idempotent and err.status >= 500)):
+                        raise  # the server did not say when, or not within our budget
+                elif not (err.status == 503 or (idempotent and err.status >= 500)):
                     raise
                 last: Exception = err
             except RetryableError as err:
@@ -159,6 +159,8 @@ class ServerAPI:
                         f"{last}; it may or may not have taken effect, check before repeating it"
                     ) from err
             delay = backoff_delay(attempt, policy, random.random())
+            if asked is not None:  # never sooner than the server asked
+                delay = max(delay, asked)
             if attempt == policy.attempts or time.monotonic() - started + delay > policy.total_s:
                 break
             await asyncio.sleep(delay)

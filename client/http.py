@@ -1,11 +1,13 @@
 """HTTP plumbing the API client shares: errors, retry policy with jittered backoff, timeouts,
 and reading the server's JSON and error answers.
 
-A 4xx is never retried: it is raised at once as an :class:`ApiError` carrying the server's
-``error`` code; but a ``429 rate_limited`` is waited out for its ``Retry-After`` when that
-fits in the retry policy (``client.api``). Connection errors, timeouts and 5xx answers are
-retried with exponential backoff and jitter (``backoff_delay``), within a bounded number of
-attempts and total time.
+A 4xx is raised at once as an :class:`ApiError` carrying the server's ``error`` code,
+except 408 (``request_timeout``: the request stalled and the server dropped it) and 429
+(``rate_limited``, ``too_many_uploads``): the server refused those before acting, so they
+are tried again even when the call is not idempotent; a 429 only when the server said
+when (``Retry-After``) and that fits in the retry policy's total time, and never sooner.
+Connection errors, timeouts and 5xx answers are retried with exponential backoff and
+jitter (``backoff_delay``), within a bounded number of attempts and total time.
 """
 
 from __future__ import annotations
@@ -36,11 +38,27 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(f"server refused ({status} {code}): {detail}")
         self.status, self.code, self.detail, self.body = status, code, detail, dict(body)
-        self.retry_after_s = retry_after_s  # from a Retry-After header in seconds, if any
+        self._retry_after_header = retry_after_s  # a Retry-After header in seconds, if any
 
     @property
     def retryable(self) -> bool:
-        return self.status >= 500
+        return self.status >= 500 or self.status in TRY_AGAIN
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When the server said to come back (its ``Retry-After`` header, else the body's
+        ``retry_after_s``), if it did."""
+        if self._retry_after_header is not None:
+            return self._retry_after_header
+        after = self.body.get("retry_after_s")
+        if isinstance(after, bool) or not isinstance(after, int | float) or not after >= 0:
+            return None
+        return float(after)
+
+
+# refused before the server acted on it, to be tried again later: the request stalled
+# (408), too many requests from this address or uploads at once (429)
+TRY_AGAIN = frozenset({408, 429})
 
 
 class ServerUnreachable(Exception):

@@ -45,6 +45,9 @@ REJECTED_CODES = frozenset(
 # a heartbeat answer that means the lease is no longer worth training for (a paused or
 # ended run takes no upload: the join that follows waits or stops)
 LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
+# the upload was still refused after every retry (client.api waits the server's Retry-After):
+# the server was too busy, or our connection too slow; not our body's fault
+BUSY_CODES = frozenset({ErrorCode.TOO_MANY_UPLOADS, ErrorCode.REQUEST_TIMEOUT})
 # the server refused our upload itself (not the round's timing): worth a few more rounds,
 # in case it was one bad round, but not forever (a client the server cannot read)
 MAX_INVALID_IN_A_ROW = 3
@@ -325,7 +328,7 @@ class _Worker:
         refusing our body is not, and a few of those in a row stop the worker."""
         self.summary.rejected += 1
         self.say.always(f"{head}  upload {nbytes:,} B  rejected: {err.code}: {err.detail}")
-        if err.code in REJECTED_CODES:
+        if err.code in REJECTED_CODES or err.code in BUSY_CODES:
             return
         self.invalid_in_a_row += 1
         if self.invalid_in_a_row >= MAX_INVALID_IN_A_ROW:

@@ -7,6 +7,7 @@ instead of being silently ignored for a hundred rounds.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
-from diloco.model import GPTConfig
+from diloco.model import GPTConfig, parameter_shapes
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,7 @@ class ConfigError(ValueError):
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"
 INT32_MAX = (1 << 31) - 1  # the largest Postgres ``integer``
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any round should wait for its quorum
+MIN_TIMEOUT_S = 1.0  # no round can be trained and uploaded in less
 
 
 class _Section(BaseModel):
@@ -102,8 +104,9 @@ class RoundsSection(_Section):
     # merges in a round (a count stored as a Postgres integer either way)
     quorum: int = Field(2, ge=1, le=10_000)
     target: int | None = Field(None, ge=1, le=10_000)  # close at once at this many (None: no)
-    # round deadline, from its opening; bounded so that now + timeout stays a datetime
-    timeout_s: float = Field(600.0, gt=0.0, le=MAX_TIMEOUT_S)
+    # round deadline, from its opening: at least a second (no volunteer can train and upload
+    # in less), at most a week (now + timeout stays a datetime; no round waits longer)
+    timeout_s: float = Field(600.0, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
     max_rounds: int = Field(100, ge=1, le=1_000_000)  # round indices are Postgres integers
 
     @model_validator(mode="after")
@@ -162,6 +165,45 @@ class RunConfig(_Section):
         """The most tokens one lease's work can hold (H steps of batch_size x block_size):
         a contribution's weight (and credit) never counts more, whatever it claims."""
         return self.inner.steps * self.inner.batch_size * self.model.block_size
+
+
+# ---------------------------------------------------------------- what a close needs
+
+# fp32 copies of the model alive at once at the peak of a close (server.rounds.outer_step,
+# diloco.guard, diloco.robust), counted from the code: the base version's parameters and
+# outer momentum (2), the eval model (1), the aggregate (1), the optimizer being stepped,
+# parameters and momentum (2), and either the step's copy of the parameters before it (1,
+# diloco.outer.OuterOptimizer.step) or, when the guard tries again, the previous try's
+# optimizer while the next one is made (2). centered_clip's second sum replaces the first.
+CLOSE_MODEL_COPIES = 8
+EVAL_BATCH = 32  # diloco.train.evaluate's default, which the close uses
+CLOSE_OVERHEAD_BYTES = 64 << 20  # allocator slack, codec buffers, small tensors
+
+
+def close_memory_bytes(cfg: RunConfig, *, val_bytes: int = 0) -> int:
+    """An estimate of the peak memory one close of a round of this run takes, in bytes,
+    computed from shapes alone (nothing of the model's size is allocated):
+
+        8 x 4P                                  model copies (CLOSE_MODEL_COPIES, fp32)
+      + 2 x 4 x largest tensor                  one contribution's tensor, decoded and scaled
+      + 4 x 32 x block_size x (12 C + 3 V)      the eval forward (no grad): a block's
+                                                activations (x, ln, qkv, attention out, MLP
+                                                4C twice), and the logits in float (x3)
+      + 2 x val_bytes                           the validation tokens, read and copied
+      + 64 MiB
+
+    with P the parameter count, C the width and V the vocabulary (256 bytes)."""
+    gpt = cfg.model.gpt_config()
+    sizes = [math.prod(shape) for shape in parameter_shapes(gpt).values()]  # meta device
+    params = sum(sizes)
+    activations = EVAL_BATCH * gpt.block_size * (12 * gpt.n_embd + 3 * gpt.vocab_size)
+    return (
+        CLOSE_MODEL_COPIES * 4 * params
+        + 2 * 4 * max(sizes)
+        + 4 * activations
+        + 2 * val_bytes
+        + CLOSE_OVERHEAD_BYTES
+    )
 
 
 def error_message(error: ErrorDetails) -> str:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import configure_mappers
 
 from diloco.faults import FaultInjector
 from server import apidocs, handlers, openapi
+from server.body_timeout import BodyTimeout
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
 from server.db import make_engine, make_fast_pool, make_sessionmaker
@@ -29,6 +30,7 @@ from server.ratelimit import RateLimits
 from server.request_id import RequestId
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
+from server.rounds.slots import UploadSlots
 from server.rounds.sweeper import Sweeper
 from server.runs.router import router as runs_router
 from server.settings import Role, Settings
@@ -102,7 +104,12 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     app.state.settings = settings
     app.state.admin_token = admin_token
     app.state.rate_limits = RateLimits(settings)
+    app.state.upload_slots = UploadSlots(
+        total=settings.max_uploads_in_flight, per_contributor=settings.max_uploads_per_contributor
+    )
     handlers.install(app)
+    # a body that stops arriving is dropped (408); inside RequestId, so it has an id too
+    app.add_middleware(BodyTimeout, idle_timeout_s=settings.body_idle_timeout_s)
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
     app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent
     routers = (

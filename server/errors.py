@@ -9,6 +9,7 @@ becomes the matching error through ``refused``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from diloco.protocol.messages import ErrorCode
@@ -28,7 +29,7 @@ class HubError(Exception):
         return {"error": self.code, "detail": self.detail, **self.extra}
 
     def headers(self) -> dict[str, str]:
-        """Response headers this error needs besides its body (none, but for a few)."""
+        """HTTP headers the answer carries besides the body (none, but ``Retry-After``)."""
         return {}
 
 
@@ -138,6 +139,13 @@ class InvalidTransition(HubError):
     code = ErrorCode.INVALID_TRANSITION
 
 
+class RequestTimeout(HubError):
+    # the request line and headers, or the body, stopped arriving (server.connection,
+    # server.body_timeout); the connection is closed after this answer
+    status = 408
+    code = ErrorCode.REQUEST_TIMEOUT
+
+
 class LengthRequired(HubError):
     status = 411
     code = ErrorCode.LENGTH_REQUIRED
@@ -151,6 +159,12 @@ class UploadTooLarge(HubError):
 class BodyTooLarge(HubError):
     status = 413
     code = ErrorCode.BODY_TOO_LARGE
+
+
+class ModelTooLarge(HubError):
+    # run creation: a close of this model would need more memory than the server may use
+    status = 422
+    code = ErrorCode.MODEL_TOO_LARGE
 
 
 class InvalidConfig(HubError):
@@ -168,15 +182,33 @@ class InvalidData(HubError):
     code = ErrorCode.INVALID_DATA
 
 
-class RateLimited(HubError):
-    status = 429
-    code = ErrorCode.RATE_LIMITED
+class RetryLater(HubError):
+    """Refused for now, before anything was done: ``retry_after_s`` (whole seconds, at
+    least 1) is in the body and in the ``Retry-After`` header."""
 
-    def __init__(self, detail: str, *, retry_after_s: int) -> None:
-        super().__init__(detail, retry_after_s=retry_after_s)
+    status = 429
+
+    def __init__(self, detail: str, *, retry_after_s: float) -> None:
+        super().__init__(detail, retry_after_s=max(1, math.ceil(retry_after_s)))
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.extra["retry_after_s"])}
+
+
+class RateLimited(RetryLater):
+    # this client address sent more than the setting allows (server.ratelimit)
+    code = ErrorCode.RATE_LIMITED
+
+
+class TooManyUploads(RetryLater):
+    # too many uploads in flight, the contributor's or the server's (server.rounds.slots)
+    code = ErrorCode.TOO_MANY_UPLOADS
+
+
+class HeaderTooLarge(HubError):
+    # the request line and headers are over max_header_bytes (server.connection)
+    status = 431
+    code = ErrorCode.HEADER_TOO_LARGE
 
 
 class Internal(HubError):

@@ -18,6 +18,7 @@ import uvicorn
 
 from server import migrate
 from server.app import create_app
+from server.connection import guarded
 from server.settings import Settings
 from server.signals import Stopped, StopSignals
 
@@ -79,7 +80,13 @@ def serve(
 
             torch.set_num_threads(settings.torch_threads)
         app = create_app(settings, admin_token=token)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+        # httptools with a size cap and a deadline on each request's head (server.connection)
+        http = guarded(
+            max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s
+        )
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, access_log=False, http=http
+        )
         server = uvicorn.Server(config)
         what = "round worker" if settings.role == "worker" else "DiLoCo Hub"
         print(f"{what} ({settings.role}) on http://{host}:{port}/", file=sys.stderr, flush=True)

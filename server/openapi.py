@@ -5,7 +5,9 @@ returns a bare ``Response`` sends. So: ``ERRORS`` lists, per operation, each err
 and the codes it carries (docs/api.md says when each happens), ``FILES`` and ``CONTENT``
 the real content types, ``BODIES`` the request bodies FastAPI cannot see. Every error answer
 is the ``ErrorBody`` schema with ``error`` limited to the listed codes (the schema test
-checks the server against exactly this). Added by rule: ``500 internal`` everywhere, ``503
+checks the server against exactly this). Added by rule: ``408 request_timeout`` and ``431
+header_too_large`` everywhere (a request head that stalls or is too long,
+``server.connection``), ``500 internal`` everywhere, ``503
 unavailable`` where the database is read, ``400 bad_request`` where FastAPI parses a JSON or
 multipart body, and ``422`` in our shape instead of FastAPI's ``HTTPValidationError``. An
 operation missing from the table fails the schema's build.
@@ -38,14 +40,14 @@ UPLOAD: Errors = {
     ),
     411: ("length_required",),
     413: ("upload_too_large",),
-    **LIMITED,
+    429: ("rate_limited", "too_many_uploads"),
 }
 
 ERRORS: dict[str, Errors] = {
     "POST /api/v1/runs": {
         **ADMIN,
         413: ("upload_too_large",),
-        422: ("invalid_config", "invalid_data"),
+        422: ("invalid_config", "invalid_data", "model_too_large"),
     },
     "GET /api/v1/runs": {},
     "GET /api/v1/runs/{run_id}": RUN,
@@ -188,6 +190,10 @@ def _errors_of(key: str, op: dict[str, Any]) -> Errors:
         errors[400] = ("bad_request", *(c for c in errors.get(400, ()) if c != "bad_request"))
     if "422" in op["responses"] or 422 in errors:
         errors[422] = ("invalid_request", *errors.get(422, ()))
+    # the connection's own guards (server.connection), before any route: a request head
+    # that stalls, or that is too long
+    errors[408] = ("request_timeout",)
+    errors[431] = ("header_too_large",)
     errors[500] = ("internal", *errors.get(500, ()))
     if key not in NO_DATABASE:
         errors[503] = ("unavailable", *errors.get(503, ()))

@@ -6,9 +6,11 @@ replaced by a fresh one. Routes read it as ``request.state.request_id``.
 
 An exception that escapes the app before its answer started is answered here
 (``server.handlers.unexpected``: 503 when the database is unreachable, else 500 naming the
-request id). Once an answer has started (a streamed download failing halfway) there is
-nothing left to say but to log it and cut the connection. A pure ASGI middleware: response
-bodies pass through untouched, streamed or not.
+request id); a client that leaves in the middle of sending its body is only logged, at
+info (it is not the server's failure, and no one is left to answer). Once an answer has
+started (a streamed download failing halfway) there is nothing left to say but to log it
+and cut the connection. A pure ASGI middleware: response bodies pass through untouched,
+streamed or not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import secrets
 
 from starlette.datastructures import MutableHeaders
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.handlers import unexpected
@@ -38,6 +41,10 @@ def incoming_or_new(scope: Scope) -> str:
             text = value.decode("latin-1")
             return text if _SANE.fullmatch(text) else new_request_id()
     return new_request_id()
+
+
+def _what(scope: Scope) -> tuple[str, str]:
+    return scope["method"], scope["path"]
 
 
 class RequestId:
@@ -61,6 +68,8 @@ class RequestId:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client left while sending its body: no one to answer
+            log.info("request %s: %s %r: the client went away", request_id, *_what(scope))
         except Exception as exc:
             method, path = scope["method"], scope["path"]
             if started:

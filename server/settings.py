@@ -7,6 +7,7 @@ shows up in a repr or a log line.
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 
@@ -55,6 +56,24 @@ class Settings(BaseSettings):
     upload_slack_bytes: int = Field(1 << 16, ge=0)  # header room above the exact body size
     eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
     torch_threads: int = Field(0, ge=0)  # 0: torch's default
+
+    # hostile traffic: what one connection, upload or run may cost (server.connection,
+    # server.body_timeout, server.rounds.slots, run creation)
+    # a request's line and headers must arrive within this, from the connection's start or
+    # the previous answer's end; else 408 and the connection is closed
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    # a request body that sends nothing for this long is dropped (408; an upload's temp blob
+    # is removed)
+    body_idle_timeout_s: float = Field(30.0, gt=0, le=3600)
+    # request line + headers; more is 431 (a volunteer's requests send under 1 KiB)
+    max_header_bytes: int = Field(64 << 10, ge=1024, le=16 << 20)
+    # uploads this process receives at once, in all and per contributor; more is 429
+    max_uploads_in_flight: int = Field(256, ge=1, le=100_000)
+    max_uploads_per_contributor: int = Field(2, ge=1, le=1000)
+    # the memory the round closes of this process may use together (close_concurrency of
+    # them at once): a run whose close would need more than its share is refused at
+    # creation (422 model_too_large). None: half of this machine's physical memory
+    close_memory_budget_bytes: int | None = Field(None, ge=1 << 20)
 
     # the janitor (server.janitor): what interrupted work left behind in the data dir
     janitor_interval_s: float = Field(600.0, gt=0)  # between passes; the first runs at start
@@ -109,3 +128,15 @@ class Settings(BaseSettings):
     @property
     def lease_ttl(self) -> float:
         return self.lease_ttl_s
+
+    @property
+    def close_memory_budget(self) -> int:
+        """``close_memory_budget_bytes``, or half of the physical memory when unset."""
+        if self.close_memory_budget_bytes is not None:
+            return self.close_memory_budget_bytes
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+    @property
+    def close_memory_share(self) -> int:
+        """What one close may use: the budget over the closes that may run at once."""
+        return self.close_memory_budget // self.close_concurrency

@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import stat
+import time
 from typing import Any
 
 import pytest
@@ -153,6 +154,28 @@ def test_a_call_that_may_have_acted_is_retried_only_on_503():
         "ApiError",
     )
     assert _count_tries(api, TimeoutError(), idempotent=False) == (1, "ServerUnreachable")
+
+
+def test_a_stalled_or_refused_for_now_request_is_retried_even_if_it_may_have_acted():
+    api = ServerAPI("http://localhost:1", retry=FAST)
+    busy = ApiError(429, "too_many_uploads", "busy", {"retry_after_s": 0.001})
+
+    assert _count_tries(api, busy, idempotent=False) == (3, "ApiError")
+    assert _count_tries(api, ApiError(408, "request_timeout", "stalled", {})) == (3, "ApiError")
+
+
+def test_a_429_waits_what_the_server_asks_and_never_an_hour():
+    policy = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.01, total_s=5.0)
+    api = ServerAPI("http://localhost:1", retry=policy)
+    started = time.monotonic()
+
+    tries = _count_tries(api, ApiError(429, "too_many_uploads", "busy", {"retry_after_s": 0.2}))
+
+    assert tries == (3, "ApiError")
+    assert time.monotonic() - started >= 0.4  # two waits of what it asked, past max_delay_s
+    # asking for more than the policy's total time: raised at once, not waited for
+    hour = ApiError(429, "too_many_uploads", "busy", {"retry_after_s": 3600})
+    assert _count_tries(api, hour) == (1, "ApiError")
 
 
 def test_lease_urls_resolve_against_the_server_root_and_its_path_prefix():

@@ -53,6 +53,11 @@ class ErrorCode(StrEnum):
     RUN_NOT_ACTIVE = "run_not_active"
     ALREADY_CONTRIBUTED = "already_contributed"
     INVALID_TRANSITION = "invalid_transition"
+    # hostile or broken traffic: a request that stalls (408), too many uploads at once
+    # (429, with Retry-After), a request head over the server's cap (431)
+    REQUEST_TIMEOUT = "request_timeout"
+    TOO_MANY_UPLOADS = "too_many_uploads"
+    HEADER_TOO_LARGE = "header_too_large"
     # sizes and ranges (411, 413, 416)
     LENGTH_REQUIRED = "length_required"
     UPLOAD_TOO_LARGE = "upload_too_large"
@@ -60,6 +65,7 @@ class ErrorCode(StrEnum):
     RANGE_NOT_SATISFIABLE = "range_not_satisfiable"
     # validation (422)
     INVALID_CONFIG = "invalid_config"
+    MODEL_TOO_LARGE = "model_too_large"
     INVALID_REQUEST = "invalid_request"
     INVALID_DATA = "invalid_data"
     # too many requests from one address (429, with Retry-After)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 from server import ratelimit
 from server.auth import ContributorAuth, bearer_token
 from server.db import SessionDep
-from server.errors import HubError
+from server.errors import HubError, TooManyUploads
 from server.inputs import RoundIndex, RunId
 from server.metrics import UPLOAD_BYTES, UPLOADS
 from server.ratelimit import Action
@@ -110,19 +110,26 @@ async def contribution(
     response: Response,
     contributor: ContributorAuth,
 ) -> Receipt:
-    """The upload body of docs/protocol.md, streamed. 2xx means durable."""
+    """The upload body of docs/protocol.md, streamed. 2xx means durable. 429
+    ``too_many_uploads``: wait ``Retry-After`` seconds; 408 ``request_timeout``: the body
+    stalled and was dropped, send it again."""
     state = request.app.state
     try:
-        accepted = await ingest.receive(
-            sessions=state.sessions,
-            storage=state.storage,
-            settings=state.settings,
-            run_id=run_id,
-            index=index,
-            contributor_id=contributor.id,
-            content_length=request.headers.get("content-length"),
-            stream=request.stream(),
-        )
+        # a slot is taken before the body is read, and given back whatever happens
+        with state.upload_slots.hold(contributor.id):
+            accepted = await ingest.receive(
+                sessions=state.sessions,
+                storage=state.storage,
+                settings=state.settings,
+                run_id=run_id,
+                index=index,
+                contributor_id=contributor.id,
+                content_length=request.headers.get("content-length"),
+                stream=request.stream(),
+            )
+    except TooManyUploads as err:  # counted, not recorded: a flood must not write rows
+        UPLOADS.labels(err.code).inc()
+        raise
     except HubError as err:
         UPLOADS.labels(err.code).inc()
         await rejections.record(

@@ -61,6 +61,8 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
             cfg = parse_config(parsed)
         except ConfigError as err:
             raise InvalidConfig(str(err)) from None
+        # before anything of the model's size exists: can this server close its rounds?
+        service.check_memory(cfg, settings=settings, data_bytes=data.size or 0)
         tmp_dir = Path(settings.data_dir) / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,13 +16,19 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.config import RunConfig
-from diloco.model import GPT
+from diloco.config import RunConfig, close_memory_bytes
+from diloco.model import GPT, parameter_shapes
 from diloco.outer import OuterOptimizer
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
-from server.errors import InvalidInvite, InvalidTransition, RunNotFound, StorageFailed
+from server.errors import (
+    InvalidInvite,
+    InvalidTransition,
+    ModelTooLarge,
+    RunNotFound,
+    StorageFailed,
+)
 from server.rounds import service as rounds_service
 from server.runs import data as run_data
 from server.runs.models import Run, RunMember, RunStatus
@@ -30,6 +37,7 @@ from server.settings import Settings
 from server.storage import Storage
 
 log = logging.getLogger("diloco.server.runs")
+GIB = 1 << 30
 
 # status -> action -> new status; everything else is an invalid transition
 TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
@@ -38,6 +46,25 @@ TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
     RunStatus.COMPLETED: {},
     RunStatus.CANCELLED: {},
 }
+
+
+def check_memory(cfg: RunConfig, *, settings: Settings, data_bytes: int) -> None:
+    """Refuse a model whose round close would need more memory than one close may use
+    here (``diloco.config.close_memory_bytes`` against ``close_memory_share``). Shapes
+    only: nothing of the model's size is allocated."""
+    need = close_memory_bytes(cfg, val_bytes=int(data_bytes * cfg.data.val_fraction))
+    share = settings.close_memory_share
+    if need > share:
+        n_params = sum(math.prod(s) for s in parameter_shapes(cfg.model.gpt_config()).values())
+        raise ModelTooLarge(
+            f"model: a round close of this model ({n_params:,} parameters) needs about "
+            f"{need / GIB:.1f} GiB, over the {share / GIB:.1f} GiB one close may use on this "
+            f"server (a {settings.close_memory_budget / GIB:.1f} GiB budget shared by "
+            f"{settings.close_concurrency} concurrent closes); make the model smaller, or "
+            "have the operator raise DILOCO_CLOSE_MEMORY_BUDGET_BYTES",
+            needed_bytes=need,
+            budget_bytes=share,
+        )
 
 
 def _prepare_files(
