@@ -41,6 +41,8 @@ def test_each_error_class_answers_with_the_status_the_docs_give_its_code():
             statuses.setdefault(code, set()).add(int(status))
 
     for cls in error_classes()[1:]:
+        if "code" not in vars(cls):  # a base of several (RetryLater): its subclasses answer
+            continue
         assert cls.status in statuses[cls.code], (cls.__name__, cls.status, statuses[cls.code])
 
 
