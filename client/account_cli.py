@@ -57,6 +57,28 @@ def server_url(given: str | None, cfg: ClientConfig) -> str:
         fail(str(err), ExitStatus.USAGE)
 
 
+ServerArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Server URL (default: the one in client.toml).",
+        envvar="DILOCO_SERVER",
+        metavar="[SERVER_URL]",
+    ),
+]
+
+
+def registered(url: str, unregistered: str) -> Credentials:
+    """The credentials stored for ``url``; else exit 2 with ``unregistered`` (or with what
+    is wrong with the credentials file)."""
+    try:
+        stored = credentials.load_credentials(url)
+    except CredentialsError as err:
+        fail(str(err), ExitStatus.USAGE)
+    if stored is None:
+        fail(unregistered, ExitStatus.USAGE)
+    return stored
+
+
 def _check_token(url: str, token: str) -> dict[str, Any]:
     async def me(api: ServerAPI) -> dict[str, Any]:
         return dict(await identity.check_token(api, f"the token stored for {url}", None))
@@ -135,26 +157,11 @@ def register(
     typer.echo(f"defaults for `diloco join` written to {path}")
 
 
-def rotate_token(
-    server: Annotated[
-        str | None,
-        typer.Argument(
-            help="Server URL (default: the configured server).",
-            envvar="DILOCO_SERVER",
-            metavar="SERVER_URL",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
+def rotate_token(server: ServerArg = None) -> None:
     """Replace the stored contributor token with a new one; the old one stops working at once
     (do this if it may have leaked). Stop any `diloco join` using it first."""
     url = server_url(server, client_config())
-    try:
-        stored = credentials.load_credentials(url)
-    except CredentialsError as err:
-        fail(str(err), ExitStatus.USAGE)
-    if stored is None:
-        fail(f"not registered on {url}; nothing to rotate", ExitStatus.USAGE)
+    stored = registered(url, f"not registered on {url}; nothing to rotate")
     token = run_api(url, stored.token, lambda api: api.rotate_token())
     try:  # written atomically: the file holds the old token or the new one, never half
         path = credentials.save_credentials(url, dataclasses.replace(stored, token=token))

@@ -17,22 +17,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from client import credentials
-from client.account_cli import Device, client_config, server_url
+from client.account_cli import Device, ServerArg, client_config, registered, server_url
 from client.api import ServerAPI
-from client.cli_support import ExitStatus, fail, run_api
-from client.credentials import CredentialsError
+from client.cli_support import ExitStatus, run_api
 from client.doctor import PROBE_BYTES, Check, as_json, run_doctor
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
-ServerArg = Annotated[
-    str | None,
-    typer.Argument(
-        help="Server URL (default: the one in client.toml).",
-        envvar="DILOCO_SERVER",
-        metavar="[SERVER_URL]",
-    ),
-]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.", envvar="DILOCO_JSON")]
 
 
@@ -88,15 +78,9 @@ def _print_checks(checks: list[Check]) -> None:
 def me(server: ServerArg = None, as_json_: JsonOpt = False) -> None:
     """My contributor profile on a server: contributions, tokens, credit, per run."""
     url = server_url(server, client_config())
-    try:
-        stored = credentials.load_credentials(url)
-    except CredentialsError as err:
-        fail(str(err), ExitStatus.USAGE)
-    if stored is None:
-        fail(
-            f"not registered on {url}; run `diloco register {url}` or `diloco join {url}`",
-            ExitStatus.USAGE,
-        )
+    stored = registered(
+        url, f"not registered on {url}; run `diloco register {url}` or `diloco join {url}`"
+    )
 
     async def call(api: ServerAPI) -> dict[str, Any]:
         return await api.me()

@@ -21,6 +21,7 @@ from client.api import ServerAPI
 from client.http import RetryPolicy
 from server.settings import Settings
 from tests.conftest import server_run_config
+from tests.support.cli import volunteer_cli
 from tests.support.contribute import (
     API,
     auth,
@@ -290,18 +291,7 @@ def test_diloco_rotate_token_stores_the_new_token(
     server: ServerProcess, http: httpx.Client, tmp_path: Path
 ) -> None:
     # Prepare: registered with the CLI, its token in the credentials file
-    env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "config")}
-    env.pop("DILOCO_HOME", None)
-
-    def diloco(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "client.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-            env=env,
-        )
+    diloco = volunteer_cli(tmp_path, timeout=120)
 
     done = diloco("register", server.url, "--name", "cli-rotator")
     assert done.returncode == 0, done.stderr

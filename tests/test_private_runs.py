@@ -4,19 +4,15 @@ volunteer joins one with ``diloco join --invite``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import server_run_config
+from tests.support.cli import volunteer_cli
 from tests.support.contribute import API, auth, create_run, register
 from tests.support.live import ADMIN_TOKEN, ServerProcess, admin_headers
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def new_invite(http: httpx.Client, run_id: str) -> str:
@@ -132,22 +128,7 @@ def test_a_volunteer_joins_a_private_run_with_diloco_join_invite(
 ) -> None:
     # Prepare: a private run whose code the owner got from `diloco run invite`
     run_id = create_run(http, server_run_config(rounds={"quorum": 1, "max_rounds": 2}))["id"]
-    env = {
-        **os.environ,
-        "DILOCO_CONFIG_DIR": str(tmp_path / "config"),
-        "DILOCO_CACHE_DIR": str(tmp_path / "cache"),
-    }
-    env.pop("DILOCO_HOME", None)
-
-    def diloco(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "client.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            cwd=REPO,
-            env=env,
-        )
+    diloco = volunteer_cli(tmp_path)
 
     made = diloco("run", "invite", run_id, "--server", server.url, "--admin-token", ADMIN_TOKEN)
     assert made.returncode == 0, made.stderr
