@@ -3,13 +3,13 @@
 Every call has an explicit timeout: short for JSON calls, long (with a per-read timeout, so a
 stalled transfer still fails) for checkpoint/shard downloads and contribution uploads.
 Connection errors, timeouts and 5xx answers are retried with exponential backoff and jitter,
-within a bounded number of attempts and a bounded total time; a 4xx is never retried, it is
-raised at once as an :class:`ApiError` carrying the server's ``error`` code.
+within a bounded number of attempts and a bounded total time; a 4xx is raised at once as an
+:class:`ApiError` carrying the server's ``error`` code, but for 408 and 429, which the
+server answers before acting (``client.http`` says when they are tried again).
 
 Calls that are not idempotent (register, create a run, pause/resume/cancel, token rotation)
 are retried only when the request cannot have taken effect: the connection could not be
-opened, or the server answered 503 ``unavailable`` or 429 ``rate_limited``. A 429 is retried
-after its ``Retry-After`` when that fits in the policy's total time, else raised at once.
+opened, or the server answered 503 ``unavailable``, 408 or 429.
 """
 
 from __future__ import annotations

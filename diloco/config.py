@@ -176,7 +176,7 @@ class RunConfig(_Section):
 # diloco.outer.OuterOptimizer.step) or, when the guard tries again, the previous try's
 # optimizer while the next one is made (2). centered_clip's second sum replaces the first.
 CLOSE_MODEL_COPIES = 8
-EVAL_BATCH = 32  # diloco.train.evaluate's default, which the close uses
+EVAL_BATCH = 32  # validation windows per eval forward (diloco.train.evaluate), as a close runs it
 CLOSE_OVERHEAD_BYTES = 64 << 20  # allocator slack, codec buffers, small tensors
 
 

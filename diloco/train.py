@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from diloco.config import InnerSection
+from diloco.config import EVAL_BATCH, InnerSection
 from diloco.data import eval_batches
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -135,7 +135,7 @@ def evaluate(
     val: torch.Tensor,
     *,
     block_size: int,
-    batch_size: int = 32,
+    batch_size: int = EVAL_BATCH,
     max_windows: int | None = None,
     device: torch.device | None = None,
 ) -> float:
