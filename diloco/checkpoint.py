@@ -28,6 +28,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from diloco.atomic import atomic_write
+from diloco.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 
 FORMAT = "diloco-checkpoint"
 FORMAT_VERSION = "1"
@@ -210,3 +211,108 @@ def checkpoint_params_only(path: Path) -> dict[str, torch.Tensor]:
             return {n: f.get_tensor(n) for n in names}
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+
+
+# ---------------------------------------------------------------- streamed files (the server)
+
+RESIDUAL_PREFIX = "outer.residual."
+
+
+def params_entries(shapes: Mapping[str, tuple[int, ...]]) -> list[Entry]:
+    """The parameters file's tensors, in the model's order (fp32)."""
+    return [Entry(n, torch.float32, tuple(s)) for n, s in shapes.items()]
+
+
+def params_metadata(
+    *, version: int, names: list[str], metadata: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    meta = dict(metadata or {})
+    if clash := RESERVED_KEYS & meta.keys():
+        raise ValueError(f"metadata keys {sorted(clash)} are reserved by the checkpoint format")
+    return meta | {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": str(int(version)),
+        "param_names": json.dumps(names),
+    }
+
+
+def write_params(
+    path: Path,
+    params: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    metadata: Mapping[str, str] | None = None,
+) -> str:
+    """The parameters file of a version, streamed (no serialised copy in memory); its
+    sha256. The server writes the same layout chunk by chunk (``diloco.outer_pass``), and a
+    volunteer that rebuilt θ from deltas writes it with this to check the sha256."""
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    meta = params_metadata(version=version, names=list(shapes), metadata=metadata)
+    with TensorFileWriter(Path(path), params_entries(shapes), meta) as out:
+        for name, p in params.items():
+            out.write(name, 0, p.detach().float().cpu().reshape(-1))
+        return out.commit()
+
+
+STATE_FORMAT = "diloco-outer-state"
+
+
+def state_entries(shapes: Mapping[str, tuple[int, ...]]) -> list[Entry]:
+    """The outer state file's tensors: Nesterov momentum, then the delta residual."""
+    return [Entry(MOMENTUM_PREFIX + n, torch.float32, tuple(s)) for n, s in shapes.items()] + [
+        Entry(RESIDUAL_PREFIX + n, torch.float32, tuple(s)) for n, s in shapes.items()
+    ]
+
+
+def state_metadata(
+    *, version: int, names: list[str], hparams: Mapping[str, Any], metadata: Mapping[str, str]
+) -> dict[str, str]:
+    return dict(metadata) | {
+        "format": STATE_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": str(int(version)),
+        "param_names": json.dumps(names),
+        "outer_hparams": json.dumps(dict(hparams)),
+        "outer_momentum": "true",
+    }
+
+
+@dataclass(frozen=True)
+class OuterStateFile:
+    """Where a version's momentum and residual are, read range by range. A version without
+    momentum yet (0) or without a residual (written before deltas existed) reads zeros;
+    ``has_momentum`` tells the first outer step apart (its momentum starts at the update)."""
+
+    reader: TensorFileReader
+    version: int
+    names: list[str]
+    has_momentum: bool
+    has_residual: bool
+
+
+def open_outer_state(path: Path) -> OuterStateFile:
+    """Open a version's state file: this format, or the older one that also held the
+    parameters (``save_checkpoint`` with ``outer_state``)."""
+    try:
+        reader = TensorFileReader(Path(path))
+    except TensorFileError as err:
+        raise CheckpointError(str(err)) from err
+    meta = reader.metadata
+    try:
+        if meta.get("format") == STATE_FORMAT:
+            if meta.get("format_version") != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"{path} has state format_version {meta.get('format_version')}"
+                )
+            version, names = int(meta["version"]), json.loads(meta["param_names"])
+        else:
+            version, names = _check_format(meta, Path(path))
+        has_momentum = meta.get("outer_momentum") == "true"
+        has_residual = all(RESIDUAL_PREFIX + n in reader.entries for n in names)
+        if has_momentum and not all(MOMENTUM_PREFIX + n in reader.entries for n in names):
+            raise CheckpointError(f"{path} lacks outer momentum for some parameters")
+    except (CheckpointError, KeyError, ValueError) as err:
+        reader.close()
+        raise CheckpointError(f"{path}: {err}") from err
+    return OuterStateFile(reader, version, list(names), has_momentum, has_residual)

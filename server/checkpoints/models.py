@@ -2,18 +2,24 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String, Text, func
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text, func, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from server.db import Base
 
 
 class Checkpoint(Base):
-    """A published global model version. Two files: the parameters alone (what volunteers
-    download; ``sha256`` is its ETag) and the full state with the outer momentum (what a
-    restarted server continues from)."""
+    """A published global model version. Its files: the parameters (what volunteers
+    download; ``sha256`` is its ETag), the outer state (Nesterov momentum and the delta
+    residual: what a restarted server continues from) and, from version 1, the int8 delta
+    from the version before (what a returning volunteer downloads instead)."""
 
     __tablename__ = "checkpoints"
+    __table_args__ = (
+        Index(
+            "ix_checkpoints_eval_pending", "created_at", postgresql_where=text("eval_loss IS NULL")
+        ),
+    )
 
     run_id: Mapped[str] = mapped_column(
         String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
@@ -23,5 +29,11 @@ class Checkpoint(Base):
     state_key: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
     nbytes: Mapped[int] = mapped_column(BigInteger)
-    eval_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    eval_loss: Mapped[float | None] = mapped_column(Float, default=None)  # None: pending
+    # the int8 delta from version - 1 (diloco.delta); None for version 0
+    delta_key: Mapped[str | None] = mapped_column(Text, default=None)
+    delta_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    delta_nbytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # the process evaluating this version holds it until then (server.checkpoints.evals)
+    eval_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())

@@ -1,0 +1,181 @@
+"""int8 deltas between published versions: 1 byte a parameter a round instead of 4.
+
+Every version v the server publishes also has a delta from v−1: the change of each
+parameter, int8 with one fp32 scale per block (``diloco.codec.Int8Codec``). The published
+parameters are *defined* by the deltas:
+
+    θ_v = θ_{v−1} + decode(q_v)          (fp32, elementwise: the same bits everywhere)
+
+so a volunteer that holds θ_{v−k} and applies the k deltas gets exactly the bytes of the
+full checkpoint, which it checks against the checkpoint's sha256. What the quantisation
+leaves out is not lost: the server keeps the residual r_v and adds it to the next change
+(error feedback), so the published parameters track the exact outer optimizer's:
+
+    d_v = r_{v−1} − lr·u_v     (u_v the Nesterov update; r_0 = 0)
+    q_v = quantise(d_v),  θ_v = θ_{v−1} + decode(q_v),  r_v = d_v − decode(q_v)
+
+``publish_change`` is that one step on any flat piece of a tensor whose length is a
+multiple of the block size (or that ends the tensor): the server applies it chunk by
+chunk (``diloco.outer_pass``), the simulator to whole tensors, with the same bits.
+
+A delta file is a safetensors file: ``scales/<name>`` (fp32, one per block) and
+``delta/<name>`` (int8, the parameter's shape), with metadata naming the format, the run,
+``version`` and ``base_version`` and the block size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diloco.codec import EncodedTensor, Int8Codec, NonFiniteError
+from diloco.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
+
+FORMAT = "diloco-delta"
+FORMAT_VERSION = "1"
+SCALES, DATA = "scales/", "delta/"
+
+
+class DeltaError(ValueError):
+    """A delta file that is not the one expected (format, run, versions, tensors)."""
+
+
+def publish_change(d: torch.Tensor, codec: Int8Codec) -> tuple[EncodedTensor, torch.Tensor]:
+    """The published change for a flat fp32 piece ``d`` of a tensor's wanted change:
+    (its int8 encoding, the decoded change volunteers will add). Raises
+    ``NonFiniteError`` when ``d`` is not finite."""
+    encoded = codec.encode(d)
+    return encoded, codec.decode(encoded)
+
+
+def apply_change(theta: torch.Tensor, change: torch.Tensor) -> None:
+    """θ ← θ + change, in place: the one way a published change is applied."""
+    theta.add_(change)
+
+
+def entries(shapes: Mapping[str, tuple[int, ...]], codec: Int8Codec) -> list[Entry]:
+    out = [
+        Entry(SCALES + n, torch.float32, (codec.n_blocks(_numel(s)),)) for n, s in shapes.items()
+    ]
+    return out + [Entry(DATA + n, torch.int8, tuple(s)) for n, s in shapes.items()]
+
+
+def metadata(
+    *, run_id: str, version: int, base_version: int, names: list[str], codec: Int8Codec
+) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "run_id": run_id,
+        "version": str(version),
+        "base_version": str(base_version),
+        "block_size": str(codec.block_size),
+        "param_names": json.dumps(names),
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_delta(
+    path: Path,
+    encoded: Mapping[str, EncodedTensor],
+    *,
+    run_id: str,
+    version: int,
+    base_version: int,
+    codec: Int8Codec,
+) -> str:
+    """Write a whole delta at once (the simulator, tests); returns its sha256."""
+    shapes = {n: e.shape for n, e in encoded.items()}
+    meta = metadata(
+        run_id=run_id, version=version, base_version=base_version, names=list(shapes), codec=codec
+    )
+    with TensorFileWriter(path, entries(shapes, codec), meta) as out:
+        for name, e in encoded.items():
+            out.write(SCALES + name, 0, e.scales)
+            out.write(DATA + name, 0, e.data)
+        return out.commit()
+
+
+@dataclass(frozen=True)
+class Delta:
+    run_id: str
+    version: int
+    base_version: int
+    codec: Int8Codec
+    tensors: dict[str, EncodedTensor]
+
+
+def read_delta(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Delta:
+    """Read and check a delta file against the model's parameter shapes."""
+    try:
+        with TensorFileReader(path) as f:
+            meta = f.metadata
+            if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+                raise DeltaError(f"{path} is not a {FORMAT} file of format {FORMAT_VERSION}")
+            try:
+                codec = Int8Codec(int(meta["block_size"]))
+                version, base = int(meta["version"]), int(meta["base_version"])
+                names = json.loads(meta["param_names"])
+            except (KeyError, ValueError) as err:
+                raise DeltaError(f"{path} has malformed metadata: {err}") from err
+            if names != list(shapes):
+                raise DeltaError(f"{path} is a delta of other parameters than this model's")
+            want = {e.name: e for e in entries(shapes, codec)}
+            if f.entries != want:
+                raise DeltaError(f"{path} holds tensors that do not fit this model")
+            tensors = {
+                n: EncodedTensor(
+                    tuple(shapes[n]), f.tensor(DATA + n).reshape(-1), f.tensor(SCALES + n)
+                )
+                for n in names
+            }
+    except TensorFileError as err:
+        raise DeltaError(str(err)) from err
+    return Delta(meta.get("run_id", ""), version, base, codec, tensors)
+
+
+def apply_delta(params: Mapping[str, torch.Tensor], delta: Delta) -> None:
+    """θ ← θ + decode(q), in place, for every parameter (fp32, contiguous)."""
+    if params.keys() != delta.tensors.keys():
+        raise DeltaError("the delta names other parameters than the model's")
+    for name, theta in params.items():
+        if theta.dtype != torch.float32 or not theta.is_contiguous():
+            raise DeltaError(f"parameter {name!r} must be contiguous fp32 to take a delta")
+        change = delta.codec.decode(delta.tensors[name])
+        if not bool(torch.isfinite(change).all()):
+            raise DeltaError(f"the delta of {name!r} is not finite")
+        apply_change(theta.view(-1), change.view(-1))
+
+
+def catch_up(
+    have: int, target: int, *, full_nbytes: int, delta_nbytes: Mapping[int, int]
+) -> list[int] | None:
+    """The versions whose deltas take a volunteer from ``have`` to ``target``, when they
+    exist and add up to fewer bytes than the full checkpoint; None: fetch the full one."""
+    wanted = list(range(have + 1, target + 1))
+    if not wanted or have < 0 or any(v not in delta_nbytes for v in wanted):
+        return None
+    return wanted if sum(delta_nbytes[v] for v in wanted) < full_nbytes else None
+
+
+__all__ = [
+    "Delta",
+    "DeltaError",
+    "NonFiniteError",
+    "apply_change",
+    "apply_delta",
+    "catch_up",
+    "publish_change",
+    "read_delta",
+    "write_delta",
+]
