@@ -140,6 +140,10 @@ class AggregationSection(_Section):
     # finite) is never published; the round tries again without the least-aligned
     # contribution. The first round's Nesterov step can raise the loss by half: keep room.
     max_loss_ratio: float = Field(2.0, ge=1.0, le=1000.0)
+    # a step is published at once and evaluated afterwards, unless its update is longer
+    # than suspect_multiple x the round's median contribution (what an attacker that a
+    # plain mean follows makes): then it is evaluated, and judged, before publishing
+    suspect_multiple: float = Field(1.5, ge=1.0, le=1000.0)
 
 
 class RunConfig(_Section):
@@ -170,40 +174,34 @@ class RunConfig(_Section):
 # ---------------------------------------------------------------- what a close needs
 
 # fp32 copies of the model alive at once at the peak of a close (server.rounds.outer_step,
-# diloco.guard, diloco.robust), counted from the code: the base version's parameters and
-# outer momentum (2), the eval model (1), the aggregate (1), the optimizer being stepped,
-# parameters and momentum (2), and either the step's copy of the parameters before it (1,
-# diloco.outer.OuterOptimizer.step) or, when the guard tries again, the previous try's
-# optimizer while the next one is made (2). centered_clip's second sum replaces the first.
-CLOSE_MODEL_COPIES = 8
+# diloco.outer_pass), counted from the code: the pass itself holds a few chunks, never the
+# model; centered_clip keeps its clipped mean (1), and the eval of a suspicious step (or,
+# after publishing, of any version: server.checkpoints.evals) reads the model into its own
+# memory (1).
+CLOSE_MODEL_COPIES = 2
 EVAL_BATCH = 32  # validation windows per eval forward (diloco.train.evaluate), as a close runs it
-CLOSE_OVERHEAD_BYTES = 64 << 20  # allocator slack, codec buffers, small tensors
+# allocator slack and small tensors, plus the pass's chunk buffers (the uploads' share is
+# diloco.outer_pass.UPLOAD_BUFFER_BUDGET, the step's five fp32 chunks of 4 MiB)
+CLOSE_OVERHEAD_BYTES = 160 << 20
 
 
 def close_memory_bytes(cfg: RunConfig, *, val_bytes: int = 0) -> int:
     """An estimate of the peak memory one close of a round of this run takes, in bytes,
     computed from shapes alone (nothing of the model's size is allocated):
 
-        8 x 4P                                  model copies (CLOSE_MODEL_COPIES, fp32)
-      + 2 x 4 x largest tensor                  one contribution's tensor, decoded and scaled
+        2 x 4P                                  model copies (CLOSE_MODEL_COPIES, fp32)
       + 4 x 32 x block_size x (12 C + 3 V)      the eval forward (no grad): a block's
                                                 activations (x, ln, qkv, attention out, MLP
                                                 4C twice), and the logits in float (x3)
       + 2 x val_bytes                           the validation tokens, read and copied
-      + 64 MiB
+      + 160 MiB                                 chunk buffers, slack
 
     with P the parameter count, C the width and V the vocabulary (256 bytes)."""
     gpt = cfg.model.gpt_config()
     sizes = [math.prod(shape) for shape in parameter_shapes(gpt).values()]  # meta device
     params = sum(sizes)
     activations = EVAL_BATCH * gpt.block_size * (12 * gpt.n_embd + 3 * gpt.vocab_size)
-    return (
-        CLOSE_MODEL_COPIES * 4 * params
-        + 2 * 4 * max(sizes)
-        + 4 * activations
-        + 2 * val_bytes
-        + CLOSE_OVERHEAD_BYTES
-    )
+    return CLOSE_MODEL_COPIES * 4 * params + 4 * activations + 2 * val_bytes + CLOSE_OVERHEAD_BYTES
 
 
 def error_message(error: ErrorDetails) -> str:

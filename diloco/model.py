@@ -83,12 +83,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # weight tying
+        self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def tie_weights(self) -> None:
+        """The output head shares the token embedding (again after ``to_empty``, which
+        gives every parameter its own memory)."""
+        self.head.weight = self.wte.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -164,6 +164,36 @@ def reference_norm(
     return statistics.median(pool)
 
 
+def clip_factors(
+    norms: Mapping[str, float], history: Sequence[float], policy: AggregationSection
+) -> tuple[float | None, dict[str, float]]:
+    """r and each contribution's cᵢ = min(1, clip_multiple · r / ‖Δᵢ‖) (all 1 for ``mean``
+    or with nothing to compare against)."""
+    ref = None if policy.method == "mean" else reference_norm(list(norms.values()), history, policy)
+    limit = None if ref is None else policy.clip_multiple * ref
+    return ref, {
+        i: 1.0 if limit is None or norm <= limit else limit / norm for i, norm in norms.items()
+    }
+
+
+def distances(
+    norms: Mapping[str, float], dots: Mapping[str, float], v_sq: float
+) -> dict[str, float]:
+    """‖Δᵢ − v‖ from ‖Δᵢ‖, ⟨Δᵢ, v⟩ and ‖v‖², with no further pass over the uploads."""
+    return {i: math.sqrt(max(0.0, n**2 - 2 * dots[i] + v_sq)) for i, n in norms.items()}
+
+
+def centre_pulls(dist: Mapping[str, float]) -> dict[str, float]:
+    """CenteredClip's sᵢ = min(1, τ / ‖Δᵢ − v‖), τ the median distance."""
+    tau = statistics.median(dist.values())
+    return {i: 1.0 if d <= tau else tau / d for i, d in dist.items()}
+
+
+def cosine(norm: float, dot: float, v_norm: float) -> float | None:
+    """⟨Δᵢ, v⟩ / (‖Δᵢ‖‖v‖); None for a zero vector."""
+    return dot / (norm * v_norm) if norm > 0 and v_norm > 0 else None
+
+
 def robust_aggregate(
     sources: Sequence[Source],
     *,
@@ -180,17 +210,7 @@ def robust_aggregate(
     total_weight = sum(s.weight for s in sources)
     if not total_weight > 0:
         raise AggregationError("the contributions' weights add up to nothing")
-    ref = (
-        None
-        if policy.method == "mean"
-        else reference_norm([s.norm for s in sources], history, policy)
-    )
-    clip = {
-        s.id: 1.0
-        if ref is None or s.norm <= policy.clip_multiple * ref
-        else policy.clip_multiple * ref / s.norm
-        for s in sources
-    }
+    ref, clip = clip_factors({s.id: s.norm for s in sources}, history, policy)
 
     # pass 1: v = Σ wᵢ cᵢ Δᵢ / Σ wᵢ
     v = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
@@ -202,23 +222,26 @@ def robust_aggregate(
     v_norm = math.sqrt(v_sq)
     dots = {s.id: _dot(s, v, shapes, codec) for s in sources}
 
-    def cosine(s: Source) -> float | None:
-        return dots[s.id] / (s.norm * v_norm) if s.norm > 0 and v_norm > 0 else None
-
-    # ‖Δᵢ − v‖² = ‖Δᵢ‖² − 2⟨Δᵢ, v⟩ + ‖v‖², with no further pass
-    dist = {s.id: math.sqrt(max(0.0, s.norm**2 - 2 * dots[s.id] + v_sq)) for s in sources}
+    dist = distances({s.id: s.norm for s in sources}, dots, v_sq)
     if policy.method != "centered_clip":
-        shares = {s.id: Share(s.weight, s.norm, clip[s.id], cosine(s), dist[s.id]) for s in sources}
+        shares = {
+            s.id: Share(
+                s.weight, s.norm, clip[s.id], cosine(s.norm, dots[s.id], v_norm), dist[s.id]
+            )
+            for s in sources
+        }
         return Aggregate(v, shares, ref)
 
     # pass 3: v + Σ wᵢ sᵢ (Δᵢ − v) / Σ wᵢ, sᵢ = min(1, τ / ‖Δᵢ − v‖), τ the median distance
-    tau = statistics.median(dist.values())
-    pull = {s.id: 1.0 if dist[s.id] <= tau else tau / dist[s.id] for s in sources}
+    pull = centre_pulls(dist)
     moved = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
     for s in sources:
         _accumulate(moved, s, s.weight * pull[s.id] / total_weight, shapes, codec)
     kept = sum(s.weight * pull[s.id] for s in sources) / total_weight
     for name, centre in v.items():
         moved[name].add_(centre, alpha=1.0 - kept)  # v + Σ wᵢsᵢΔᵢ/W − (Σ wᵢsᵢ/W) v
-    shares = {s.id: Share(s.weight, s.norm, pull[s.id], cosine(s), dist[s.id]) for s in sources}
+    shares = {
+        s.id: Share(s.weight, s.norm, pull[s.id], cosine(s.norm, dots[s.id], v_norm), dist[s.id])
+        for s in sources
+    }
     return Aggregate(moved, shares, ref)

@@ -58,7 +58,7 @@ class Entry:
         return self.numel * self.dtype.itemsize
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (little-endian hosts only)."""
     arr: Any = t.detach().contiguous().numpy()
     return memoryview(arr).cast("B")
@@ -88,7 +88,14 @@ class TensorFileWriter:
     """Write a safetensors file in pieces: ``write(name, start, values)`` puts ``values``
     (a flat chunk of tensor ``name``'s elements, from element ``start``) in place."""
 
-    def __init__(self, path: Path, entries: Sequence[Entry], metadata: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str],
+        *,
+        digest: bool = True,
+    ) -> None:
         if len({e.name for e in entries}) != len(entries):
             raise ValueError("tensor names must be unique")
         self.path = Path(path)
@@ -97,6 +104,7 @@ class TensorFileWriter:
         self.nbytes = len(head) + sum(e.nbytes for e in entries)
         self._tmp = atomic.temp_path(self.path)
         self._fd: int | None = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._digest = digest  # False: nobody needs the file's sha256 (commit returns "")
         self._sha = hashlib.sha256(head)
         self._hashed = len(head)  # bytes hashed so far: the sha follows while writes are in order
         os.pwrite(self._fd, head, 0)
@@ -111,11 +119,11 @@ class TensorFileWriter:
                 f"{name}: {values.numel()} {values.dtype} values at {start} do not fit "
                 f"{entry.numel} {entry.dtype}"
             )
-        data = _bytes_of(values)
+        data = byte_view(values)
         at = self._offsets[name] + start * entry.dtype.itemsize
         if os.pwrite(self._fd, data, at) != len(data):
             raise OSError(f"short write to {self._tmp}")
-        if at == self._hashed:
+        if self._digest and at == self._hashed:
             self._sha.update(data)
             self._hashed += len(data)
 
@@ -125,7 +133,7 @@ class TensorFileWriter:
             raise RuntimeError(f"{self.path.name} is already committed or aborted")
         fd, self._fd = self._fd, None
         try:
-            if self._hashed != self.nbytes:  # written out of order: read it back
+            if self._digest and self._hashed != self.nbytes:  # written out of order: reread
                 self._sha = hashlib.sha256()
                 for at in range(0, self.nbytes, 1 << 22):
                     self._sha.update(os.pread(fd, min(1 << 22, self.nbytes - at), at))
@@ -136,7 +144,12 @@ class TensorFileWriter:
             raise
         os.close(fd)
         atomic.commit(self._tmp, self.path)
-        return self._sha.hexdigest()
+        return self._sha.hexdigest() if self._digest else ""
+
+    @property
+    def temp_path(self) -> Path:
+        """Where the bytes are until ``commit`` (readable meanwhile: the guard's eval)."""
+        return self._tmp
 
     def abort(self) -> None:
         if self._fd is not None:
@@ -200,7 +213,8 @@ class TensorFileReader:
             entries[name], offsets[name] = entry, 8 + n + begin
             spans.append((begin, end))
         spans.sort()
-        if [b for b, _ in spans] != [0, *(e for _, e in spans[:-1])] or 8 + n + (
+        starts = [b for b, _ in spans]
+        if starts != [0, *(e for _, e in spans[:-1])][: len(starts)] or 8 + n + (
             spans[-1][1] if spans else 0
         ) != size:
             raise TensorFileError(f"{self.path} is truncated or its tensors overlap")
@@ -211,7 +225,7 @@ class TensorFileReader:
         entry = self.entries[name]
         if out.dtype != entry.dtype or not 0 <= start <= start + out.numel() <= entry.numel:
             raise ValueError(f"{name}: cannot read {out.numel()} {out.dtype} values at {start}")
-        view = _bytes_of(out)
+        view = byte_view(out)
         at = self._offsets[name] + start * entry.dtype.itemsize
         if os.preadv(self._fd, [view], at) != len(view):
             raise TensorFileError(f"{self.path} ended early in tensor {name!r}")

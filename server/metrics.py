@@ -31,6 +31,11 @@ CLOSE_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+EVAL_SECONDS = Histogram(
+    "diloco_version_eval_seconds",
+    "Time to measure a published version's eval loss (after publishing)",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
 JANITOR_KINDS = ("temp_file", "orphan_blob", "orphan_run")
 JANITOR_REMOVED = Counter(
     "diloco_janitor_removed_total", "Leftovers the janitor removed, by kind", ["kind"]

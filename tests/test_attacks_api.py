@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from diloco.attacks import ATTACKS, Attack, hostile_body
-from diloco.checkpoint import load_checkpoint
 from diloco.config import parse_config
 from tests.conftest import server_run_config
 from tests.support.contribute import (
@@ -23,6 +22,7 @@ from tests.support.contribute import (
     auth,
     create_run,
     fetch_params,
+    read_outer_state,
     reference_step,
     register,
     train,
@@ -118,7 +118,7 @@ def test_one_attacker_is_refused_or_bounded(
     state = None
     if index > 1:
         checkpoints = server.data_dir / "blobs" / "runs" / run["id"] / "checkpoints"
-        state = load_checkpoint(checkpoints / f"{index - 1}.state.safetensors").outer_state
+        state = read_outer_state(checkpoints / f"{index - 1}.state.safetensors")
     honest_norm = update_norm(reference_step(run, base, works, state).params, base)
     assert moved <= 2.0 * honest_norm, (attack, moved, honest_norm)
     name = f"attacker-{attack}"

@@ -23,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from diloco.checkpoint import load_checkpoint
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
     Work,
     create_run,
+    read_outer_state,
     reference_step,
     register,
     train,
@@ -38,11 +38,6 @@ from tests.support.live import ServerProcess, wait_for
 
 STAGES = ["claim", "aggregate", "step", "eval", "write", "publish"]
 QUICK = {"claim_ttl_s": 2, "close_retry_base_s": 0.2, "close_retry_max_s": 0.5}
-
-
-def _momentum_by_name(outer_state: dict) -> dict[str, torch.Tensor]:
-    names, state = outer_state["names"], outer_state["sgd"]["state"]
-    return {names[i]: s["momentum_buffer"] for i, s in state.items()}
 
 
 async def _checkpoint_rows(database_url: str, run_id: str) -> list[int]:
@@ -92,16 +87,13 @@ def _assert_published_once_and_exact(
     assert published.keys() == expected.params.keys()
     for name, tensor in expected.params.items():
         assert torch.equal(published[name], tensor), name
-    state = load_checkpoint(
+    state = read_outer_state(
         server.data_dir / "blobs" / "runs" / run_id / "checkpoints" / "1.state.safetensors"
     )
-    assert state.outer_state is not None
-    # momentum buffers by parameter name (each side keeps its own parameter order)
-    got = _momentum_by_name(state.outer_state)
-    want = _momentum_by_name(expected.state_dict())
-    assert got.keys() == want.keys() == expected.params.keys()
-    for name, buffer in want.items():
-        assert torch.equal(got[name], buffer), name
+    assert state.momentum.keys() == state.residual.keys() == expected.params.keys()
+    for name in expected.params:
+        assert torch.equal(state.momentum[name], expected.momentum[name]), name
+        assert torch.equal(state.residual[name], expected.residual[name]), name
     # applied once: one row per version, and round 2 trains from version 1
     assert asyncio.run(_checkpoint_rows(database_url, run_id)) == [0, 1]
     rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]

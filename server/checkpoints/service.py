@@ -1,8 +1,11 @@
-"""Writing and reading checkpoint versions: files first (atomic), rows after.
+"""Checkpoint versions: files first (atomic), rows after.
 
-Each version is two files under ``runs/<id>/checkpoints/``: ``<v>.safetensors`` holds the
-parameters only (what volunteers download, ETag = its sha256) and ``<v>.state.safetensors``
-adds the outer momentum (what a restarted server continues from, bit-identically).
+Each version is up to three files under ``runs/<id>/checkpoints/``: ``<v>.safetensors``
+holds the parameters (what volunteers download, ETag = its sha256),
+``<v>.state.safetensors`` the outer momentum and the delta residual (what a restarted
+server continues from, bit-identically), and ``<v>.delta.safetensors`` the int8 delta from
+``v − 1`` (``diloco.delta``; what a returning volunteer downloads instead). A close writes
+them chunk by chunk (``server.rounds.outer_step``); ``write_initial`` writes version 0.
 """
 
 from __future__ import annotations
@@ -15,11 +18,27 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.checkpoint import Checkpoint as LoadedCheckpoint
-from diloco.checkpoint import load_checkpoint, save_checkpoint
+from diloco.checkpoint import state_metadata, write_params
+from diloco.tensorfile import TensorFileWriter
 from server.checkpoints.models import Checkpoint
 from server.errors import NotFound
 from server.storage import Storage
+
+
+@dataclass(frozen=True)
+class VersionKeys:
+    params: str
+    state: str
+    delta: str
+
+
+def version_keys(run_id: str, version: int) -> VersionKeys:
+    folder = f"runs/{run_id}/checkpoints"
+    return VersionKeys(
+        f"{folder}/{version}.safetensors",
+        f"{folder}/{version}.state.safetensors",
+        f"{folder}/{version}.delta.safetensors",
+    )
 
 
 @dataclass(frozen=True)
@@ -29,35 +48,46 @@ class VersionFiles:
     state_key: str
     sha256: str
     nbytes: int
+    delta_key: str | None = None  # None for version 0
+    delta_sha256: str | None = None
+    delta_nbytes: int | None = None
 
 
-def write_version(
+def version_files(
+    storage: Storage, *, run_id: str, version: int, sha256: str, delta_sha256: str
+) -> VersionFiles:
+    """The files a close wrote (``server.rounds.outer_step``), as the row records them."""
+    keys = version_keys(run_id, version)
+    return VersionFiles(
+        version,
+        keys.params,
+        keys.state,
+        sha256,
+        storage.size(keys.params),
+        keys.delta,
+        delta_sha256,
+        storage.size(keys.delta),
+    )
+
+
+def write_initial(
     storage: Storage,
     *,
     run_id: str,
-    version: int,
     params: Mapping[str, torch.Tensor],
-    outer_state: Mapping[str, Any],
+    hparams: Mapping[str, Any],
 ) -> VersionFiles:
-    """Write both files of a version atomically (temp, fsync, rename). Rewriting a version
-    after a crash gives the same bytes, because the outer step is deterministic."""
-    params_key = f"runs/{run_id}/checkpoints/{version}.safetensors"
-    state_key = f"runs/{run_id}/checkpoints/{version}.state.safetensors"
+    """Version 0: the initial parameters, and an outer state with no momentum yet and no
+    residual (both read as zeros by the first close)."""
+    keys = version_keys(run_id, 0)
     meta = {"run_id": run_id}
-    storage.path(params_key).parent.mkdir(parents=True, exist_ok=True)
-    sha = save_checkpoint(storage.path(params_key), params=params, version=version, metadata=meta)
-    save_checkpoint(
-        storage.path(state_key),
-        params=params,
-        version=version,
-        outer_state=outer_state,
-        metadata=meta,
-    )
-    return VersionFiles(version, params_key, state_key, sha, storage.size(params_key))
-
-
-def load_state(storage: Storage, row: Checkpoint) -> LoadedCheckpoint:
-    return load_checkpoint(storage.path(row.state_key))
+    storage.path(keys.params).parent.mkdir(parents=True, exist_ok=True)
+    sha = write_params(storage.path(keys.params), params, version=0, metadata=meta)
+    state_meta = state_metadata(version=0, names=list(params), hparams=hparams, metadata=meta)
+    state_meta["outer_momentum"] = "false"
+    with TensorFileWriter(storage.path(keys.state), [], state_meta, digest=False) as out:
+        out.commit()
+    return VersionFiles(0, keys.params, keys.state, sha, storage.size(keys.params))
 
 
 def row_for(files: VersionFiles, *, run_id: str, eval_loss: float | None) -> Checkpoint:
@@ -68,6 +98,9 @@ def row_for(files: VersionFiles, *, run_id: str, eval_loss: float | None) -> Che
         state_key=files.state_key,
         sha256=files.sha256,
         nbytes=files.nbytes,
+        delta_key=files.delta_key,
+        delta_sha256=files.delta_sha256,
+        delta_nbytes=files.delta_nbytes,
         eval_loss=eval_loss,
     )
 

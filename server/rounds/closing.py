@@ -6,9 +6,10 @@ many worker processes share the database.
    ``claim_expires_at``. The worker renews the claim while it computes; a worker that dies
    stops renewing, and another one takes the round over once the claim expires.
 2. **Compute** (``server.rounds.outer_step``, in a thread): no transaction, row lock or
-   pooled connection is held while the contributions are summed, the step applied, the
-   model evaluated and the version's files written (temp name, fsync, rename: a rewrite
-   after a crash writes the same bytes).
+   pooled connection is held while the contributions are summed, the step applied and
+   the version's files written (temp name, fsync, rename: a rewrite after a crash writes
+   the same bytes). The eval loss is measured after publishing, off the critical path
+   (``server.checkpoints.evals``), except for a step the guard finds suspicious.
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
    ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
@@ -163,6 +164,7 @@ async def _read_inputs(
         run_id=claim.run_id,
         version=claim.index,
         cfg=cfg,
+        base_params_key=base.params_key,
         base_state_key=base.state_key,
         base_eval_loss=base.eval_loss,
         contributions=[Stored(c.id, c.blob_key, float(_weight(c)), c.norm or 0.0) for c in rows],
@@ -186,7 +188,7 @@ async def _publish(
 ) -> str | None:
     """closing -> closed, the version published and the next round open, in one short
     transaction; the round's close code, or None when the claim is no longer ours."""
-    assert result.files is not None and result.eval_loss is not None
+    assert result.files is not None
     now = datetime.now(UTC)
     async with sessions() as session, session.begin():
         run = await runs_service.get(session=session, run_id=claim.run_id, lock="update")
@@ -242,6 +244,11 @@ async def _publish(
             await session.execute(
                 update(Checkpoint)
                 .where(Checkpoint.run_id == claim.run_id, Checkpoint.version == claim.index - 1)
+                .values(eval_loss=result.base_eval_loss)
+            )
+            await session.execute(
+                update(Round)
+                .where(Round.run_id == claim.run_id, Round.index == claim.index - 1)
                 .values(eval_loss=result.base_eval_loss)
             )
         if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it

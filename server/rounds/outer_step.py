@@ -1,44 +1,60 @@
-"""The compute of a close: robust aggregate → guarded outer step → eval → write the files.
+"""The compute of a close: robust aggregate and guarded outer step, one pass, files written.
 
 It runs in a worker thread with no transaction, row lock or pooled connection held
 (``server.rounds.closing`` claims before and publishes after). Given the same inputs it
 writes the same bytes, so a close that a crash interrupts is simply done again.
 
-- The contributions are read back from storage and combined as the run's
-  ``[aggregation]`` says (``diloco.robust``: clipped to a multiple of the round's median
-  norm by default), each weighted by the tokens it counts for.
-- The step is judged before anything is written (``diloco.guard``): one that is not
-  finite, or that raises the eval loss past ``max_loss_ratio`` times the base version's,
-  is tried again without the least-aligned contribution; when no step passes with quorum,
-  nothing is written and the close fails with ``StepRejected`` (recorded on the round,
-  retried with backoff).
+- The contributions are read back from storage, chunk by chunk (``diloco.outer_pass``),
+  and combined as the run's ``[aggregation]`` says (``diloco.robust``: clipped to a
+  multiple of the round's median norm by default), each weighted by the tokens it counts
+  for. ``mean`` and ``clipped_mean`` take one pass that sums, steps and writes the new
+  version; ``centered_clip`` needs the clipped mean first (one more pass, and the model's
+  size in memory for it).
+- The version's files: parameters, outer state (momentum and delta residual), and the
+  int8 delta from the base version (``diloco.delta``). Memory stays a few chunks a
+  contribution: nothing of the model's size is held but by ``centered_clip``.
+- The step is judged before anything is published (``diloco.protocol.rules.judge_step``):
+  one that is not finite is tried again without the contribution farthest from the
+  aggregate. One whose update is *suspicious* (longer than ``suspect_multiple`` times the
+  round's median contribution) is evaluated before publishing and discarded the same way
+  if it raises the eval loss past ``max_loss_ratio`` times the base's; any other step is
+  published at once, and its eval loss is measured afterwards (``server.checkpoints.evals``).
 - A contribution whose stored blob cannot be read (missing, damaged: its trailer digest
-  fails) is left out with the reason and the aggregate started over without it;
+  fails) is left out with the reason and the pass started over without it;
   ``decide_after_exclusions`` then says whether the others still make a step.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import json
 import logging
+import math
+import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-
-from diloco.codec import make_codec
+from diloco import delta as deltas
+from diloco.checkpoint import (
+    OuterStateFile,
+    open_outer_state,
+    params_entries,
+    params_metadata,
+    state_entries,
+    state_metadata,
+)
+from diloco.codec import Int8Codec, make_codec
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.guard import guarded_step
-from diloco.model import GPT
-from diloco.outer import OuterOptimizer
-from diloco.protocol.rules import decide_after_exclusions
+from diloco.outer_pass import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.protocol.rules import decide_after_exclusions, judge_step
 from diloco.protocol.state import Action, Decision, StepVerdict
-from diloco.robust import Aggregate, Share, Source, SourceUnreadable, robust_aggregate
-from diloco.train import evaluate, load_parameters
+from diloco.robust import Share, SourceUnreadable, centre_pulls, clip_factors, cosine, distances
+from diloco.tensorfile import TensorFileReader, TensorFileWriter
+from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
-from server.runs import data as run_data
 from server.storage import Storage
 
 log = logging.getLogger("diloco.rounds")
@@ -59,8 +75,9 @@ class StepInputs:
     run_id: str
     version: int  # the version this close publishes (= the round's index)
     cfg: RunConfig
-    base_state_key: str  # the base version's state file (parameters + outer momentum)
-    base_eval_loss: float | None  # the base version's, when known (else measured here)
+    base_params_key: str  # the base version's parameters
+    base_state_key: str  # its outer state (momentum, residual)
+    base_eval_loss: float | None  # the base version's, when known (None: pending)
     contributions: list[Stored]  # in the order they were accepted
     history: list[float]  # norms of the run's latest aggregated contributions
     quorum: int
@@ -83,62 +100,88 @@ class OuterResult:
     decision: Decision | None
     files: checkpoints_service.VersionFiles | None  # None: no step (below quorum)
     update_norm: float | None
-    eval_loss: float | None
+    eval_loss: float | None  # measured before publishing (a suspicious step); else pending
     base_eval_loss: float | None  # measured here when the inputs did not know it
     shares: dict[str, Share]  # what each aggregated contribution put in
-    seconds: dict[str, float]  # by stage: load, aggregate, step, eval, write (tries added up)
+    seconds: dict[str, float]  # by stage: load, pass, judge, write (tries added up)
+
+
+@dataclass
+class _Base:
+    """The base version, open for reading, and what every try of the step shares."""
+
+    params: TensorFileReader
+    state: OuterStateFile
+    shapes: dict[str, tuple[int, ...]]
+    upload_codec: dict
+    delta_codec: Int8Codec
+    hyper: Hyper
+
+    def close(self) -> None:
+        self.params.close()
+        self.state.reader.close()
+
+
+@dataclass
+class _Tried:
+    out: Outputs
+    result: PassResult
+    shares: dict[str, Share]
 
 
 def apply_outer_step(
     storage: Storage, inputs: StepInputs, *, eval_windows: int, faults: FaultInjector
 ) -> OuterResult:
-    """Read the base state, aggregate, step under the guard, write ``inputs.version``."""
+    """Aggregate, step under the guard and write ``inputs.version`` (module docstring)."""
     clock = _StageClock()
+    base = _open_base(storage, inputs)
+    try:
+        return _close(storage, inputs, base, clock, eval_windows, faults)
+    finally:
+        base.close()
+
+
+def _open_base(storage: Storage, inputs: StepInputs) -> _Base:
     cfg = inputs.cfg
-    base = checkpoints_service.load_checkpoint(storage.path(inputs.base_state_key))
+    params = TensorFileReader(storage.path(inputs.base_params_key))
+    try:
+        state = open_outer_state(storage.path(inputs.base_state_key))
+    except BaseException:
+        params.close()
+        raise
+    names = json.loads(params.metadata["param_names"])
+    return _Base(
+        params,
+        state,
+        {n: params.entries[n].shape for n in names},
+        make_codec(cfg.compression.kind, cfg.compression.block_size).describe(),
+        Int8Codec(cfg.compression.block_size),
+        Hyper(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov),
+    )
 
-    def start() -> OuterOptimizer:  # every step tried starts from the base version
-        outer = OuterOptimizer(
-            base.params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-        )
-        if base.outer_state is not None:
-            outer.load_state_dict(base.outer_state)
-        return outer
 
-    model, val = GPT(cfg.model.gpt_config()), run_data.load_val(storage, inputs.run_id)
-
-    def evaluate_params(params: Mapping[str, torch.Tensor]) -> float:
-        load_parameters(model, params)
-        return evaluate(model, val, block_size=cfg.model.block_size, max_windows=eval_windows)
-
-    base_loss = inputs.base_eval_loss
-    measured_base = evaluate_params(base.params) if base_loss is None else None
-    base_loss = base_loss if measured_base is None else measured_base
+def _close(
+    storage: Storage,
+    inputs: StepInputs,
+    base: _Base,
+    clock: _StageClock,
+    eval_windows: int,
+    faults: FaultInjector,
+) -> OuterResult:
     clock.lap("load")
-
-    shapes = {n: tuple(p.shape) for n, p in base.params.items()}
-    codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
-    sources = [
-        Source(c.id, c.weight, c.norm, functools.partial(storage.read_chunks, c.blob_key))
-        for c in inputs.contributions
-    ]
-
-    def aggregate(kept: Sequence[Source]) -> Aggregate:
-        return robust_aggregate(
-            kept, shapes=shapes, codec=codec, policy=cfg.aggregation, history=inputs.history
-        )
-
-    def passed(point: str) -> None:  # a stage of the close is done: time it, then faults
-        clock.lap(point.removeprefix("close."))
-        faults.hit(point)
-
     unreadable: dict[str, str] = {}
+    left_out: dict[str, str] = {}
     decision = None
+    base_loss, measured_base = inputs.base_eval_loss, None
+    policy = inputs.cfg.aggregation
     while True:
-        readable = [s for s in sources if s.id not in unreadable]
+        kept = [c for c in inputs.contributions if c.id not in unreadable | left_out]
         if unreadable:
             decision = decide_after_exclusions(
-                inputs.version, kept=len(readable), excluded=unreadable, quorum=inputs.quorum
+                inputs.version,
+                kept=len(kept) + len(left_out),
+                excluded=unreadable,
+                quorum=inputs.quorum,
             )
             if decision.action is not Action.CLOSE:
                 codes = dict.fromkeys(unreadable, "blob_unreadable")
@@ -147,44 +190,170 @@ def apply_outer_step(
                     clock.seconds,
                 )  # fmt: skip
         try:
-            stepped = guarded_step(
-                readable,
-                start=start,
-                aggregate=aggregate,
-                evaluate=evaluate_params,
-                base_loss=base_loss,
-                max_loss_ratio=cfg.aggregation.max_loss_ratio,
-                quorum=inputs.quorum,
-                hit=passed,
-            )
+            tried = _try_step(storage, inputs, base, kept, clock)
         except SourceUnreadable as err:
             unreadable[err.source_id] = err.reason
             log.warning("run %s round %d: %s", inputs.run_id, inputs.version, err)
             continue
+        faults.hit("close.aggregate")
+        faults.hit("close.step")
+        result, loss = tried.result, None
+        g_norm = math.sqrt(result.g_sq) if result.finite else math.inf
+        median = statistics.median(c.norm for c in kept)
+        if result.finite and g_norm > policy.suspect_multiple * median:
+            log.warning(
+                "run %s round %d: the update's norm %.4g is over %g x the median contribution's "
+                "(%.4g): evaluating it before publishing",
+                inputs.run_id, inputs.version, g_norm, policy.suspect_multiple, median,
+            )  # fmt: skip
+            if base_loss is None:
+                measured_base = base_loss = _evaluate(
+                    storage, inputs, base.params.path, eval_windows
+                )
+            loss = _evaluate(storage, inputs, tried.out.params.temp_path, eval_windows)
+            clock.lap("judge")
+        verdict = (
+            judge_step(base_loss, loss, finite=result.finite, max_loss_ratio=policy.max_loss_ratio)
+            if loss is not None or not result.finite
+            else StepVerdict(True, "ok", "published; eval loss pending")
+        )
+        faults.hit("close.eval")
+        if not verdict.ok:
+            tried.out.abort()
+            if len(kept) - 1 < inputs.quorum:
+                raise StepRejected(verdict, left_out)
+            culprit = max(kept, key=lambda c: tried.shares[c.id].distance)
+            left_out[culprit.id] = f"the step with it was discarded ({verdict.reason})"
+            log.warning("run %s round %d: %s", inputs.run_id, inputs.version, verdict.reason)
+            continue
         break
-    if stepped.rejected is not None:
-        raise StepRejected(stepped.rejected, stepped.left_out)
-    files = checkpoints_service.write_version(
+    params_sha, delta_sha = tried.out.commit()
+    files = checkpoints_service.version_files(
         storage,
         run_id=inputs.run_id,
         version=inputs.version,
-        params=stepped.outer.params,
-        outer_state=stepped.outer.state_dict(),
+        sha256=params_sha,
+        delta_sha256=delta_sha,
     )
     clock.lap("write")
     faults.hit("close.write")
-    excluded = unreadable | stepped.left_out
-    codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(stepped.left_out, "guard")
+    excluded = unreadable | left_out
+    codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
     return OuterResult(
         excluded,
         codes,
         decision,
         files,
-        stepped.update_norm,
-        stepped.eval_loss,
+        math.sqrt(tried.result.change_sq),
+        loss,
         measured_base,
-        stepped.aggregate.shares,
+        tried.shares,
         clock.seconds,
+    )
+
+
+def _try_step(
+    storage: Storage, inputs: StepInputs, base: _Base, kept: list[Stored], clock: _StageClock
+) -> _Tried:
+    """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
+    version's files written to temp names, and what each contribution put in."""
+    policy = inputs.cfg.aggregation
+    norms = {c.id: c.norm for c in kept}
+    total = sum(c.weight for c in kept)
+    _, clip = clip_factors(norms, inputs.history, policy)
+    coefficients = [c.weight * clip[c.id] / total for c in kept]
+    out = _outputs(storage, inputs, base)
+    with contextlib.ExitStack() as stack:
+
+        def open_uploads() -> list[UploadFile]:  # read from the start, hashed from the start
+            return [
+                stack.enter_context(
+                    contextlib.closing(
+                        UploadFile(c.id, storage.path(c.blob_key), base.shapes, base.upload_codec)
+                    )
+                )
+                for c in kept
+            ]
+
+        uploads = open_uploads()
+        step = Step(base.hyper, base.params, base.state, base.delta_codec, out)
+        block = base.delta_codec.block_size
+        try:
+            if policy.method != "centered_clip":
+                result = run_pass(uploads, coefficients, base.shapes, block_size=block, step=step)
+                dots, v_sq, factors = result.dots, result.g_sq, clip
+            else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
+                first = run_pass(uploads, coefficients, base.shapes, block_size=block, keep=True)
+                dots, v_sq = first.dots, first.g_sq
+                factors = centre_pulls(distances(norms, dots, v_sq))
+                pulls = [c.weight * factors[c.id] / total for c in kept]
+                centre = (first.kept, 1.0 - sum(pulls))
+                result = run_pass(
+                    open_uploads(), pulls, base.shapes, block_size=block, center=centre, step=step
+                )
+        except BaseException:
+            out.abort()
+            raise
+    clock.lap("pass")
+    dist = distances(norms, dots, v_sq)
+    v_norm = math.sqrt(v_sq)
+    shares = {
+        c.id: Share(c.weight, c.norm, factors[c.id], cosine(c.norm, dots[c.id], v_norm), dist[c.id])
+        for c in kept
+    }
+    return _Tried(out, result, shares)
+
+
+def _outputs(storage: Storage, inputs: StepInputs, base: _Base) -> Outputs:
+    keys = checkpoints_service.version_keys(inputs.run_id, inputs.version)
+    names = list(base.shapes)
+    meta = {"run_id": inputs.run_id}
+    storage.path(keys.params).parent.mkdir(parents=True, exist_ok=True)
+    writers: list[TensorFileWriter] = []
+    try:
+        writers.append(
+            TensorFileWriter(
+                storage.path(keys.params),
+                params_entries(base.shapes),
+                params_metadata(version=inputs.version, names=names, metadata=meta),
+            )
+        )
+        hparams = {
+            "lr": base.hyper.lr,
+            "momentum": base.hyper.momentum,
+            "nesterov": base.hyper.nesterov,
+        }
+        writers.append(
+            TensorFileWriter(
+                storage.path(keys.state),
+                state_entries(base.shapes),
+                state_metadata(version=inputs.version, names=names, hparams=hparams, metadata=meta),
+                digest=False,
+            )
+        )
+        writers.append(
+            TensorFileWriter(
+                storage.path(keys.delta),
+                deltas.entries(base.shapes, base.delta_codec),
+                deltas.metadata(
+                    run_id=inputs.run_id,
+                    version=inputs.version,
+                    base_version=inputs.version - 1,
+                    names=names,
+                    codec=base.delta_codec,
+                ),
+            )
+        )
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return Outputs(*writers)
+
+
+def _evaluate(storage: Storage, inputs: StepInputs, params_path: Path, windows: int) -> float:
+    return evals.evaluate_file(
+        storage, run_id=inputs.run_id, cfg=inputs.cfg, params_path=params_path, windows=windows
     )
 
 

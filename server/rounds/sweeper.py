@@ -9,6 +9,8 @@ lease release may let a round close):
 2. **close**: claim closing rounds, up to ``close_concurrency`` at once, each closed in its
    own task (``server.rounds.closing``). A slow close of one run never holds up the
    decisions of the others, and a failing one is recorded on its round and retried later.
+3. **evaluate**: one published version whose eval loss is pending at a time, on a thread
+   of its own (``server.checkpoints.evals``): never in the way of a close.
 
 Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
 the guarded transitions and claims make each round close exactly once.
@@ -29,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Action, RoundState
+from server.checkpoints import evals
 from server.rounds import service as rounds_service
 from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
@@ -51,12 +54,19 @@ class Sweeper:
         self.faults = faults or FaultInjector()
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Task[bool]] = set()
+        self._evaluating: asyncio.Task[None] | None = None
         # the closes' compute, on threads of their own at a lower OS priority, so that the
         # requests this process serves meanwhile get the CPU first (no request waits on a
         # close); their GIL share is small: the compute is torch and file I/O
         self.executor = ThreadPoolExecutor(
             max_workers=settings.close_concurrency,
             thread_name_prefix="close",
+            initializer=lower_priority,
+            initargs=(settings.close_nice,),
+        )
+        self.eval_executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="eval",
             initializer=lower_priority,
             initargs=(settings.close_nice,),
         )
@@ -78,10 +88,12 @@ class Sweeper:
                 with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
         finally:
-            for task in self._closing:
+            tasks = [*self._closing, *([self._evaluating] if self._evaluating else [])]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._closing, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.executor.shutdown(wait=False, cancel_futures=True)
+            self.eval_executor.shutdown(wait=False, cancel_futures=True)
 
     async def sweep(self) -> None:
         """One pass: decide every open round, then start closes up to the concurrency."""
@@ -102,10 +114,27 @@ class Sweeper:
             )
             self._closing.add(task)
             task.add_done_callback(self._closed)
+        if self._evaluating is None:
+            self._evaluating = asyncio.create_task(self._evaluate(), name="evaluate")
+
+    async def _evaluate(self) -> None:
+        """Evaluate pending versions, one after the other, while there are any."""
+        try:
+            while await evals.evaluate_next(
+                self.sessions, self.storage, self.settings, self.eval_executor
+            ):
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the database went away, say: the next sweep starts it again
+            log.exception("evaluating pending versions failed; the next sweep retries")
+        finally:
+            self._evaluating = None
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)
-        self.wake()  # a slot is free, and the next round may already be decidable
+        self.wake()  # a slot is free, the next round may already be decidable, and the
+        # version just published waits for its eval
 
     async def _close(self, claim: Claim) -> bool:
         return await close_claimed(

@@ -18,7 +18,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig, close_memory_bytes
 from diloco.model import GPT, parameter_shapes
-from diloco.outer import OuterOptimizer
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
@@ -78,11 +77,12 @@ def _prepare_files(
         torch.manual_seed(seed)
         model = GPT(cfg.model.gpt_config())
         params = parameters_of(model)
-        outer = OuterOptimizer(
-            params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-        )
-        files = checkpoints_service.write_version(
-            storage, run_id=run_id, version=0, params=outer.params, outer_state=outer.state_dict()
+        hparams = {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum}
+        files = checkpoints_service.write_initial(
+            storage,
+            run_id=run_id,
+            params=params,
+            hparams=hparams | {"nesterov": cfg.outer.nesterov},
         )
     except OSError as err:
         raise StorageFailed(

@@ -10,6 +10,7 @@ import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,14 +18,17 @@ import numpy as np
 import torch
 from safetensors.torch import load as safetensors_load
 
-from diloco.codec import EncodedTensor
+from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
+from diloco.codec import EncodedTensor, Int8Codec
 from diloco.config import parse_config
 from diloco.data import random_batch
+from diloco.delta import apply_change, publish_change
 from diloco.exchange import encode_delta
 from diloco.model import GPT
-from diloco.outer import OuterOptimizer, pseudo_gradient
+from diloco.outer import pseudo_gradient
 from diloco.protocol.rules import upload_weight
 from diloco.robust import Source, UploadInspector, robust_aggregate
+from diloco.tensorfile import TensorFileReader
 from diloco.train import InnerTrainer, load_parameters, snapshot
 from diloco.wire import ContributionMeta, decode_contribution, encode_contribution
 
@@ -133,17 +137,45 @@ def upload(http: httpx.Client, token: str, work: Work, body: bytes | None = None
     )
 
 
+@dataclass
+class Reference:
+    """A version as the server must publish it: parameters, momentum, delta residual."""
+
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    residual: dict[str, torch.Tensor]
+
+
+def read_outer_state(path: Path) -> Reference:
+    """A version's state file as a ``Reference`` (``params`` empty: they are not in it)."""
+    with TensorFileReader(path) as f:
+        by = {e: f.tensor(e) for e in f.entries}
+    return Reference(
+        {},
+        {
+            n.removeprefix(MOMENTUM_PREFIX): t
+            for n, t in by.items()
+            if n.startswith(MOMENTUM_PREFIX)
+        },
+        {
+            n.removeprefix(RESIDUAL_PREFIX): t
+            for n, t in by.items()
+            if n.startswith(RESIDUAL_PREFIX)
+        },
+    )
+
+
 def reference_step(
     run: Mapping[str, Any],
     base: Mapping[str, torch.Tensor],
     works: list[Work],
-    outer_state: Mapping[str, Any] | None = None,
-) -> OuterOptimizer:
+    state: Reference | None = None,
+) -> Reference:
     """What the server must compute for a round from these uploads (in the order they were
-    accepted), with the library's own pieces: each body inspected as ingest does (its
-    norm), weighted by the tokens it counts for, the run's robust aggregate, one Nesterov
-    step from the base version's momentum (``outer_state``; fresh for round 1). The
-    optimizer, with its parameters and momentum."""
+    accepted), with whole tensors and the library's in-memory aggregate: each body
+    inspected as ingest does (its norm), weighted by the tokens it counts for, the run's
+    robust aggregate, one Nesterov step from the base version's momentum and residual
+    (``state``; none for round 1), published through the int8 delta (``diloco.delta``)."""
     cfg = parse_config(run["config"])
     shapes = {n: tuple(p.shape) for n, p in base.items()}
     sources = []
@@ -158,15 +190,24 @@ def reference_step(
     aggregate = robust_aggregate(
         sources, shapes=shapes, codec=works[0].meta.codec, policy=cfg.aggregation
     )
-    if outer_state is not None:  # the parameters in the order the momentum was saved in
-        base = {name: base[name] for name in outer_state["names"]}
-    outer = OuterOptimizer(
-        base, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
-    )
-    if outer_state is not None:
-        outer.load_state_dict(outer_state)
-    outer.step(aggregate.delta)
-    return outer
+    hp, codec = cfg.outer, Int8Codec(cfg.compression.block_size)
+    out = Reference({}, {}, {})
+    for name, theta in base.items():
+        g = aggregate.delta[name].reshape(-1)
+        if state is None:
+            m, r = g.clone(), torch.zeros_like(g)
+        else:
+            m = state.momentum[name].reshape(-1).mul(hp.momentum).add_(g)
+            r = state.residual[name].reshape(-1).clone()
+        u = torch.add(g, m, alpha=hp.momentum) if hp.nesterov else m
+        d = torch.add(r, u, alpha=-hp.lr)
+        _, change = publish_change(d, codec)
+        new = theta.reshape(-1).float().clone()
+        apply_change(new, change)
+        out.params[name] = new.view(theta.shape)
+        out.momentum[name] = m.view(theta.shape)
+        out.residual[name] = (d - change).view(theta.shape)
+    return out
 
 
 def state_dict_bytes(params: Mapping[str, torch.Tensor]) -> bytes:

@@ -1,0 +1,322 @@
+"""A round's outer step in one pass over the model, a cache-sized chunk at a time.
+
+For each chunk of each parameter (a whole number of int8 blocks) the pass reads the
+round's stored uploads (``os.preadv`` into small reusable buffers, never the whole
+blob), dequantises and sums them with their coefficients, measures each one's dot product
+with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
+error feedback (``diloco.delta``) and writes the new parameters, momentum, residual and
+int8 delta in place in their files (``diloco.tensorfile``). Memory is a few chunks per
+upload, whatever the model's size; the base version is read, never modified, so a step
+the guard discards costs nothing to undo.
+
+The Nesterov step, as ``torch.optim.SGD(nesterov=True)`` takes it with Δ as the gradient
+(g the aggregate, m the momentum, r the residual, μ the momentum factor):
+
+    m ← μ·m + g  (m ← g on the first step)     u ← g + μ·m  (u ← m without Nesterov)
+    d ← r − lr·u    q ← quantise(d)    θ ← θ + decode(q)    r ← d − decode(q)
+
+The uploads' bytes are hashed in file order as they are read, and each one's sha256
+trailer checked at the end (``UploadFile.finish``): a stored upload damaged on disk makes
+the pass raise ``SourceUnreadable`` and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco import delta as deltas
+from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
+from diloco.codec import Int8Codec, NonFiniteError, codec_from_description
+from diloco.robust import SourceUnreadable
+from diloco.tensorfile import TensorFileReader, TensorFileWriter, byte_view
+from diloco.wire import DIGEST_BYTES, ContributionDecoder, WireFormatError
+from diloco.wire_header import MAX_HEADER_BYTES, PREFIX
+
+Shapes = Mapping[str, tuple[int, ...]]
+CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: a few of them stay in the CPU's caches
+UPLOAD_BUFFER_BUDGET = 64 << 20  # bytes of upload chunks held at once, all uploads together
+
+
+def chunk_elements(n_sources: int, block_size: int) -> int:
+    """The pass's chunk: a whole number of blocks, smaller when many uploads share the
+    buffer budget."""
+    want = min(CHUNK_ELEMENTS, UPLOAD_BUFFER_BUDGET // max(1, n_sources))
+    return max(block_size, want // block_size * block_size)
+
+
+class UploadFile:
+    """A stored upload (``diloco.wire`` body), read range by range and hashed in order."""
+
+    def __init__(self, source_id: str, path: Path, shapes: Shapes, codec: dict) -> None:
+        self.id = source_id
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            raise SourceUnreadable(
+                source_id, f"its stored upload cannot be read: {err.strerror}"
+            ) from None
+        try:
+            self._open(shapes, codec)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _open(self, shapes: Shapes, codec: dict) -> None:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, PREFIX.size, 0)
+        decoder = ContributionDecoder(shapes, codec=codec)
+        try:
+            decoder.feed(head)
+            if len(head) < PREFIX.size:
+                decoder.finish()
+            header_len = min(PREFIX.unpack(head)[1], MAX_HEADER_BYTES + 1)
+            decoder.feed(os.pread(self._fd, header_len, PREFIX.size))
+            header = decoder.header
+            if header is None:
+                decoder.finish()
+        except WireFormatError as err:
+            raise self.damaged(err) from None
+        assert header is not None
+        self._sha = hashlib.sha256(os.pread(self._fd, PREFIX.size + header_len, 0))
+        self.codec = codec_from_description(header.meta.codec)
+        self._data: dict[str, int] = {}
+        self._scales: dict[str, int] = {}
+        at = PREFIX.size + header_len
+        for spec in header.tensors:
+            self._data[spec.name] = at
+            at += spec.numel * (1 if spec.dtype == "int8" else 4)
+            self._scales[spec.name] = at
+            at += 4 * spec.n_scales
+        self._trailer = at
+        self.order = [spec.name for spec in header.tensors]  # file order: hashed as read
+        self._next = PREFIX.size + header_len  # the next byte the running hash expects
+        if size != at + DIGEST_BYTES:
+            raise self.damaged(f"it is {size} bytes, its header says {at + DIGEST_BYTES}")
+        self._tensor_scales = torch.empty(0)
+        self._tensor_scales_at = 0
+        self._buf = torch.empty(0, dtype=torch.int8)
+
+    def damaged(self, why: object) -> SourceUnreadable:
+        return SourceUnreadable(self.id, f"its stored upload is damaged: {why}")
+
+    def _pread_into(self, out: torch.Tensor, at: int) -> None:
+        view = byte_view(out)
+        try:
+            got = os.preadv(self._fd, [view], at)
+        except OSError as err:
+            raise SourceUnreadable(
+                self.id, f"its stored upload cannot be read: {err.strerror}"
+            ) from None
+        if got != len(view):
+            raise self.damaged("it ended early")
+        self._hash(view, at)
+
+    def _hash(self, view: memoryview, at: int) -> None:
+        if at == self._next:  # read in file order: hashed on the way
+            self._sha.update(view)
+            self._next += len(view)
+        else:  # finish() reads the whole file again
+            self._next = -1
+
+    def start_tensor(self, name: str, numel: int) -> None:
+        """Read the tensor's scales (hashed after its data: file order)."""
+        n = self.codec.n_scales(numel)
+        self._tensor_scales = torch.empty(n, dtype=torch.float32)
+        view = byte_view(self._tensor_scales)
+        if n and os.preadv(self._fd, [view], self._scales[name]) != len(view):
+            raise self.damaged("it ended early")
+        self._tensor_scales_at = self._scales[name]
+
+    def end_tensor(self) -> None:
+        self._hash(byte_view(self._tensor_scales), self._tensor_scales_at)
+
+    def chunk(self, name: str, start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the tensor's data, in a buffer reused next call."""
+        dtype = self.codec.data_dtype
+        if self._buf.dtype != dtype or self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=dtype)
+        out = self._buf[:n]
+        self._pread_into(out, self._data[name] + start * out.element_size())
+        return out
+
+    def decode_into(self, q: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Dequantise the chunk ``q`` (from element ``start``) into ``out``."""
+        if not isinstance(self.codec, Int8Codec):
+            return q  # fp32 already
+        bs = self.codec.block_size
+        first = start // bs
+        full = q.numel() // bs
+        head, tail = full * bs, q.numel() - full * bs
+        scales = self._tensor_scales
+        torch.mul(
+            q[:head].view(full, bs),
+            scales[first : first + full, None],
+            out=out[:head].view(full, bs),
+        )
+        if tail:
+            torch.mul(q[head:], scales[first + full], out=out[head:])
+        return out
+
+    def finish(self) -> None:
+        """Check the trailer against the bytes read."""
+        if self._next != self._trailer:  # not read in file order: hash it all again
+            self._sha = hashlib.sha256()
+            for at in range(0, self._trailer, 1 << 22):
+                self._sha.update(os.pread(self._fd, min(1 << 22, self._trailer - at), at))
+        trailer = os.pread(self._fd, DIGEST_BYTES, self._trailer)
+        if trailer != self._sha.digest():
+            raise self.damaged("its sha256 trailer does not match its bytes")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass(frozen=True)
+class Hyper:
+    lr: float
+    momentum: float
+    nesterov: bool
+
+
+@dataclass
+class Outputs:
+    """Where a stepping pass writes the new version (temp files until committed)."""
+
+    params: TensorFileWriter
+    state: TensorFileWriter
+    delta: TensorFileWriter
+
+    def commit(self) -> tuple[str, str]:
+        """fsync and rename all three; the sha256 of the params and the delta files."""
+        sha = self.params.commit()
+        self.state.commit()
+        return sha, self.delta.commit()
+
+    def abort(self) -> None:
+        for w in (self.params, self.state, self.delta):
+            w.abort()
+
+
+@dataclass
+class Step:
+    """What a stepping pass needs besides the sum: the base version and the outputs."""
+
+    hyper: Hyper
+    params: TensorFileReader  # θ at the base version
+    state: OuterStateFile  # its momentum and residual
+    codec: Int8Codec  # the delta's
+    out: Outputs
+
+
+@dataclass
+class PassResult:
+    dots: dict[str, float]  # ⟨Δᵢ, g⟩ for each upload, g the pass's sum
+    g_sq: float  # ‖g‖²
+    change_sq: float = 0.0  # ‖θ_new − θ_old‖² (the published change)
+    finite: bool = True  # the sum, the momentum and the change are all finite
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # g itself, when asked
+
+
+def _range_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(chunk, numel - s)) for s in range(0, numel, chunk)] or [(0, 0)]
+
+
+def run_pass(
+    uploads: Sequence[UploadFile],
+    coefficients: Sequence[float],
+    shapes: Shapes,
+    *,
+    block_size: int,
+    center: tuple[Mapping[str, torch.Tensor], float] | None = None,
+    step: Step | None = None,
+    keep: bool = False,
+) -> PassResult:
+    """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
+    the new version's files from g; with ``keep``, g itself (memory O(model))."""
+    chunk = chunk_elements(len(uploads), block_size)
+    scratch = torch.empty(chunk, dtype=torch.float32)
+    g_buf = torch.empty(chunk, dtype=torch.float32)
+    work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
+    result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
+    order = uploads[0].order if uploads else list(shapes)  # the uploads' file order
+    for name in order:
+        shape = shapes[name]
+        numel = math.prod(shape)
+        for u in uploads:
+            u.start_tensor(name, numel)
+        kept = torch.empty(numel, dtype=torch.float32) if keep else None
+        for start, n in _range_chunks(numel, chunk):
+            g = g_buf[:n].zero_()
+            chunks = []
+            for u, c in zip(uploads, coefficients, strict=True):
+                q = u.chunk(name, start, n)
+                g.add_(u.decode_into(q, start, scratch[:n]), alpha=c)
+                chunks.append(q)
+            if center is not None:
+                g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
+            for u, q in zip(uploads, chunks, strict=True):
+                result.dots[u.id] += float(torch.dot(u.decode_into(q, start, scratch[:n]), g))
+            result.g_sq += float(torch.dot(g, g))
+            if kept is not None:
+                kept[start : start + n] = g
+            if step is not None and not _step_chunk(step, name, start, g, work, result):
+                result.finite = False
+                return result
+        for u in uploads:
+            u.end_tensor()
+        if kept is not None:
+            result.kept[name] = kept.view(shape)
+    for u in uploads:
+        u.finish()
+    result.finite = result.finite and math.isfinite(result.g_sq) and math.isfinite(result.change_sq)
+    return result
+
+
+def _step_chunk(
+    step: Step, name: str, start: int, g: torch.Tensor, work: list[torch.Tensor], res: PassResult
+) -> bool:
+    """The outer step on one chunk (module docstring); False when it is not finite."""
+    n = g.numel()
+    theta, m, r, u, d = (w[:n] for w in work)
+    hp, state = step.hyper, step.state
+    step.params.read_into(name, start, theta)
+    if state.has_momentum:
+        state.reader.read_into(MOMENTUM_PREFIX + name, start, m)
+        m.mul_(hp.momentum).add_(g)
+    else:
+        m.copy_(g)
+    if state.has_residual:
+        state.reader.read_into(RESIDUAL_PREFIX + name, start, r)
+    else:
+        r.zero_()
+    if hp.nesterov:
+        torch.add(g, m, alpha=hp.momentum, out=u)
+    else:
+        u.copy_(m)
+    torch.add(r, u, alpha=-hp.lr, out=d)
+    try:
+        encoded, change = deltas.publish_change(d, step.codec)
+    except NonFiniteError:
+        return False
+    if not math.isfinite(m_sq := float(torch.dot(m, m))):
+        return False
+    del m_sq
+    deltas.apply_change(theta, change)
+    d.sub_(change)  # the residual carried into the next round
+    res.change_sq += float(torch.dot(change, change))
+    out = step.out
+    out.params.write(name, start, theta)
+    out.state.write(MOMENTUM_PREFIX + name, start, m)
+    out.state.write(RESIDUAL_PREFIX + name, start, d)
+    out.delta.write(deltas.DATA + name, start, encoded.data)
+    out.delta.write(deltas.SCALES + name, start // step.codec.block_size, encoded.scales)
+    return True
