@@ -42,7 +42,7 @@ from client.http import (
     json_object,
 )
 from client.lease import Lease, ProtocolError, parse, parse_lease, require
-from diloco.protocol.messages import Receipt
+from diloco.protocol.messages import CatchUpPlan, Receipt
 
 __all__ = [
     "ApiError",
@@ -284,6 +284,11 @@ class ServerAPI:
             )
 
         return await self._with_retries(f"download of {url}", once)
+
+    async def catch_up_plan(self, run_id: str, version: int, have: int) -> CatchUpPlan:
+        """How to get checkpoint ``version`` holding ``have``: its deltas, or the full file."""
+        path = f"/runs/{run_id}/checkpoints/{version}/catch-up?from={have}"
+        return parse(CatchUpPlan, await self._json("GET", path), "the catch-up plan")
 
     async def release(self, run_id: str, round: int) -> None:
         """Give back this contributor's lease on ``round`` (we are leaving): the round need

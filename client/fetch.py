@@ -3,7 +3,9 @@
 A cached file is reused after a checksum check (once per process: a file this process
 downloaded or checked is not hashed again), so a restarted volunteer does not download what
 it already has, and a file damaged on disk is fetched again instead of poisoning a round.
-Downloads resume where an earlier attempt stopped (``client.download``).
+Downloads resume where an earlier attempt stopped (``client.download``). A volunteer that
+holds an older version of the run's checkpoint catches up by int8 deltas when the server
+says they are smaller (``client.catchup``), and downloads the full file otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from client import credentials
+from client import catchup, credentials
 from client.api import ServerAPI
 from client.download import sha256_file
 from client.lease import Lease
@@ -27,6 +29,9 @@ class Fetcher:
         self.api, self.say, self.root = api, reporter, cache_root
         self.verified: set[Path] = set()  # files whose sha256 this process has checked
         self.downloads = 0  # files fetched over the network by this process
+        self.full_bytes = 0  # bytes of whole files transferred by this process
+        self.delta_bytes = 0  # bytes of checkpoint deltas fetched instead of whole checkpoints
+        self.caught_up = 0  # checkpoints rebuilt from deltas
 
     async def file(self, what: str, url: str, path: Path, sha256: str) -> Path:
         """``path`` holding the file with this sha256: the cached copy if it checks out,
@@ -42,6 +47,7 @@ class Fetcher:
             path.unlink(missing_ok=True)
         fetched = await self.api.download(url, path, sha256)
         self.downloads += 1
+        self.full_bytes += fetched.transferred
         self.verified.add(path)
         resumed = (
             f", resumed after {fetched.resumed_from:,} B already on disk"
@@ -57,6 +63,8 @@ class Fetcher:
         """θ(t−1) (fp32, CPU) and the shard as ``(chunks, chunk_len)`` uint8 tokens."""
         ck, sh, root = lease.checkpoint, lease.shard, self.root
         ck_path = credentials.checkpoint_path(lease.run_id, ck.version, ck.sha256, root)
+        if not ck_path.exists():
+            await self.catch_up(lease, ck_path)
         await self.file(f"checkpoint v{ck.version}", ck.url, ck_path, ck.sha256)
         credentials.prune_checkpoints(lease.run_id, ck.version, root)
         sh_path = credentials.shard_path(lease.run_id, sh.index, sh.sha256, root)
@@ -64,6 +72,22 @@ class Fetcher:
         params = await asyncio.to_thread(load_checkpoint_params, ck_path)
         shard = await asyncio.to_thread(load_shard, sh_path, lease, block_size)
         return params, shard
+
+    async def catch_up(self, lease: Lease, ck_path: Path) -> None:
+        """The leased checkpoint from an older cached one and its deltas, if that is the
+        smaller download and the result checks out (else the caller downloads it whole)."""
+        done = await catchup.by_deltas(
+            self.api,
+            self.say,
+            run_id=lease.run_id,
+            checkpoint=lease.checkpoint,
+            dest=ck_path,
+            root=self.root,
+        )
+        if done is not None:
+            self.verified.add(ck_path)  # its sha256 was checked as it was written
+            self.delta_bytes += done.delta_nbytes
+            self.caught_up += 1
 
     def state_path(self, run_id: str) -> Path:
         """Where this run's inner AdamW state is kept between restarts."""

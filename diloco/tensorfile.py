@@ -214,9 +214,10 @@ class TensorFileReader:
             spans.append((begin, end))
         spans.sort()
         starts = [b for b, _ in spans]
-        if starts != [0, *(e for _, e in spans[:-1])][: len(starts)] or 8 + n + (
-            spans[-1][1] if spans else 0
-        ) != size:
+        if (
+            starts != [0, *(e for _, e in spans[:-1])][: len(starts)]
+            or 8 + n + (spans[-1][1] if spans else 0) != size
+        ):
             raise TensorFileError(f"{self.path} is truncated or its tensors overlap")
         return entries, {str(k): str(v) for k, v in meta.items()}, offsets
 

@@ -2,6 +2,8 @@
 
 Starlette's FileResponse measured 0.27-0.61 GB/s here against 2.6 GB/s for a streamed
 response on uvicorn+uvloop, so files are streamed in 1 MiB chunks from an open handle.
+Every chunk the server has handed on is counted in ``diloco_served_bytes_total{kind}``
+(a range counts its bytes, a 304 none, a download cut short what it got).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from diloco.protocol.messages import ErrorCode
 from server.errors import HubError
+from server.metrics import SERVED_BYTES, ServedKind
 
 CHUNK = 1 << 20
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -42,7 +45,8 @@ def _byte_range(header: str, size: int) -> tuple[int, int]:
     return first, last
 
 
-def _chunks(path: Path, first: int, length: int) -> Iterator[bytes]:
+def _chunks(path: Path, first: int, length: int, kind: str) -> Iterator[bytes]:
+    served = SERVED_BYTES.labels(kind)
     with open(path, "rb") as f:
         f.seek(first)
         left = length
@@ -52,11 +56,19 @@ def _chunks(path: Path, first: int, length: int) -> Iterator[bytes]:
                 raise OSError(f"{path.name} ended {left} bytes early")
             left -= len(block)
             yield block
+            served.inc(len(block))  # asked for the next one: this one went out
 
 
 def serve_file(
-    request: Request, path: Path, *, etag: str, media_type: str, headers: dict[str, str]
+    request: Request,
+    path: Path,
+    *,
+    etag: str,
+    media_type: str,
+    headers: dict[str, str],
+    kind: ServedKind,
 ) -> Response:
+    """``kind`` labels the bytes in ``diloco_served_bytes_total``."""
     size = path.stat().st_size
     quoted = f'"{etag}"'
     base = {"ETag": quoted, "Accept-Ranges": "bytes", "Cache-Control": "no-cache", **headers}
@@ -68,7 +80,7 @@ def serve_file(
         length = last - first + 1
         base |= {"Content-Range": f"bytes {first}-{last}/{size}", "Content-Length": str(length)}
         return StreamingResponse(
-            _chunks(path, first, length), status_code=206, media_type=media_type, headers=base
+            _chunks(path, first, length, kind), status_code=206, media_type=media_type, headers=base
         )
     base["Content-Length"] = str(size)
-    return StreamingResponse(_chunks(path, 0, size), media_type=media_type, headers=base)
+    return StreamingResponse(_chunks(path, 0, size, kind), media_type=media_type, headers=base)

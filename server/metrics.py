@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +37,15 @@ EVAL_SECONDS = Histogram(
     "Time to measure a published version's eval loss (after publishing)",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+ServedKind = Literal["checkpoint", "delta", "shard", "wheel"]
+SERVED_KINDS: tuple[ServedKind, ...] = ("checkpoint", "delta", "shard", "wheel")
+SERVED_BYTES = Counter(
+    "diloco_served_bytes_total",
+    "File bytes streamed to clients, by kind (a range counts its bytes, a 304 none)",
+    ["kind"],
+)
+for _served in SERVED_KINDS:
+    SERVED_BYTES.labels(_served)  # every kind shows, at 0, from the start
 JANITOR_KINDS = ("temp_file", "orphan_blob", "orphan_run")
 JANITOR_REMOVED = Counter(
     "diloco_janitor_removed_total", "Leftovers the janitor removed, by kind", ["kind"]

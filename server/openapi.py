@@ -80,6 +80,11 @@ ERRORS: dict[str, Errors] = {
     },
     "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": FILE,
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}/catch-up": {
+        404: ("run_not_found", "not_found"),
+        422: (),  # from: not a number, or not older than the version
+    },
     "GET /api/v1/runs/{run_id}/shards/{index}": FILE,
     "POST /api/v1/contributors": LIMITED,
     "GET /api/v1/contributors": RUN,
@@ -124,6 +129,8 @@ _RANGE_HEADERS = [
 # operations whose success answers are files: 200 whole, 206 a range, 304 unchanged
 FILES = {
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": "safetensors: the model's parameters",
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": "safetensors: the int8 delta "
+    "from version − 1 (diloco.delta)",
     "GET /api/v1/runs/{run_id}/shards/{index}": "uint8 tokens, row-major (nbytes / chunk_len, "
     "chunk_len)",
     "GET /downloads/{filename}": "the client wheel (or, for NAME.sha256, `<hex>  NAME` as "

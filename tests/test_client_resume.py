@@ -38,13 +38,15 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def downloads(http: httpx.Client, what: str) -> float:
-    """GETs of checkpoint or shard files the server answered with 200 or 206."""
+    """GETs of checkpoint or shard files the server answered with 200 or 206 (not their
+    deltas nor catch-up plans)."""
     total = 0.0
+    file_route = re.compile(rf'route="/api/v1/runs/\{{run_id\}}/{what}/\{{[a-z_]+\}}"')
     for line in http.get("/metrics").text.splitlines():
         m = re.match(r"^diloco_http_requests_total\{(.*)\} (\S+)$", line)
         labels = m.group(1) if m else ""
         if (
-            f"/{what}/" in labels
+            file_route.search(labels)
             and 'method="GET"' in labels
             and re.search(r'status="20[06]"', labels)
         ):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -136,6 +136,28 @@ class HeartbeatOut(_Message):
     lease_expires_at: datetime
     round_state: str
     deadline: datetime
+
+
+class DeltaRef(FileRef):
+    """An int8 delta file (``diloco.delta``): θ_version = θ_base_version + decode(q)."""
+
+    version: int
+    base_version: int  # version − 1
+
+
+class CatchUpPlan(_Message):
+    """``GET /runs/{id}/checkpoints/{v}/catch-up?from=h``: how a volunteer holding version
+    ``from`` gets version ``version``: the ``deltas`` in order (``kind="deltas"``: each
+    exists and together they are smaller than the full file), else the ``full`` file."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    version: int
+    from_version: int = Field(alias="from")
+    kind: Literal["deltas", "full"]
+    deltas: list[DeltaRef]  # empty for "full"
+    full: CheckpointRef
+    delta_nbytes: int  # the deltas' sum (0 for "full")
 
 
 class Receipt(_Message):

@@ -1,16 +1,33 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
 
+from fastapi import APIRouter, Query, Request, Response
+
+from diloco.config import INT32_MAX
+from diloco.delta import catch_up as plan_catch_up
+from diloco.protocol.messages import CatchUpPlan, CheckpointRef, DeltaRef
 from server.checkpoints import service
+from server.checkpoints.models import Checkpoint
 from server.db import SessionDep
-from server.errors import NotFound
+from server.errors import InvalidRequest, NotFound
 from server.files import serve_file
 from server.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
 from server.runs import data as run_data
 from server.runs import service as runs_service
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["checkpoints"])
+API = "/api/v1"
+
+FromVersion = Annotated[
+    int,
+    Query(
+        alias="from",
+        ge=0,
+        le=INT32_MAX,
+        description="the version the volunteer holds (0 ≤ from < version)",
+    ),
+]
 
 
 @router.get("/checkpoints/{version}")
@@ -30,6 +47,90 @@ async def checkpoint(
             "X-Checkpoint-Version": str(row.version),
             "Content-Disposition": f'attachment; filename="{run_id}-v{row.version}.safetensors"',
         },
+        kind="checkpoint",
+    )
+
+
+@router.get("/checkpoints/{version}/delta")
+async def delta(
+    run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
+) -> Response:
+    """The int8 delta from ``version − 1`` to a version (or ``latest``), as safetensors
+    (``diloco.delta``); 404 ``not_found`` for version 0 and versions published without one."""
+    wanted = checkpoint_version(version)
+    await runs_service.get(session=session, run_id=run_id)
+    row = await service.get(session=session, run_id=run_id, version=wanted)
+    if row.delta_key is None or row.delta_sha256 is None:
+        raise NotFound(
+            f"checkpoint version {row.version} of run {run_id} has no delta (version 0 and "
+            "versions published before deltas existed have none); download the full "
+            f"checkpoint: {API}/runs/{run_id}/checkpoints/{row.version}"
+        )
+    return serve_file(
+        request,
+        request.app.state.storage.path(row.delta_key),
+        etag=row.delta_sha256,
+        media_type="application/octet-stream",
+        headers={
+            "X-Checkpoint-Version": str(row.version),
+            "X-Base-Version": str(row.version - 1),
+            "Content-Disposition": (
+                f'attachment; filename="{run_id}-v{row.version}.delta.safetensors"'
+            ),
+        },
+        kind="delta",
+    )
+
+
+@router.get("/checkpoints/{version}/catch-up")
+async def catch_up(
+    run_id: RunId,
+    version: CheckpointVersion,
+    from_version: FromVersion,
+    session: SessionDep,
+) -> CatchUpPlan:
+    """How a volunteer holding version ``from`` gets this version (or ``latest``): the
+    deltas in order when each exists and together they are smaller than the full file,
+    else the full checkpoint."""
+    wanted = checkpoint_version(version)
+    await runs_service.get(session=session, run_id=run_id)
+    row = await service.get(session=session, run_id=run_id, version=wanted)
+    if from_version >= row.version:
+        raise InvalidRequest(
+            f"from: {from_version} is not older than checkpoint version {row.version}; "
+            f"a volunteer catches up from a version 0..{row.version - 1}"
+        )
+    rows = await service.with_deltas(
+        session=session, run_id=run_id, after=from_version, through=row.version
+    )
+    refs = {r.version: ref for r in rows if (ref := _delta_ref(run_id, r)) is not None}
+    sizes = {v: ref.nbytes for v, ref in refs.items()}
+    chosen = plan_catch_up(from_version, row.version, full_nbytes=row.nbytes, delta_nbytes=sizes)
+    deltas = [refs[v] for v in chosen or []]
+    return CatchUpPlan(
+        version=row.version,
+        from_version=from_version,
+        kind="deltas" if chosen else "full",
+        deltas=deltas,
+        full=CheckpointRef(
+            url=f"{API}/runs/{run_id}/checkpoints/{row.version}",
+            sha256=row.sha256,
+            nbytes=row.nbytes,
+            version=row.version,
+        ),
+        delta_nbytes=sum(d.nbytes for d in deltas),
+    )
+
+
+def _delta_ref(run_id: str, row: Checkpoint) -> DeltaRef | None:
+    if row.delta_sha256 is None or row.delta_nbytes is None:
+        return None
+    return DeltaRef(
+        url=f"{API}/runs/{run_id}/checkpoints/{row.version}/delta",
+        sha256=row.delta_sha256,
+        nbytes=row.delta_nbytes,
+        version=row.version,
+        base_version=row.version - 1,
     )
 
 
@@ -47,4 +148,5 @@ async def shard(
         etag=run.shards[index]["sha256"],
         media_type="application/octet-stream",
         headers={"X-Chunk-Len": str(run.chunk_len)},
+        kind="shard",
     )

@@ -117,3 +117,17 @@ async def get(*, session: AsyncSession, run_id: str, version: int | None) -> Che
         which = "any checkpoint" if version is None else f"checkpoint version {version}"
         raise NotFound(f"run {run_id} has no {which}")
     return row
+
+
+async def with_deltas(
+    *, session: AsyncSession, run_id: str, after: int, through: int
+) -> list[Checkpoint]:
+    """The versions ``after`` < v ≤ ``through`` that have a delta, in order."""
+    query = (
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id)
+        .where(Checkpoint.version > after, Checkpoint.version <= through)
+        .where(Checkpoint.delta_key.is_not(None))
+        .order_by(Checkpoint.version)
+    )
+    return list(await session.scalars(query))

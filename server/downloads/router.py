@@ -140,4 +140,5 @@ async def download(filename: str, request: Request) -> Response:
         etag=wheel.sha256,
         media_type="application/octet-stream",
         headers={"Content-Disposition": f'attachment; filename="{wheel.filename}"'},
+        kind="wheel",
     )
