@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,15 @@ class PassResult:
     change_sq: float = 0.0  # ‖θ_new − θ_old‖² (the published change)
     finite: bool = True  # the sum, the momentum and the change are all finite
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # g itself, when asked
+    # where the pass's time went: read (uploads and base, hashing included), sum, step, write
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("read", "sum", "step", "write"), 0.0)
+    )
+
+    def lap(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[part] += now - since
+        return now
 
 
 def _range_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -257,9 +267,12 @@ def run_pass(
         for start, n in _range_chunks(numel, chunk):
             g = g_buf[:n].zero_()
             chunks = []
+            t = time.perf_counter()
             for u, c in zip(uploads, coefficients, strict=True):
                 q = u.chunk(name, start, n)
+                t = result.lap("read", t)
                 g.add_(u.decode_into(q, start, scratch[:n]), alpha=c)
+                t = result.lap("sum", t)
                 chunks.append(q)
             if center is not None:
                 g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
@@ -268,6 +281,7 @@ def run_pass(
             result.g_sq += float(torch.dot(g, g))
             if kept is not None:
                 kept[start : start + n] = g
+            result.lap("sum", t)
             if step is not None and not _step_chunk(step, name, start, g, work, result):
                 result.finite = False
                 return result
@@ -288,16 +302,19 @@ def _step_chunk(
     n = g.numel()
     theta, m, r, u, d = (w[:n] for w in work)
     hp, state = step.hyper, step.state
+    t = time.perf_counter()
     step.params.read_into(name, start, theta)
     if state.has_momentum:
         state.reader.read_into(MOMENTUM_PREFIX + name, start, m)
-        m.mul_(hp.momentum).add_(g)
-    else:
-        m.copy_(g)
     if state.has_residual:
         state.reader.read_into(RESIDUAL_PREFIX + name, start, r)
     else:
         r.zero_()
+    t = res.lap("read", t)
+    if state.has_momentum:
+        m.mul_(hp.momentum).add_(g)
+    else:
+        m.copy_(g)
     if hp.nesterov:
         torch.add(g, m, alpha=hp.momentum, out=u)
     else:
@@ -313,10 +330,12 @@ def _step_chunk(
     deltas.apply_change(theta, change)
     d.sub_(change)  # the residual carried into the next round
     res.change_sq += float(torch.dot(change, change))
+    t = res.lap("step", t)
     out = step.out
     out.params.write(name, start, theta)
     out.state.write(MOMENTUM_PREFIX + name, start, m)
     out.state.write(RESIDUAL_PREFIX + name, start, d)
     out.delta.write(deltas.DATA + name, start, encoded.data)
     out.delta.write(deltas.SCALES + name, start // step.codec.block_size, encoded.scales)
+    res.lap("write", t)
     return True

@@ -124,11 +124,14 @@ def run(server) -> Iterator[dict[str, Any]]:
                 r = upload(http, tokens[name], train(http, tokens[name], run_id))
                 assert r.status_code == 201, r.text
 
-            def closed(index: int = index) -> bool:
+            def closed(index: int = index) -> bool:  # and its eval loss measured
                 rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
-                return any(r["index"] == index and r["state"] == "closed" for r in rounds)
+                return any(
+                    r["index"] == index and r["state"] == "closed" and r["eval_loss"] is not None
+                    for r in rounds
+                )
 
-            wait_for(closed, timeout=60, what=f"round {index} to close")
+            wait_for(closed, timeout=60, what=f"round {index} to close and be evaluated")
         # a rejected upload on the open round: its reason shows on the dashboard
         work = train(http, tokens["carol"], run_id)
         bad = upload(http, tokens["carol"], work, body=work.body(base_version=0))
@@ -379,3 +382,52 @@ def test_api_docs_render_offline_under_their_csp(server, page):
     expect(pg.locator(".swagger-ui .info .title")).to_contain_text("DiLoCo Hub", timeout=20_000)
     expect(pg.locator(".opblock-summary-path").first).to_be_visible()
     assert requested and all(url.startswith(server.url + "/") for url in requested), requested
+
+
+def test_a_round_whose_eval_is_pending_says_so(browser, pg_admin_url, tmp_path):
+    # Prepare: a server whose evals of published versions fail (version 0's passes), so
+    # round 1's eval loss stays pending
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support.live import ServerProcess
+    from tests.support.pg import fresh_database
+
+    # the database is made on a thread of its own: Playwright's loop runs on this one
+    database = fresh_database(pg_admin_url)
+    with ThreadPoolExecutor(1) as thread:
+        url = thread.submit(database.__enter__).result()
+    try:
+        proc = ServerProcess(
+            data_dir=tmp_path / "srv", database_url=url, faults="eval.version=fail@2*100000"
+        )
+        try:
+            proc.wait_ready()
+            with proc.client() as http:
+                run = create_run(http, server_run_config(rounds={"quorum": 1}))
+                token = register(http, "only")
+                assert upload(http, token, train(http, token, run["id"])).status_code == 201
+                wait_for(
+                    lambda: http.get(f"{API}/runs/{run['id']}").json()["checkpoint_version"] == 1,
+                    timeout=60, what="round 1 to close",
+                )  # fmt: skip
+            context = browser.new_context(
+                viewport={"width": 1280, "height": 800}, base_url=proc.url
+            )
+            try:
+                pg = context.new_page()
+                # Execute
+                open_page(pg, f"#/runs/{run['id']}")
+                # Assert: the closed round's eval loss reads "pending", in the run list too
+                row = pg.locator(
+                    "tr", has=pg.get_by_role("button", name="Contributions of round 1")
+                )
+                expect(row.locator("td.pending")).to_have_text("pending", timeout=10_000)
+                open_page(pg, "#/runs")
+                expect(pg.get_by_text("pending")).to_have_count(1, timeout=10_000)
+            finally:
+                context.close()
+        finally:
+            proc.stop()
+    finally:
+        with ThreadPoolExecutor(1) as thread:
+            thread.submit(database.__exit__, None, None, None).result()

@@ -139,9 +139,18 @@ def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
         wait_for(lambda p=proc: not p.alive(), timeout=60, what="volunteers to exit")
         assert proc.popen.returncode == 0, proc.output()[-2000:]
 
-    # Assert: rounds, quorum, loss, versions, bytes per parameter
+    # Assert: rounds, quorum, loss (each version's eval loss is measured after it is
+    # published: the last one's may still be pending), versions, bytes per parameter
     run = http.get(f"{API}/runs/{run_id}").json()
-    rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
+    rounds = wait_for(
+        lambda: (
+            (rs := http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"])
+            and all(r["eval_loss"] is not None for r in rs)
+            and rs
+        ),
+        timeout=60,
+        what="every round's eval loss",
+    )
     assert len(rounds) == 6 and all(r["state"] == "closed" for r in rounds)
     assert all(r["accepted"] >= 2 for r in rounds), [r["accepted"] for r in rounds]
     assert rounds[-1]["eval_loss"] <= 0.9 * rounds[0]["eval_loss"], [r["eval_loss"] for r in rounds]

@@ -38,7 +38,7 @@ function runsPage() {
             h("td", { text: cur ? `${cur.index} (${cur.accepted}/${cur.quorum})` : "–" }),
             h("td", { text: cur ? String(cur.leases.filter((l) => l.live || l.contributed).length) : "0",
               title: `${live} training now` }),
-            h("td", { text: num(run.latest ? run.latest.eval_loss : null) }),
+            h("td", { text: run.latest && run.latest.eval_loss === null ? "pending" : num(run.latest ? run.latest.eval_loss : null) }),
             h("td", {}, sparkline(evals, `eval loss of ${run.name} over ${evals.length} rounds`)));
         }),
       ));

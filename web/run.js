@@ -208,7 +208,9 @@ export function runPage(main, runId) {
         h("td", { text: si(r.tokens) }),
         h("td", { text: rate === null ? "–" : si(rate) }),
         h("td", { text: num(r.train_loss) }),
-        h("td", { text: num(r.eval_loss) }),
+        // a closed round's eval loss is measured after its version is published
+        h("td", { class: r.state === "closed" && r.eval_loss === null ? "pending" : "",
+          text: r.state === "closed" && r.eval_loss === null ? "pending" : num(r.eval_loss) }),
         h("td", { text: num(r.update_norm) }),
         h("td", { text: r.closed_at ? duration((Date.parse(r.closed_at) - Date.parse(r.opened_at)) / 1000) : "–" }),
         h("td", { class: "reason" }, r.close_reason || "",

@@ -5,7 +5,8 @@ with the eval loss pending (NULL); the round worker then measures it here and fi
 on the checkpoint and on the round that published it. The dashboard shows "pending" in
 between. Any process of the round worker role may do it: one claims a pending version
 for ``EVAL_CLAIM_S`` (``eval_claim_expires_at``), and a version whose evaluator died is
-claimed again once that expires; a failed eval is logged and tried again the same way.
+claimed again once that expires; a failed eval is logged and tried again after
+``close_retry_base_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config import RunConfig
+from diloco.faults import FaultInjector
 from diloco.model import GPT
 from diloco.tensorfile import TensorFileReader
 from diloco.train import evaluate, parameters_of
@@ -61,6 +63,7 @@ async def evaluate_next(
     storage: Storage,
     settings: Settings,
     executor: Executor,
+    faults: FaultInjector,
 ) -> bool:
     """Claim the oldest pending version, measure its eval loss, fill it in; False when
     there was none to claim."""
@@ -91,19 +94,31 @@ async def evaluate_next(
         cfg = rounds_service.run_config(run)
         params_key = ck.params_key
     started = time.perf_counter()
-    try:
-        loss = await asyncio.get_running_loop().run_in_executor(
-            executor,
-            lambda: evaluate_file(
-                storage,
-                run_id=run_id,
-                cfg=cfg,
-                params_path=storage.path(params_key),
-                windows=settings.eval_windows,
-            ),
+
+    def measure() -> float:
+        faults.hit("eval.version")
+        return evaluate_file(
+            storage,
+            run_id=run_id,
+            cfg=cfg,
+            params_path=storage.path(params_key),
+            windows=settings.eval_windows,
         )
-    except (OSError, ValueError, RuntimeError) as err:  # claimed again once the claim expires
-        log.error("run %s version %d: eval failed (%s); retried later", run_id, version, err)
+
+    try:
+        loss = await asyncio.get_running_loop().run_in_executor(executor, measure)
+    except (OSError, ValueError, RuntimeError) as err:  # a missing file, an injected fault
+        retry = datetime.now(UTC) + timedelta(seconds=settings.close_retry_base_s)
+        log.error(
+            "run %s version %d: eval failed (%s: %s); tried again from %s",
+            run_id, version, type(err).__name__, err, retry.isoformat(),
+        )  # fmt: skip
+        async with sessions() as session, session.begin():
+            await session.execute(
+                update(Checkpoint)
+                .where(Checkpoint.run_id == run_id, Checkpoint.version == version)
+                .values(eval_claim_expires_at=retry)
+            )
         return True
     EVAL_SECONDS.observe(time.perf_counter() - started)
     await record(sessions, run_id=run_id, version=version, loss=loss)

@@ -103,7 +103,9 @@ class OuterResult:
     eval_loss: float | None  # measured before publishing (a suspicious step); else pending
     base_eval_loss: float | None  # measured here when the inputs did not know it
     shares: dict[str, Share]  # what each aggregated contribution put in
-    seconds: dict[str, float]  # by stage: load, pass, judge, write (tries added up)
+    # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
+    # judge, write (fsync and rename); tries added up
+    seconds: dict[str, float]
 
 
 @dataclass
@@ -295,6 +297,8 @@ def _try_step(
             out.abort()
             raise
     clock.lap("pass")
+    for part, spent in result.seconds.items():  # where the pass's time went
+        clock.seconds[f"pass_{part}"] = clock.seconds.get(f"pass_{part}", 0.0) + spent
     dist = distances(norms, dots, v_sq)
     v_norm = math.sqrt(v_sq)
     shares = {

@@ -121,7 +121,7 @@ class Sweeper:
         """Evaluate pending versions, one after the other, while there are any."""
         try:
             while await evals.evaluate_next(
-                self.sessions, self.storage, self.settings, self.eval_executor
+                self.sessions, self.storage, self.settings, self.eval_executor, self.faults
             ):
                 pass
         except asyncio.CancelledError:
