@@ -1,0 +1,87 @@
+"""Delta downloads in the simulator (``diloco simulate --downloads delta``).
+
+Every version v the hub publishes also has an int8 delta from v−1 (:mod:`diloco.delta`),
+and the *published* parameters θ are defined by those deltas; the outer optimizer keeps
+the exact parameters x as it always has. With ``publish_change`` and ``apply_change``, the
+very functions the server uses:
+
+    θ_0 = x_0
+    d_v = x_v − θ_{v−1}                    (per tensor, flat fp32)
+    q_v, change = publish_change(d_v),  θ_v = θ_{v−1} + change
+
+Error feedback is in d_v: what the quantisation of v left out is still in x_v − θ_{v−1}
+and goes out with the next delta, so ‖x − θ‖ stays of the size of one round's
+quantisation error. Workers start each round from θ; their Δ = θ − θ_worker_end steps x.
+A worker that holds θ_{v−1} downloads one delta file (1 byte a parameter, plus one fp32
+scale per block) instead of the fp32 checkpoint (4 bytes a parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.codec import EncodedTensor, Int8Codec
+from diloco.delta import apply_change, entries, metadata, publish_change
+from diloco.simulate_server import SIM_RUN_ID
+from diloco.tensorfile import layout
+
+Params = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class DeltaReport:
+    """What delta downloads cost and what they changed (``SimResult.delta``)."""
+
+    checkpoint_bytes: int  # the fp32 checkpoint a worker would download instead
+    delta_bytes: int  # one delta file: what a returning worker downloads per round
+    final_eval_loss_outer: float | None = None  # x's (the exact outer parameters), for info
+    residual_norms: list[float] = field(default_factory=list)  # ‖x − θ‖ after each publication
+
+
+def delta_nbytes(shapes: Mapping[str, tuple[int, ...]], codec: Int8Codec, *, version: int) -> int:
+    """The exact size of the delta file ``diloco.delta.write_delta`` writes for ``version``
+    (header and metadata included: the metadata spells the version out)."""
+    names = list(shapes)
+    meta = metadata(
+        run_id=SIM_RUN_ID, version=version, base_version=version - 1, names=names, codec=codec
+    )
+    listed = entries(shapes, codec)
+    head, _ = layout(listed, meta)
+    return len(head) + sum(e.nbytes for e in listed)
+
+
+class Publisher:
+    """θ, the published parameters: θ_0 = x_0, then one int8 delta per published version."""
+
+    def __init__(self, x0: Params, codec: Int8Codec) -> None:
+        self.codec = codec
+        self.theta = {n: t.detach().float().clone().contiguous() for n, t in x0.items()}
+        self.shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
+        self.version = 0
+
+    @torch.no_grad()
+    def publish(self, x: Params) -> dict[str, EncodedTensor]:
+        """Publish the next version towards the exact parameters ``x``: θ moves by the
+        decoded delta; returns the delta (each tensor with its parameter's shape, as
+        ``write_delta`` stores it)."""
+        encoded: dict[str, EncodedTensor] = {}
+        for name, theta in self.theta.items():
+            flat = theta.view(-1)  # (N,)
+            d = x[name].detach().float().reshape(-1) - flat  # (N,) the wanted change
+            q, change = publish_change(d, self.codec)
+            apply_change(flat, change)
+            encoded[name] = EncodedTensor(self.shapes[name], q.data, q.scales)
+        self.version += 1
+        return encoded
+
+    def nbytes(self, version: int) -> int:
+        return delta_nbytes(self.shapes, self.codec, version=version)
+
+    @torch.no_grad()
+    def residual_norm(self, x: Params) -> float:
+        """‖x − θ‖₂ over all parameters: what the published θ has not caught up with yet."""
+        sq = sum(float((x[n].float() - t).pow(2).sum()) for n, t in self.theta.items())
+        return sq**0.5
