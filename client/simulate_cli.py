@@ -138,7 +138,7 @@ def simulate(
     downloads: Annotated[
         str,
         typer.Option(
-            help="diloco mode: workers download the fp32 checkpoint every round (full), or "
+            help="diloco, protocol: workers download the fp32 checkpoint every round (full), or "
             "int8 deltas between versions and start from the parameters they define (delta).",
             envvar="DILOCO_DOWNLOADS",
         ),
@@ -315,8 +315,8 @@ def simulate(
             )
         if batches != "worker" and mode is not SimMode.diloco:
             raise ValueError(f"--batches {batches} applies to --mode diloco only")
-        if downloads != "full" and mode is not SimMode.diloco:
-            raise ValueError(f"--downloads {downloads} applies to --mode diloco only")
+        if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
+            raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
     except ValueError as err:
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(

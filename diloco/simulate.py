@@ -22,9 +22,9 @@ round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generat
 round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
 bit; the default is kept so that published benchmarks reproduce.
 
-Downloads: in ``diloco`` mode workers start each round from the exact outer parameters
-(``downloads="full"``: the fp32 checkpoint, the default) or from the parameters published
-by int8 deltas (``downloads="delta"``: :mod:`diloco.simulate_delta`).
+Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the exact
+outer parameters (``downloads="full"``: the fp32 checkpoint, the default) or from the
+parameters published by int8 deltas (``downloads="delta"``: :mod:`diloco.simulate_delta`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class SimOptions:
     device: str = "cpu"
     # diloco mode: worker index -> the attack it makes (diloco.attacks), for bench/attacks.py
     attacks: Mapping[int, Attack] = field(default_factory=dict)
-    # diloco mode: workers download the fp32 checkpoint, or int8 deltas (diloco.simulate_delta)
+    # diloco, protocol: workers download fp32 checkpoints, or int8 deltas (simulate_delta)
     downloads: Downloads = "full"
     delta_dir: Path | None = None  # delta downloads: write each version's delta file here
 
@@ -246,6 +246,7 @@ class Trained:
     bytes_down_per_worker: int
     protocol: ProtocolTotals | None = None
     delta: DeltaReport | None = None  # delta downloads (``model`` then holds θ, not x)
+    x: dict[str, torch.Tensor] | None = None  # delta downloads: the outer parameters
 
 
 Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
@@ -272,8 +273,8 @@ def simulate(
         raise ValueError("protocol options apply to protocol mode only")
     if opts.downloads not in ("full", "delta"):
         raise ValueError(f"downloads must be full or delta, got {opts.downloads!r}")
-    if opts.downloads != "full" and opts.mode != "diloco":
-        raise ValueError(f"downloads={opts.downloads!r} applies to diloco mode only")
+    if opts.downloads != "full" and opts.mode not in ("diloco", "protocol"):
+        raise ValueError(f"downloads={opts.downloads!r} applies to diloco and protocol modes")
     run: Runner
     n_shards = opts.workers
     if opts.mode == "protocol":
@@ -303,6 +304,12 @@ def simulate(
     started = time.perf_counter()
     trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
+    if trained.delta is not None and trained.x is not None:  # x's final loss, for information
+        exact = GPT(cfg.model.gpt_config())
+        load_parameters(exact, trained.x)
+        trained.delta.final_eval_loss_outer = evaluate(
+            exact, data.val, block_size=cfg.model.block_size, device=device
+        )
     return SimResult(
         mode=opts.mode,
         workers=opts.workers if opts.mode != "single" else 1,

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from diloco.codec import EncodedTensor, Int8Codec
-from diloco.delta import apply_change, entries, metadata, publish_change
+from diloco.delta import apply_change, catch_up, entries, metadata, publish_change, write_delta
 from diloco.simulate_server import SIM_RUN_ID
 from diloco.tensorfile import layout
 
@@ -54,13 +55,16 @@ def delta_nbytes(shapes: Mapping[str, tuple[int, ...]], codec: Int8Codec, *, ver
 
 
 class Publisher:
-    """θ, the published parameters: θ_0 = x_0, then one int8 delta per published version."""
+    """θ, the published parameters: θ_0 = x_0, then one int8 delta per published version
+    (written to ``directory`` as ``delta-<version>.safetensors`` when one is given)."""
 
-    def __init__(self, x0: Params, codec: Int8Codec) -> None:
-        self.codec = codec
+    def __init__(self, x0: Params, codec: Int8Codec, directory: Path | None = None) -> None:
+        self.codec, self.directory = codec, directory
         self.theta = {n: t.detach().float().clone().contiguous() for n, t in x0.items()}
         self.shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
         self.version = 0
+        self.sizes: dict[int, int] = {}  # each version's delta file, in bytes
+        self.residual_norms: list[float] = []  # ‖x − θ‖ after each version
 
     @torch.no_grad()
     def publish(self, x: Params) -> dict[str, EncodedTensor]:
@@ -75,13 +79,41 @@ class Publisher:
             apply_change(flat, change)
             encoded[name] = EncodedTensor(self.shapes[name], q.data, q.scales)
         self.version += 1
+        v = self.version
+        self.sizes[v] = delta_nbytes(self.shapes, self.codec, version=v)
+        self.residual_norms.append(self.residual_norm(x))
+        if self.directory is not None:
+            path = self.directory / f"delta-{v:06d}.safetensors"
+            write_delta(
+                path, encoded, run_id=SIM_RUN_ID, version=v, base_version=v - 1, codec=self.codec
+            )
         return encoded
-
-    def nbytes(self, version: int) -> int:
-        return delta_nbytes(self.shapes, self.codec, version=version)
 
     @torch.no_grad()
     def residual_norm(self, x: Params) -> float:
         """‖x − θ‖₂ over all parameters: what the published θ has not caught up with yet."""
         sq = sum(float((x[n].float() - t).pow(2).sum()) for n, t in self.theta.items())
         return sq**0.5
+
+    def report(self, checkpoint_bytes: int) -> DeltaReport:
+        last = self.sizes.get(self.version) or delta_nbytes(self.shapes, self.codec, version=1)
+        return DeltaReport(checkpoint_bytes, last, residual_norms=list(self.residual_norms))
+
+
+class Ledger:
+    """What workers download: each one's version held, and a fetch of a newer one costs the
+    deltas from it when they add up to fewer bytes than the checkpoint (``catch_up``, as
+    the client decides), else the checkpoint; nothing when it holds the version."""
+
+    def __init__(self, publisher: Publisher, checkpoint_bytes: int) -> None:
+        self.publisher, self.checkpoint_bytes = publisher, checkpoint_bytes
+        self.held: dict[str, int] = {}
+        self.bytes = 0
+
+    def fetch(self, who: str, version: int) -> None:
+        have = self.held.get(who, -1)
+        if have != version:
+            sizes = self.publisher.sizes
+            wanted = catch_up(have, version, full_nbytes=self.checkpoint_bytes, delta_nbytes=sizes)
+            self.bytes += self.checkpoint_bytes if wanted is None else sum(sizes[v] for v in wanted)
+        self.held[who] = version

@@ -18,7 +18,6 @@ from diloco.attacks import hostile_body
 from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.data import Dataset
-from diloco.delta import write_delta
 from diloco.model import GPT
 from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import assign_lease
@@ -32,9 +31,9 @@ from diloco.simulate import (
     stream_generator,
     train_upload,
 )
-from diloco.simulate_delta import DeltaReport, Publisher
-from diloco.simulate_server import SIM_RUN_ID, open_round
-from diloco.train import InnerTrainer, evaluate, load_parameters, parameters_of
+from diloco.simulate_delta import Ledger, Publisher
+from diloco.simulate_server import open_round
+from diloco.train import InnerTrainer, load_parameters, parameters_of
 
 
 def run_diloco(
@@ -58,11 +57,11 @@ def run_diloco(
     )
     checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
     # delta downloads: θ, published by int8 deltas, is what workers download and start from
-    publisher = None
+    publisher = ledger = None
     if opts.downloads == "delta":
-        publisher = Publisher(outer.params, Int8Codec(cfg.compression.block_size))
-        report = DeltaReport(checkpoint_bytes, publisher.nbytes(1))
-    download = checkpoint_bytes  # round 1: everyone fetches checkpoint 0
+        codec = Int8Codec(cfg.compression.block_size)
+        publisher = Publisher(outer.params, codec, opts.delta_dir)
+        ledger = Ledger(publisher, checkpoint_bytes)
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
     trainers, streams = [], []
     for i in range(K):
@@ -89,7 +88,10 @@ def run_diloco(
                 lease = assign_lease(i, round=r + 1, run_seed=opts.seed, n_shards=K)
                 next_batch = lease_batches(data, cfg, lease)
             # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
-            bytes_down += download
+            if ledger is None:
+                bytes_down += checkpoint_bytes
+            else:
+                ledger.fetch(f"worker-{i}", r)
             upload = train_upload(trainer, start, cfg=cfg, round=r + 1, next_batch=next_batch)
             tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
@@ -130,23 +132,9 @@ def run_diloco(
                 norms = [share.norm for share in stepped.aggregate.shares.values()]
                 history = [*history, *norms][-cfg.aggregation.history :]
         if publisher is None:
-            download = checkpoint_bytes
             load_parameters(model, outer.params)
-        else:  # publish a delta towards x if it moved; a returning worker downloads it
-            download = 0
-            if update_norm is not None:
-                encoded, v = publisher.publish(outer.params), publisher.version
-                download = report.delta_bytes = publisher.nbytes(v)
-                if opts.delta_dir is not None:
-                    write_delta(
-                        opts.delta_dir / f"delta-{v:06d}.safetensors",
-                        encoded,
-                        run_id=SIM_RUN_ID,
-                        version=v,
-                        base_version=v - 1,
-                        codec=publisher.codec,
-                    )
-            report.residual_norms.append(publisher.residual_norm(outer.params))
+        else:  # version r+1: a delta towards x (only x's residual when no step was taken)
+            publisher.publish(outer.params)
             load_parameters(model, publisher.theta)
         recorder.close_round(
             model,
@@ -158,12 +146,7 @@ def run_diloco(
             refused=sum(desk.refused.values()),
             left_out=left_out,
         )
-    if publisher is None:
+    if publisher is None or ledger is None:
         return Trained(recorder.records, bytes_up // K, bytes_down // K)
-    # x's final eval loss, for information, on the windows the caller scores θ on
-    exact = GPT(cfg.model.gpt_config())
-    load_parameters(exact, outer.params)
-    report.final_eval_loss_outer = evaluate(
-        exact, data.val, block_size=cfg.model.block_size, device=device
-    )
-    return Trained(recorder.records, bytes_up // K, bytes_down // K, delta=report)
+    delta = publisher.report(checkpoint_bytes)
+    return Trained(recorder.records, bytes_up // K, ledger.bytes // K, delta=delta, x=outer.params)

@@ -10,7 +10,7 @@ from diloco.codec import Int8Codec
 from diloco.delta import apply_delta, read_delta, write_delta
 from diloco.model import GPT, parameter_shapes
 from diloco.simulate import SimOptions, simulate
-from diloco.simulate_delta import Publisher, delta_nbytes
+from diloco.simulate_delta import Ledger, Publisher, delta_nbytes
 from diloco.simulate_server import SIM_RUN_ID
 from diloco.train import snapshot
 from tests.conftest import tiny_config
@@ -183,6 +183,52 @@ def test_delta_mode_final_theta_is_theta0_plus_every_rounds_delta_file(cfg, tmp_
         assert torch.equal(theta[name], tensor)
 
 
-def test_delta_downloads_apply_to_diloco_mode_only(cfg):
-    with pytest.raises(ValueError, match="diloco mode only"):
+def test_delta_downloads_apply_to_diloco_and_protocol_modes_only(cfg):
+    with pytest.raises(ValueError, match="applies to diloco and protocol modes"):
         simulate(cfg, SimOptions(workers=2, mode="ddp", downloads="delta"))
+
+
+def test_ledger_charges_the_missing_deltas_or_the_checkpoint_when_they_cost_more():
+    # Prepare: versions 1..4 published, each delta 30 bytes, the checkpoint 100
+    publisher = Publisher({"w": torch.zeros(8)}, Int8Codec(4))
+    publisher.sizes = {1: 30, 2: 30, 3: 30, 4: 30}
+    ledger = Ledger(publisher, checkpoint_bytes=100)
+
+    # Execute / Assert
+    ledger.fetch("new", 0)  # nothing held: the checkpoint
+    assert ledger.bytes == 100
+    ledger.fetch("new", 0)  # held already: nothing
+    assert ledger.bytes == 100
+    ledger.fetch("new", 3)  # three deltas, 90 < 100
+    assert ledger.bytes == 190
+    ledger.fetch("back", 0)
+    ledger.fetch("back", 4)  # four deltas would be 120 > 100: the checkpoint
+    assert ledger.bytes == 390
+
+
+def test_protocol_mode_with_delta_downloads_is_deterministic_and_counts_deltas(cfg, tmp_path):
+    # Prepare: two volunteers at speed 1, every round both contribute
+    from diloco.simulate_protocol import ProtocolOptions
+
+    opts = SimOptions(workers=2, mode="protocol", seed=5, downloads="delta", delta_dir=tmp_path)
+    torch.manual_seed(5)
+    theta = snapshot(GPT(cfg.model.gpt_config()))
+
+    # Execute
+    first = simulate(cfg, opts, protocol=ProtocolOptions())
+    second = simulate(cfg, opts, protocol=ProtocolOptions())
+    full = simulate(cfg, SimOptions(workers=2, mode="protocol", seed=5))
+
+    # Assert: the same run twice; checkpoint 0 then one delta a round per volunteer
+    assert as_json_without_timing(first) == as_json_without_timing(second)
+    report = first.delta
+    assert report is not None and full.delta is None
+    R = cfg.rounds.max_rounds
+    assert full.bytes_down_per_worker == R * report.checkpoint_bytes
+    assert first.bytes_down_per_worker == report.checkpoint_bytes + (R - 1) * report.delta_bytes
+    # and θ is θ_0 with every version's delta file applied in order
+    shapes = parameter_shapes(cfg.model.gpt_config())
+    for path in sorted(tmp_path.glob("delta-*.safetensors")):
+        apply_delta(theta, read_delta(path, shapes))
+    for name, tensor in first.final_params.items():
+        assert torch.equal(theta[name], tensor)
