@@ -6,7 +6,7 @@ start from the exact outer parameters x, the fp32 checkpoint) and ``downloads="d
 seed's final eval loss (of θ; x's for information), the difference beside the limit
 (+0.2%), and the bytes a returning worker downloads per round, delta beside checkpoint.
 
-    python bench/delta_downloads.py             # 2 seeds, ~6 min on one CPU thread
+    python bench/delta_downloads.py             # 2 seeds, ~6 min on one CPU thread (4 runs)
     python bench/delta_downloads.py --quick     # a smoke run (~20 s)
 """
 
@@ -41,7 +41,7 @@ def config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             "inner": {
                 "steps": args.H,
                 "batch_size": args.batch_size,
-                "lr": 1e-3,
+                "lr": args.inner_lr,
                 "weight_decay": 0.1,
                 "warmup_steps": args.warmup,
                 "grad_clip": 1.0,
@@ -61,9 +61,10 @@ def main() -> None:
     p.add_argument("-H", type=int, default=10, help="inner steps per round")
     p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
     p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-windows", type=int, default=64, help="per round (the final: all)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -137,10 +138,13 @@ def main() -> None:
         f"{delta_down:,} instead of {full_down:,} bytes per worker "
         f"({full_down / delta_down:.2f}x fewer)"
     )
+    moves = [r.update_norm for r in rows[0][2].rounds if r.update_norm is not None]
     print(
         f"‖x − θ‖ after each round (seed {rows[0][0]}): first {residuals[0]:.2e}, "
-        f"max {max(residuals):.2e}, last {residuals[-1]:.2e}"
+        f"max {max(residuals):.2e}, last {residuals[-1]:.2e}; each outer step moved x by "
+        f"{min(moves, default=0):.2f} to {max(moves, default=0):.2f}"
     )
+    print(f"{rows[0][1].n_params:,} parameters")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ class Trained:
     bytes_down_per_worker: int
     protocol: ProtocolTotals | None = None
     delta: DeltaReport | None = None  # delta downloads (``model`` then holds θ, not x)
-    x: dict[str, torch.Tensor] | None = None  # delta downloads: the outer parameters
+    outer_params: dict[str, torch.Tensor] | None = None  # delta downloads: x
 
 
 Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
@@ -304,9 +304,9 @@ def simulate(
     started = time.perf_counter()
     trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
-    if trained.delta is not None and trained.x is not None:  # x's final loss, for information
+    if trained.delta is not None and trained.outer_params is not None:  # x's, for information
         exact = GPT(cfg.model.gpt_config())
-        load_parameters(exact, trained.x)
+        load_parameters(exact, trained.outer_params)
         trained.delta.final_eval_loss_outer = evaluate(
             exact, data.val, block_size=cfg.model.block_size, device=device
         )

@@ -148,5 +148,6 @@ def run_diloco(
         )
     if publisher is None or ledger is None:
         return Trained(recorder.records, bytes_up // K, bytes_down // K)
-    delta = publisher.report(checkpoint_bytes)
-    return Trained(recorder.records, bytes_up // K, ledger.bytes // K, delta=delta, x=outer.params)
+    report = publisher.report(checkpoint_bytes)
+    down = ledger.bytes // K
+    return Trained(recorder.records, bytes_up // K, down, delta=report, outer_params=outer.params)
