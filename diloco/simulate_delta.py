@@ -14,6 +14,11 @@ and goes out with the next delta, so ‖x − θ‖ stays of the size of one rou
 quantisation error. Workers start each round from θ; their Δ = θ − θ_worker_end steps x.
 A worker that holds θ_{v−1} downloads one delta file (1 byte a parameter, plus one fp32
 scale per block) instead of the fp32 checkpoint (4 bytes a parameter).
+
+Every round publishes a version, a step or not (without one the delta carries only what
+x − θ still holds). ``Ledger`` counts what each worker downloads: nothing when it holds the
+version, the deltas since the one it holds when they are fewer bytes than the checkpoint
+(``diloco.delta.catch_up``, as a volunteer decides), else the checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class DeltaReport:
     """What delta downloads cost and what they changed (``SimResult.delta``)."""
 
     checkpoint_bytes: int  # the fp32 checkpoint a worker would download instead
-    delta_bytes: int  # one delta file: what a returning worker downloads per round
+    delta_bytes: int  # the last version's delta file: a returning worker's download a round
     final_eval_loss_outer: float | None = None  # x's (the exact outer parameters), for info
     residual_norms: list[float] = field(default_factory=list)  # ‖x − θ‖ after each publication
 
