@@ -9,6 +9,7 @@ clock (speeds, dropouts, deadlines: ``diloco.simulate_protocol``). Exit codes ar
 from __future__ import annotations
 
 import json
+import math
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -134,6 +135,14 @@ def simulate(
             envvar="DILOCO_BATCHES",
         ),
     ] = "worker",
+    downloads: Annotated[
+        str,
+        typer.Option(
+            help="diloco, protocol: workers download the fp32 checkpoint every round (full), or "
+            "int8 deltas between versions and start from the parameters they define (delta).",
+            envvar="DILOCO_DOWNLOADS",
+        ),
+    ] = "full",
     speeds: Annotated[
         str | None,
         typer.Option(
@@ -241,7 +250,7 @@ def simulate(
     simulated clock) in one process and report eval loss and bytes."""
     import torch
 
-    from diloco.simulate import Mode, RoundRecord, SimOptions, save_result
+    from diloco.simulate import Downloads, Mode, RoundRecord, SimOptions, save_result
     from diloco.simulate import simulate as run_simulation
     from diloco.simulate_hub import HubSettings
     from diloco.simulate_protocol import ProtocolOptions, ProtocolRound
@@ -252,6 +261,8 @@ def simulate(
         fail(f"--single-data must be shard or all, not {single_data!r}", ExitStatus.USAGE)
     if batches not in ("worker", "lease"):
         fail(f"--batches must be worker or lease, not {batches!r}", ExitStatus.USAGE)
+    if downloads not in ("full", "delta"):
+        fail(f"--downloads must be full or delta, not {downloads!r}", ExitStatus.USAGE)
     speed_list = _numbers("--speeds", speeds)
     join_list = _numbers("--join-at", join_at)
     K = workers if workers is not None else len(speed_list) if speed_list else 4
@@ -304,6 +315,8 @@ def simulate(
             )
         if batches != "worker" and mode is not SimMode.diloco:
             raise ValueError(f"--batches {batches} applies to --mode diloco only")
+        if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
+            raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
     except ValueError as err:
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(
@@ -314,6 +327,7 @@ def simulate(
         eval_windows=eval_windows or None,
         single_data=cast(Literal["shard", "all"], single_data),
         batches=cast(Literal["worker", "lease"], batches),
+        downloads=cast(Downloads, downloads),
     )
 
     def report(r: RoundRecord) -> None:
@@ -336,6 +350,13 @@ def simulate(
         "bytes_down_per_worker": result.bytes_down_per_worker,
         "wall_s": round(result.wall_s, 1),
     }
+    if (delta := result.delta) is not None:
+        summary |= {
+            "downloads": result.downloads,
+            "delta_bytes": delta.delta_bytes,
+            "checkpoint_bytes": delta.checkpoint_bytes,
+            "final_eval_loss_outer": round(delta.final_eval_loss_outer or math.nan, 5),
+        }
     if (totals := result.protocol) is not None:
         summary |= {
             "rounds": len(result.rounds),

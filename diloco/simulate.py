@@ -21,6 +21,10 @@ of the platform does: each round, worker i trains on the shard and with the seed
 round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generator per
 round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
 bit; the default is kept so that published benchmarks reproduce.
+
+Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the exact
+outer parameters (``downloads="full"``: the fp32 checkpoint, the default) or from the
+parameters published by int8 deltas (``downloads="delta"``: :mod:`diloco.simulate_delta`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from diloco.exchange import encode_delta
 from diloco.model import GPT
 from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
+from diloco.simulate_delta import DeltaReport
 from diloco.simulate_server import SIM_RUN_ID
 from diloco.train import (
     Batch,
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
     from diloco.simulate_protocol import ProtocolOptions, ProtocolTotals
 
 Mode = Literal["diloco", "ddp", "single", "protocol"]
+Downloads = Literal["full", "delta"]
 FP32_BYTES = 4
 
 
@@ -72,6 +78,9 @@ class SimOptions:
     device: str = "cpu"
     # diloco mode: worker index -> the attack it makes (diloco.attacks), for bench/attacks.py
     attacks: Mapping[int, Attack] = field(default_factory=dict)
+    # diloco, protocol: workers download fp32 checkpoints, or int8 deltas (simulate_delta)
+    downloads: Downloads = "full"
+    delta_dir: Path | None = None  # delta downloads: write each version's delta file here
 
 
 @dataclass
@@ -103,6 +112,8 @@ class SimResult:
     rounds: list[RoundRecord]
     config: dict[str, Any]
     protocol: ProtocolTotals | None = None  # protocol mode: time, compute, goodput, refusals
+    downloads: str = "full"  # what workers download: the fp32 checkpoint, or int8 deltas
+    delta: DeltaReport | None = None  # delta downloads: bytes, x's final loss, ‖x − θ‖
     # the final global parameters, for tests and callers; not part of the JSON
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -234,6 +245,8 @@ class Trained:
     bytes_up_per_worker: int
     bytes_down_per_worker: int
     protocol: ProtocolTotals | None = None
+    delta: DeltaReport | None = None  # delta downloads (``model`` then holds θ, not x)
+    outer_params: dict[str, torch.Tensor] | None = None  # delta downloads: x
 
 
 Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
@@ -258,6 +271,10 @@ def simulate(
         raise ValueError(f"batches={opts.batches!r} applies to diloco mode only")
     if protocol is not None and opts.mode != "protocol":
         raise ValueError("protocol options apply to protocol mode only")
+    if opts.downloads not in ("full", "delta"):
+        raise ValueError(f"downloads must be full or delta, got {opts.downloads!r}")
+    if opts.downloads != "full" and opts.mode not in ("diloco", "protocol"):
+        raise ValueError(f"downloads={opts.downloads!r} applies to diloco and protocol modes")
     run: Runner
     n_shards = opts.workers
     if opts.mode == "protocol":
@@ -287,6 +304,12 @@ def simulate(
     started = time.perf_counter()
     trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
+    if trained.delta is not None and trained.outer_params is not None:  # x's, for information
+        exact = GPT(cfg.model.gpt_config())
+        load_parameters(exact, trained.outer_params)
+        trained.delta.final_eval_loss_outer = evaluate(
+            exact, data.val, block_size=cfg.model.block_size, device=device
+        )
     return SimResult(
         mode=opts.mode,
         workers=opts.workers if opts.mode != "single" else 1,
@@ -303,6 +326,8 @@ def simulate(
         rounds=trained.records,
         config=cfg.model_dump(),
         protocol=trained.protocol,
+        downloads=opts.downloads,
+        delta=trained.delta,
         final_params=snapshot(model),
     )
 

@@ -4,7 +4,9 @@ Each round every worker trains H inner steps from θ(t−1) (:mod:`diloco.train`
 through the codec and the wire format, and the server's side of the round
 (:mod:`diloco.simulate_server`) checks each upload, aggregates robustly and applies the
 guarded Nesterov step. ``SimOptions.attacks`` turns workers into attackers
-(:mod:`diloco.attacks`), for ``bench/attacks.py``.
+(:mod:`diloco.attacks`), for ``bench/attacks.py``. ``SimOptions.downloads="delta"`` has
+workers start from the parameters published by int8 deltas (:mod:`diloco.simulate_delta`)
+rather than from the outer optimizer's exact ones.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from diloco.attacks import hostile_body
+from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.data import Dataset
 from diloco.model import GPT
@@ -28,6 +31,7 @@ from diloco.simulate import (
     stream_generator,
     train_upload,
 )
+from diloco.simulate_delta import Ledger, Publisher
 from diloco.simulate_server import open_round
 from diloco.train import InnerTrainer, load_parameters, parameters_of
 
@@ -42,7 +46,8 @@ def run_diloco(
 ) -> Trained:
     """K workers, R rounds of H inner steps, Δ through codec + wire, and the server's side
     of a round (:mod:`diloco.simulate_server`: checked uploads, the robust aggregate, the
-    guarded Nesterov step). ``model`` ends holding the final global parameters."""
+    guarded Nesterov step). ``model`` ends holding the final published parameters: the
+    outer optimizer's, or with delta downloads θ (then ``Trained.delta`` reports on both)."""
     R, K = cfg.rounds.max_rounds, opts.workers
     outer = OuterOptimizer(
         parameters_of(model),
@@ -51,6 +56,12 @@ def run_diloco(
         nesterov=cfg.outer.nesterov,
     )
     checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
+    # delta downloads: θ, published by int8 deltas, is what workers download and start from
+    publisher = ledger = None
+    if opts.downloads == "delta":
+        codec = Int8Codec(cfg.compression.block_size)
+        publisher = Publisher(outer.params, codec, opts.delta_dir)
+        ledger = Ledger(publisher, checkpoint_bytes)
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
     trainers, streams = [], []
     for i in range(K):
@@ -69,6 +80,7 @@ def run_diloco(
     for r in range(R):
         desk = open_round(cfg, r + 1)
         losses, first_delta = [], None
+        start = outer.params if publisher is None else publisher.theta
         for i, trainer in enumerate(trainers):
             # this round's batches: the worker's own stream, or the i-th lease's
             next_batch = streams[i]
@@ -76,10 +88,11 @@ def run_diloco(
                 lease = assign_lease(i, round=r + 1, run_seed=opts.seed, n_shards=K)
                 next_batch = lease_batches(data, cfg, lease)
             # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
-            bytes_down += checkpoint_bytes
-            upload = train_upload(
-                trainer, outer.params, cfg=cfg, round=r + 1, next_batch=next_batch
-            )
+            if ledger is None:
+                bytes_down += checkpoint_bytes
+            else:
+                ledger.fetch(f"worker-{i}", r)
+            upload = train_upload(trainer, start, cfg=cfg, round=r + 1, next_batch=next_batch)
             tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks
@@ -118,7 +131,11 @@ def run_diloco(
                 base_loss, accepted = stepped.eval_loss, len(desk.admitted) - left_out
                 norms = [share.norm for share in stepped.aggregate.shares.values()]
                 history = [*history, *norms][-cfg.aggregation.history :]
-        load_parameters(model, outer.params)
+        if publisher is None:
+            load_parameters(model, outer.params)
+        else:  # version r+1: a delta towards x (only x's residual when no step was taken)
+            publisher.publish(outer.params)
+            load_parameters(model, publisher.theta)
         recorder.close_round(
             model,
             round=r + 1,
@@ -129,4 +146,8 @@ def run_diloco(
             refused=sum(desk.refused.values()),
             left_out=left_out,
         )
-    return Trained(recorder.records, bytes_up // K, bytes_down // K)
+    if publisher is None or ledger is None:
+        return Trained(recorder.records, bytes_up // K, bytes_down // K)
+    report = publisher.report(checkpoint_bytes)
+    down = ledger.bytes // K
+    return Trained(recorder.records, bytes_up // K, down, delta=report, outer_params=outer.params)

@@ -120,7 +120,7 @@ class _ProtocolRun:
             cfg,
             settings,
             model=model,
-            run_seed=opts.seed,
+            opts=opts,
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
             evaluate=Recorder(cfg, opts, data, device, None).evaluator(GPT(cfg.model.gpt_config())),
@@ -195,7 +195,10 @@ class _ProtocolRun:
             action()
         K = len(self.volunteers)
         up, down = self.bytes_up // K, self.downloads * self.hub.checkpoint_bytes // K
-        return Trained(self.recorder.records, up, down, self._totals())
+        if (ledger := self.hub.ledger) is None:
+            return Trained(self.recorder.records, up, down, self._totals())
+        report, x = ledger.publisher.report(ledger.checkpoint_bytes), self.hub.outer.params
+        return Trained(self.recorder.records, up, ledger.bytes // K, self._totals(), report, x)
 
     # ------------------------------------------------------------ volunteers coming and going
 

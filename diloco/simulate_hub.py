@@ -16,7 +16,9 @@ One method per server path (read them side by side):
   order they arrived, through the wire format and the codec into the robust aggregate, the
   guarded outer step (``diloco.guard``), then ``close_effects`` (counts, loss, credit,
   the next round). A step the guard rejects is not published (the server would retry the
-  round with backoff; here it closes without a step).
+  round with backoff; here it closes without a step). With delta downloads every close
+  also publishes an int8 delta towards x (:mod:`diloco.simulate_delta`), and leases
+  download θ, the parameters the deltas define.
 
 What the simulator leaves out: no blob is ever unreadable (no exclusions), no close fails
 (no retries), no run is paused or cancelled.
@@ -33,6 +35,7 @@ from datetime import datetime, timedelta
 import torch
 from safetensors.torch import save as safetensors_save
 
+from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.model import GPT
 from diloco.outer import OuterOptimizer
@@ -66,7 +69,8 @@ from diloco.protocol.state import (
     UploadFacts,
     UploadVerdict,
 )
-from diloco.simulate import SIM_RUN_ID, Upload
+from diloco.simulate import SIM_RUN_ID, SimOptions, Upload
+from diloco.simulate_delta import Ledger, Publisher
 from diloco.simulate_server import RoundDesk
 from diloco.train import load_parameters, parameters_of
 
@@ -166,12 +170,12 @@ class Hub:
         settings: HubSettings,
         *,
         model: GPT,
-        run_seed: int,
+        opts: SimOptions,
         n_shards: int,
         now: datetime,
         evaluate: Callable[[Mapping[str, torch.Tensor]], float],
     ) -> None:
-        self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, run_seed
+        self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
         self.evaluate = evaluate  # the guard's judge: eval loss of a parameter set
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
@@ -192,6 +196,12 @@ class Hub:
         self.base_loss = evaluate(self.outer.params)  # the published version's eval loss
         self.history: list[float] = []  # aggregated norms: the clipping's reference
         self.checkpoint_bytes = len(safetensors_save(self.outer.params))
+        # delta downloads: θ, published by int8 deltas towards x; what each volunteer holds
+        self.publisher, self.ledger = None, None
+        if opts.downloads == "delta":
+            codec = Int8Codec(cfg.compression.block_size)
+            self.publisher = Publisher(self.outer.params, codec, opts.delta_dir)
+            self.ledger = Ledger(self.publisher, self.checkpoint_bytes)
         self.n_params = model.num_parameters()
         self.rounds: dict[int, RoundView] = {}
         self.logs: dict[int, RoundLog] = {}
@@ -200,8 +210,8 @@ class Hub:
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
-        """θ of the latest version: what a lease downloads."""
-        return self.outer.params
+        """θ of the latest version: what a lease downloads (x, or the deltas' θ)."""
+        return self.outer.params if self.publisher is None else self.publisher.theta
 
     def _open(self, index: int, opened_at: datetime, deadline: datetime) -> None:
         self.rounds[index] = RoundView(index, opened_at, deadline, RoundState.OPEN)
@@ -239,6 +249,8 @@ class Hub:
         )
         lease = HubLease(who, rnd.index, assignment.shard, assignment.seed, now, grant.expires_at)
         log.leases[who] = lease
+        if self.ledger is not None:  # it downloads θ: the deltas since the version it holds
+            self.ledger.fetch(who, self.version)
         return lease, True
 
     def heartbeat(self, now: datetime, who: str, index: int) -> HeartbeatGrant | Refusal:
@@ -340,7 +352,10 @@ class Hub:
             self.outer, self.base_loss = stepped.outer, stepped.eval_loss
             norms = [share.norm for share in in_step.values()]
             self.history = [*self.history, *norms][-self.cfg.aggregation.history :]
-        load_parameters(self.model, self.outer.params)
+        if self.publisher is not None:  # only x's residual when the step was rejected
+            self.publisher.publish(self.outer.params)
+            assert self.publisher.version == rnd.index
+        load_parameters(self.model, self.params)
         self.version = rnd.index
         by_id = {a.source.id: a for a in log.desk.admitted}
         aggregated = [

@@ -82,3 +82,14 @@ def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(
     # latency on a shared test machine is for people to read; everything else must hold
     assert [line for line in missed if " p99" not in line] == [], out
     assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]
+
+
+def test_delta_downloads_bench_prints_each_seed_beside_the_limit():
+    proc = subprocess.run(
+        [sys.executable, "bench/delta_downloads.py", "--quick"],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert "| 0 |" in proc.stdout and "| mean |" in proc.stdout and "+0.2%" in proc.stdout
+    assert "x fewer" in proc.stdout

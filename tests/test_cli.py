@@ -241,3 +241,23 @@ def test_simulate_protocol_options_that_do_not_fit_exit_2(tmp_path, corpus):
     assert mismatch.returncode == 2 and "speeds: 2 given for 3 volunteers" in mismatch.stderr
     elsewhere = diloco("simulate", str(config), "--speeds", "1,1")
     assert elsewhere.returncode == 2 and "apply to --mode protocol only" in elsewhere.stderr
+
+
+def test_simulate_delta_downloads_report_their_bytes(tmp_path, corpus):
+    config = write_config(tmp_path, corpus)
+    out = tmp_path / "r.json"
+
+    proc = diloco(
+        "simulate", str(config), "--workers", "2", "--out", str(out),
+        env={"DILOCO_DOWNLOADS": "delta"},
+    )  # fmt: skip
+    elsewhere = diloco("simulate", str(config), "--mode", "ddp", "--downloads", "delta")
+    unknown = diloco("simulate", str(config), "--downloads", "int4")
+
+    assert proc.returncode == 0, proc.stderr
+    summary, result = json.loads(proc.stdout), json.loads(out.read_text())
+    assert summary["downloads"] == result["downloads"] == "delta"
+    assert summary["delta_bytes"] == result["delta"]["delta_bytes"]
+    assert result["delta"]["delta_bytes"] < result["delta"]["checkpoint_bytes"] / 3
+    assert elsewhere.returncode == 2 and "applies to --mode diloco and protocol" in elsewhere.stderr
+    assert unknown.returncode == 2 and "--downloads must be full or delta" in unknown.stderr
