@@ -455,7 +455,7 @@ def main() -> None:
         # (c) sequential uploads, then concurrent ones with the server's RSS sampled
         ingest = []
         for i in range(args.uploads):
-            answer = upload(server, run_id, volunteers[i], _reseeded(bodies[i % 2], i))
+            answer = upload(server, run_id, volunteers[i], reseeded(bodies[i % 2], i))
             ingest.append(mbps(size, answer.seconds))
         line("(a) raw TCP loopback, upload direction", tcp_up)
         line("(b) plain uvicorn httptools+uvloop PUT", plain, ("(a)", statistics.median(tcp_up)))
@@ -468,7 +468,7 @@ def main() -> None:
             start = time.perf_counter()
             answers = concurrently(
                 len(rest),
-                lambda i: upload(server, run_id, rest[i], _reseeded(bodies[i % 2], 100 + i)),
+                lambda i: upload(server, run_id, rest[i], reseeded(bodies[i % 2], 100 + i)),
             )
             wall = time.perf_counter() - start
         per = [mbps(size, a.seconds) for a in answers]
@@ -490,7 +490,7 @@ def main() -> None:
              ("(a)", statistics.median(tcp_down)))  # fmt: skip
 
 
-def _reseeded(body: bytes, seed: int) -> bytes:
+def reseeded(body: bytes, seed: int) -> bytes:
     """The same body, each upload its own bytes (one payload twice is a replay): the first
     two int8 values become the seed's digits (base 127) and the trailer is recomputed."""
     import hashlib
