@@ -64,12 +64,18 @@ class UploadInspector:
     data streams; the scales, which follow the data, finish the sum). The payload digest
     covers each tensor's name, data and scales bytes: the same tensors replayed by someone
     else are recognised whatever header they come with.
+
+    ``digest_later``: the payload digest is not computed as the bytes go by; each call of
+    ``digest_work`` returns what is due since the last one, for ``digest`` to hash on
+    another thread, one batch after the other, while the next pieces are scanned. Only for
+    a caller whose chunks are immutable (``bytes``): the pieces are kept, not copied.
     """
 
-    def __init__(self, codec: dict) -> None:
+    def __init__(self, codec: dict, *, digest_later: bool = False) -> None:
         self._codec = codec_from_description(codec)
         self._sq = 0.0  # Σ x², in float64
         self._digest = hashlib.sha256()
+        self._due: list[bytes | memoryview] | None = [] if digest_later else None
         # the tensor being received
         self._name = ""
         self._carry = bytearray()  # the start of a block (int8) or value (fp32) cut by a piece
@@ -85,10 +91,10 @@ class UploadInspector:
         self._carry.clear()
         self._absmax, self._qsq = [], []
         self._tensor_sq, self._non_finite = 0.0, 0
-        self._digest.update(spec.name.encode())
+        self._hash(spec.name.encode())
 
     def data(self, piece: memoryview) -> None:
-        self._digest.update(piece)
+        self._hash(piece)
         unit = self._codec.block_size if isinstance(self._codec, Int8Codec) else 4
         if self._carry:
             take = min(unit - len(self._carry), len(piece))
@@ -112,7 +118,7 @@ class UploadInspector:
             raise non_finite_values(self._name, self._non_finite, "data")
 
     def end(self, scales: torch.Tensor) -> None:
-        self._digest.update(scales.numpy().astype("<f4", copy=False).tobytes())
+        self._hash(scales.numpy().astype("<f4").tobytes())  # a copy: scales is reused
         if not isinstance(self._codec, Int8Codec):
             self._sq += self._tensor_sq
             return
@@ -169,12 +175,32 @@ class UploadInspector:
                 x = x[finite]
             self._tensor_sq += float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
+    # -- the payload digest
+
+    def _hash(self, part: bytes | memoryview) -> None:
+        if self._due is None:
+            self._digest.update(part)
+        else:
+            self._due.append(part)
+
+    def digest_work(self) -> list[bytes | memoryview]:
+        """``digest_later``: the parts to digest since the last call, in order."""
+        assert self._due is not None, "only with digest_later"
+        work, self._due = self._due, []
+        return work
+
+    def digest(self, work: list[bytes | memoryview]) -> None:
+        """Digest ``digest_work``'s parts (calls in the order the work was taken)."""
+        for part in work:
+            self._digest.update(part)
+
     @property
     def norm(self) -> float:
         return math.sqrt(self._sq)
 
     @property
     def payload_sha256(self) -> str:
+        assert not self._due, "digest_work() is still due"
         return self._digest.hexdigest()
 
 

@@ -228,3 +228,18 @@ def test_the_header_is_judged_before_any_tensor_byte_reaches_the_sink():
     with pytest.raises(Refuse, match="run_x"):
         decoder.feed(body("int8"))  # the whole body in one chunk
     assert seen == []
+
+
+def test_a_payload_digested_later_in_batches_is_the_same_digest():
+    raw = body("int8")
+    later = UploadInspector(INT8, digest_later=True)
+    decoder = ContributionDecoder(SHAPES, codec=INT8, sink=later)
+    batches = []
+    for at in range(0, len(raw), 50):
+        decoder.feed(raw[at : at + 50])
+        batches.append(later.digest_work())
+
+    for work in batches:
+        later.digest(work)
+
+    assert later.payload_sha256 == streamed(raw, INT8, piece=50)[0].payload_sha256

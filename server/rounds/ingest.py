@@ -109,29 +109,46 @@ async def _stream_to_blob(
     stream: AsyncIterator[bytes],
     writer: BlobWriter,
     decoder: ContributionDecoder,
+    inspection: UploadInspector,
     *,
     limit: int,
 ) -> None:
     """Write and decode the body: the decoder judges the header as soon as it has arrived
     (its ``on_header``, before any tensor is looked at), then streams every tensor through
-    its sink (an ``UploadInspector``: finite, its norm, the payload's digest) without ever
-    holding one.
+    ``inspection`` (its sink: finite, the norm, the payload's digest) without holding one.
 
-    Pipelined: while a worker thread writes and decodes one batch of chunks (at least
-    FEED_BYTES), the event loop receives the next, so the body arrives at the transport's
-    pace. Memory per upload is two batches, whatever the tensor sizes. Chunks are passed as
-    received (no copies: the blob writer, the hashes and the decoder read them in place).
+    Three stages run at once, each on a batch of chunks (at least FEED_BYTES): the event
+    loop receives batch k+2 while a worker thread writes and decodes batch k+1 (the blob,
+    the body's sha256, the tensors' scan) and another digests batch k's payload (the
+    second hash of the same bytes: ``inspection`` was made with ``digest_later``). So the
+    body arrives at the transport's pace; memory per upload is three batches, whatever the
+    tensor sizes. Chunks are used as received (``bytes``): no copies.
     """
 
-    def consume(chunks: list[bytes]) -> None:
+    def consume(chunks: list[bytes]) -> list[bytes | memoryview]:
         for chunk in chunks:
             writer.write(chunk)
             decoder.feed(chunk)
+        return inspection.digest_work()
+
+    consuming: asyncio.Future[list[bytes | memoryview]] | None = None
+    hashing: asyncio.Future[None] | None = None
+
+    async def handoff(batch: list[bytes] | None) -> None:
+        """Pass the decoded batch's digest work on, then ``batch`` (None: none) to decode."""
+        nonlocal consuming, hashing
+        if consuming is not None:
+            work = await consuming
+            if hashing is not None:
+                await hashing  # digests in order
+            hashing = asyncio.ensure_future(asyncio.to_thread(inspection.digest, work))
+        consuming = (
+            None if batch is None else asyncio.ensure_future(asyncio.to_thread(consume, batch))
+        )
 
     received = 0
     batch: list[bytes] = []
     batched = 0
-    busy: asyncio.Future[None] | None = None  # the previous batch, in the worker
     try:
         async for chunk in stream:
             received += len(chunk)
@@ -140,24 +157,24 @@ async def _stream_to_blob(
             batch.append(chunk)
             batched += len(chunk)
             if batched >= FEED_BYTES:
-                if busy is not None:
-                    await busy
-                busy = asyncio.ensure_future(asyncio.to_thread(consume, batch))
+                await handoff(batch)
                 batch, batched = [], 0
-        if busy is not None:
-            await busy
-        if batch:
-            await asyncio.to_thread(consume, batch)
+        await handoff(batch or None)
+        await handoff(None)
+        if hashing is not None:
+            await hashing
         decoder.finish()
     except NonFiniteWireError as err:
         raise NonFiniteUpload(f"rejected: {err}") from None
     except WireFormatError as err:
         raise MalformedUpload(f"not a valid contribution body: {err}") from None
-    finally:
-        if busy is not None and not busy.done():  # the blob is aborted next: not while written
-            await asyncio.wait([busy])
-            if not busy.cancelled():
-                busy.exception()  # retrieved: the error that stopped the loop is the answer
+    finally:  # the blob is aborted next: not while being written
+        running = [f for f in (consuming, hashing) if f is not None and not f.done()]
+        if running:
+            await asyncio.wait(running)
+        for f in running:
+            if not f.cancelled():
+                f.exception()  # retrieved: the error that stopped the loop is the answer
     if decoder.header is None:
         raise MalformedUpload("the body ended before its header")
 
@@ -201,12 +218,11 @@ async def receive(
         check_model(header, cfg=cfg)
 
     # the run's codec: check_model refuses any other before a tensor byte is looked at
-    inspection = UploadInspector(
-        make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
-    )
+    codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
+    inspection = UploadInspector(codec, digest_later=True)
     decoder = ContributionDecoder(max_bytes=limit, on_header=check_header, sink=inspection)
     with storage.writer(key) as writer:
-        await _stream_to_blob(stream, writer, decoder, limit=limit)
+        await _stream_to_blob(stream, writer, decoder, inspection, limit=limit)
         sha = decoder.body_sha256
         assert sha is not None  # finish() returned: the trailer matched
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
