@@ -194,28 +194,48 @@ def wait_port(port: int, timeout: float) -> None:
     raise SystemExit(f"nothing listens on port {port} after {timeout:g} s")
 
 
-def plain_http_mbps(nbytes: int, *, rounds: int = 5) -> list[float]:
-    """MB/s of ``rounds`` PUTs of ``nbytes`` to a uvicorn (httptools, uvloop) app in its
-    own process that reads and discards the body."""
+@dataclass(frozen=True)
+class PlainServer:
+    port: int
+    pid: int
+
+    def put(self, body: bytes | memoryview) -> Answer:
+        answer = http_request(self.port, "PUT", "/discard", body=body)
+        if answer.status != 200 or int(answer.body) != len(body):
+            raise SystemExit(f"plain uvicorn answered {answer.status} {answer.body!r}")
+        return answer
+
+
+@contextmanager
+def plain_server() -> Iterator[PlainServer]:
+    """A uvicorn (httptools, uvloop) app in its own process that reads and discards a
+    PUT body: the HTTP limit for any ingest."""
     port = free_port()
-    server = mp.get_context("spawn").Process(target=_serve_discard, args=(port,), daemon=True)
-    server.start()
+    process = mp.get_context("spawn").Process(target=_serve_discard, args=(port,), daemon=True)
+    process.start()
     try:
         wait_port(port, 30)
-        body = memoryview(bytearray(nbytes))
-        figures = []
-        for _ in range(rounds):
-            answer = http_request(port, "PUT", "/discard", body=body)
-            if answer.status != 200 or int(answer.body) != nbytes:
-                raise SystemExit(f"plain uvicorn answered {answer.status} {answer.body!r}")
-            figures.append(mbps(nbytes, answer.seconds))
-        return figures
+        assert process.pid is not None
+        yield PlainServer(port, process.pid)
     finally:
-        server.terminate()
-        server.join(timeout=10)
+        process.terminate()
+        process.join(timeout=10)
+
+
+def plain_http_mbps(nbytes: int, *, rounds: int = 5) -> list[float]:
+    """MB/s of ``rounds`` PUTs of ``nbytes`` to ``plain_server``."""
+    body = memoryview(bytearray(nbytes))
+    with plain_server() as plain:
+        return [mbps(nbytes, plain.put(body).seconds) for _ in range(rounds)]
 
 
 # ---------------------------------------------------------------- (c, d) diloco serve
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -415,11 +435,15 @@ def concurrently(n: int, fn: Callable[[int], Answer]) -> list[Answer]:
 # ---------------------------------------------------------------- the report
 
 
-def line(label: str, figures: list[float], *limits: tuple[str, float]) -> None:
+def line(label: str, figures: list[float], *limits: tuple[str, float], cpu: str = "") -> None:
     med = statistics.median(figures)
     ratios = "".join(f"   {med / lim:5.2f}x {name}" for name, lim in limits)
     spread = f"[{min(figures):.0f}..{max(figures):.0f}]"
-    print(f"{label:<44s} {med:8.0f} MB/s {spread:>13s}{ratios}", flush=True)
+    print(f"{label:<44s} {med:8.0f} MB/s {spread:>13s}{ratios}{cpu}", flush=True)
+
+
+def cpu_note(seconds: float, nbytes: int) -> str:
+    return f"   server CPU {seconds / nbytes * 1e9:.2f} ns/byte"
 
 
 def main() -> None:
@@ -448,19 +472,25 @@ def main() -> None:
         print(f"model: {run['n_params']:,} parameters; int8 contribution body {size:,} bytes; "
               f"checkpoint {ckpt.nbytes:,} bytes", flush=True)  # fmt: skip
 
-        # the limits, measured now, with the server idle
+        # (a) the kernel's limit; then (b) the HTTP limit and (c) our ingest, one upload
+        # of each in turn, so that both see the same load on the machine
         tcp_up = raw_tcp_mbps(size, rounds=args.uploads)
-        plain = plain_http_mbps(size, rounds=args.uploads)
-
-        # (c) sequential uploads, then concurrent ones with the server's RSS sampled
-        ingest = []
-        for i in range(args.uploads):
-            answer = upload(server, run_id, volunteers[i], reseeded(bodies[i % 2], i))
-            ingest.append(mbps(size, answer.seconds))
+        plain, ingest, plain_cpu, ingest_cpu = [], [], 0.0, 0.0
+        with plain_server() as limit:
+            for i in range(args.uploads):
+                body = reseeded(bodies[i % 2], i)
+                cpu = cpu_seconds(limit.pid)
+                plain.append(mbps(size, limit.put(body).seconds))
+                plain_cpu += cpu_seconds(limit.pid) - cpu
+                cpu = cpu_seconds(server.pid)
+                ingest.append(mbps(size, upload(server, run_id, volunteers[i], body).seconds))
+                ingest_cpu += cpu_seconds(server.pid) - cpu
         line("(a) raw TCP loopback, upload direction", tcp_up)
-        line("(b) plain uvicorn httptools+uvloop PUT", plain, ("(a)", statistics.median(tcp_up)))
+        line("(b) plain uvicorn httptools+uvloop PUT", plain, ("(a)", statistics.median(tcp_up)),
+             cpu=cpu_note(plain_cpu, size * args.uploads))  # fmt: skip
         line("(c) diloco serve ingest, int8 contribution", ingest,
-             ("(b)", statistics.median(plain)), ("(a)", statistics.median(tcp_up)))  # fmt: skip
+             ("(b)", statistics.median(plain)), ("(a)", statistics.median(tcp_up)),
+             cpu=cpu_note(ingest_cpu, size * args.uploads))  # fmt: skip
 
         rest = volunteers[args.uploads :]
         base = rss_mib(server.pid)
