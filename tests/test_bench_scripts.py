@@ -1,6 +1,7 @@
 """The benchmark scripts still run (on toy sizes); their figures are read by people, not tests."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,18 @@ def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(
     # latency on a shared test machine is for people to read; everything else must hold
     assert [line for line in missed if " p99" not in line] == [], out
     assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]
+
+
+def test_transport_bench_prints_every_figure_beside_its_limit(database_url):
+    proc = subprocess.run(
+        [sys.executable, "bench/transport.py", "--n-layer", "1", "--n-embd", "64",
+         "--n-head", "4", "--uploads", "1", "--concurrent", "2", "--downloads", "1"],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env={**os.environ, "DILOCO_BENCH_DATABASE_URL": database_url},
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "x (b)" in out and "x (a)" in out  # ingest beside plain uvicorn and raw TCP
+    assert "2 concurrent uploads" in out and "peak" in out
+    assert "(d) checkpoint download" in out
