@@ -27,8 +27,8 @@ import enum
 import hashlib
 import itertools
 import sys
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -63,12 +63,15 @@ __all__ = [
     "ContributionDecoder",
     "ContributionHeader",
     "ContributionMeta",
+    "FrameSink",
     "NonFiniteWireError",
     "TensorSpec",
     "WireFormatError",
     "contribution_nbytes",
     "decode_contribution",
     "encode_contribution",
+    "non_finite_values",
+    "out_of_range_int8",
 ]
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -146,6 +149,24 @@ class _Stage(enum.Enum):
     DONE = "done"  # nothing more may arrive
 
 
+class FrameSink(Protocol):
+    """Takes a body's tensors as their bytes arrive, instead of whole tensors
+    (``ContributionDecoder(sink=...)``): memory stays O(chunk) whatever the tensor sizes.
+
+    For each tensor in header order: ``begin``, ``data`` for each piece of its data frame
+    (pieces split anywhere, even inside a value), ``end_data``, then ``end`` with its scales
+    (a small frame, 4 bytes per block: checked by the decoder, then handed over whole).
+    The sink owns the data frames' value checks the decoder makes on whole tensors: int8
+    -128 (``out_of_range_int8``) and non-finite floats (``non_finite_values``), raised from
+    ``data`` or ``end_data``. Pieces are views into the caller's chunk: use them at once.
+    """
+
+    def begin(self, spec: TensorSpec) -> None: ...
+    def data(self, piece: memoryview) -> None: ...
+    def end_data(self) -> None: ...
+    def end(self, scales: torch.Tensor) -> None: ...
+
+
 class ContributionDecoder:
     """Incremental decoder: feed chunks as they arrive, get each tensor when it completes.
 
@@ -158,6 +179,11 @@ class ContributionDecoder:
     parsed, before any tensor memory is allocated. After any error the decoder is dead.
     A server must pass ``expected`` or ``max_bytes``: without them a header may ask for up
     to ``MAX_NUMEL`` values per tensor.
+
+    ``on_header`` is called with the validated header before any tensor byte is looked
+    at (what it raises comes out of ``feed``). With a ``sink`` no tensor is ever held:
+    every tensor's bytes go to it as they arrive and ``feed`` returns nothing.
+    ``body_sha256`` is the sha256 of every byte fed, the trailer included, once done.
     """
 
     def __init__(
@@ -166,13 +192,18 @@ class ContributionDecoder:
         *,
         codec: dict[str, Any] | None = None,
         max_bytes: int | None = None,
+        on_header: Callable[[ContributionHeader], None] | None = None,
+        sink: FrameSink | None = None,
     ) -> None:
         self._expected = (
             None if expected is None else {k: tuple(int(d) for d in s) for k, s in expected.items()}
         )
         self._codec = None if codec is None else codec_from_description(codec).describe()
         self._max_bytes = max_bytes
+        self._on_header = on_header
+        self._sink = sink
         self._digest = hashlib.sha256()
+        self._body_sha256: str | None = None
         self._received = 0
         self._header_len = 0
         self._header: ContributionHeader | None = None
@@ -188,6 +219,11 @@ class ContributionDecoder:
     def header(self) -> ContributionHeader | None:
         """The validated header, once it has arrived."""
         return self._header
+
+    @property
+    def body_sha256(self) -> str | None:
+        """The hex sha256 of the whole body, trailer included, once the trailer matched."""
+        return self._body_sha256
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> list[tuple[str, EncodedTensor]]:
         """Consume one chunk; return the tensors it completed, in header order."""
@@ -240,12 +276,15 @@ class ContributionDecoder:
 
     def _consume(self, view: memoryview) -> memoryview:
         take = view[: self._size - self._filled]
-        if self._dest is not None:
-            self._dest[self._filled : self._filled + len(take)] = np.frombuffer(take, np.uint8)
-        else:
-            self._buf += take
         if self._stage is not _Stage.TRAILER:
             self._digest.update(take)
+        if self._dest is not None:
+            self._dest[self._filled : self._filled + len(take)] = np.frombuffer(take, np.uint8)
+        elif self._stage is _Stage.DATA:  # with a sink: streamed, never held
+            assert self._sink is not None
+            self._sink.data(take)
+        else:
+            self._buf += take
         if self._stage is _Stage.PREFIX and not MAGIC.startswith(self._buf[: len(MAGIC)]):
             raise WireFormatError(
                 f"body starts with {bytes(self._buf[: len(MAGIC)])!r}, not the magic {MAGIC!r}: "
@@ -264,17 +303,26 @@ class ContributionDecoder:
         elif self._stage is _Stage.HEADER:
             self._header = parse_header(bytes(self._buf))
             self._check_header(self._header)
+            if self._on_header is not None:
+                self._on_header(self._header)
             self._start_tensor(0)
         elif self._stage is _Stage.DATA:
-            assert self._data is not None
-            _check_frame(self._spec().name, "data", self._data)
+            if self._sink is not None:
+                self._sink.end_data()
+            else:
+                assert self._data is not None
+                _check_frame(self._spec().name, "data", self._data)
             self._scales = torch.empty(self._spec().n_scales, dtype=torch.float32)
             self._enter(_Stage.SCALES, 4 * self._spec().n_scales, self._scales)
         elif self._stage is _Stage.SCALES:
-            assert self._data is not None and self._scales is not None
+            assert self._scales is not None
             _check_frame(self._spec().name, "scales", self._scales)
             spec = self._spec()
-            completed.append((spec.name, EncodedTensor(spec.shape, self._data, self._scales)))
+            if self._sink is not None:
+                self._sink.end(self._scales)
+            else:
+                assert self._data is not None
+                completed.append((spec.name, EncodedTensor(spec.shape, self._data, self._scales)))
             self._start_tensor(self._index + 1)
         elif self._stage is _Stage.TRAILER:
             digest = self._digest.digest()
@@ -283,6 +331,9 @@ class ContributionDecoder:
                     f"checksum mismatch: body hashes to {digest.hex()[:16]}… but its trailer "
                     f"says {bytes(self._buf).hex()[:16]}…; it was corrupted in transit"
                 )
+            whole = self._digest.copy()  # the body's digest is the running one plus the trailer
+            whole.update(self._buf)
+            self._body_sha256 = whole.hexdigest()
             self._enter(_Stage.DONE, 0)
 
     def _start_tensor(self, index: int) -> None:
@@ -292,8 +343,13 @@ class ContributionDecoder:
             self._enter(_Stage.TRAILER, DIGEST_BYTES)
             return
         spec = self._spec()
+        itemsize = DTYPES[spec.dtype].itemsize
+        if self._sink is not None:
+            self._sink.begin(spec)
+            self._enter(_Stage.DATA, spec.numel * itemsize)
+            return
         self._data = torch.empty(spec.numel, dtype=DTYPES[spec.dtype])
-        self._enter(_Stage.DATA, spec.numel * self._data.element_size(), self._data)
+        self._enter(_Stage.DATA, spec.numel * itemsize, self._data)
 
     def _check_header(self, header: ContributionHeader) -> None:
         """The caller's expectations, checked before any tensor memory is allocated."""
@@ -324,6 +380,20 @@ class ContributionDecoder:
             )
 
 
+def non_finite_values(name: str, count: int, part: str) -> NonFiniteWireError:
+    """The refusal of a frame with ``count`` NaN/Inf values (``part``: data or scales)."""
+    return NonFiniteWireError(
+        f"tensor {name!r} has {count} non-finite value(s) (NaN/Inf) in its {part}"
+    )
+
+
+def out_of_range_int8(name: str) -> WireFormatError:
+    """The refusal of an int8 data frame holding -128, which no codec produces."""
+    return WireFormatError(
+        f"tensor {name!r} has int8 value {-INT8_MAX - 1}, outside [-{INT8_MAX}, {INT8_MAX}]"
+    )
+
+
 def _check_frame(name: str, part: str, x: torch.Tensor) -> None:
     """Reject values a codec can never produce: NaN/Inf, negative scales, int8 -128.
     (On a big-endian host it first swaps float32 frames to native order, in place.)"""
@@ -332,16 +402,11 @@ def _check_frame(name: str, part: str, x: torch.Tensor) -> None:
             x.numpy().byteswap(inplace=True)
         finite = torch.isfinite(x)
         if not bool(finite.all()):
-            raise NonFiniteWireError(
-                f"tensor {name!r} has {int((~finite).sum())} non-finite value(s) (NaN/Inf) "
-                f"in its {part}"
-            )
+            raise non_finite_values(name, int((~finite).sum()), part)
         if part == "scales" and bool((x < 0).any()):
             raise WireFormatError(f"tensor {name!r} has negative scales")
     elif bool((x == -INT8_MAX - 1).any()):
-        raise WireFormatError(
-            f"tensor {name!r} has int8 value {-INT8_MAX - 1}, outside [-{INT8_MAX}, {INT8_MAX}]"
-        )
+        raise out_of_range_int8(name)
 
 
 def decode_contribution(

@@ -1,6 +1,7 @@
 """The benchmark scripts still run (on toy sizes); their figures are read by people, not tests."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,18 @@ def test_delta_downloads_bench_prints_each_seed_beside_the_limit():
     assert proc.returncode == 0, proc.stderr
     assert "| 0 |" in proc.stdout and "| mean |" in proc.stdout and "+0.2%" in proc.stdout
     assert "x fewer" in proc.stdout
+
+
+def test_transport_bench_prints_every_figure_beside_its_limit(database_url):
+    proc = subprocess.run(
+        [sys.executable, "bench/transport.py", "--n-layer", "1", "--n-embd", "64",
+         "--n-head", "4", "--uploads", "1", "--concurrent", "2", "--downloads", "1"],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env={**os.environ, "DILOCO_BENCH_DATABASE_URL": database_url},
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "x (b)" in out and "x (a)" in out  # ingest beside plain uvicorn and raw TCP
+    assert "2 concurrent uploads" in out and "peak" in out
+    assert "(d) checkpoint download" in out

@@ -18,9 +18,8 @@ Any failure aborts the temp blob; a 2xx means blob fsynced and row committed.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -66,7 +65,7 @@ from server.runs.models import Run
 from server.settings import Settings
 from server.storage import BlobWriter, Storage
 
-FEED_BYTES = 1 << 20  # decode in pieces of about this size, off the event loop
+FEED_BYTES = 1 << 20  # decode in batches of at least this size, off the event loop
 
 
 @dataclass(frozen=True)
@@ -110,48 +109,74 @@ async def _stream_to_blob(
     stream: AsyncIterator[bytes],
     writer: BlobWriter,
     decoder: ContributionDecoder,
+    inspection: UploadInspector,
     *,
     limit: int,
-    check_header: Callable[[ContributionHeader], None],
-) -> tuple[str, UploadInspector]:
-    """Write and decode the body; ``check_header`` judges the header as soon as it has
-    arrived (before any tensor is looked at), then every tensor is decoded and inspected
-    (finite, its norm, the payload's digest) and dropped. The sha256 of all the body's
-    bytes, and the inspection."""
-    digest = hashlib.sha256()
-    pending = bytearray()
-    inspector: UploadInspector | None = None
+) -> None:
+    """Write and decode the body: the decoder judges the header as soon as it has arrived
+    (its ``on_header``, before any tensor is looked at), then streams every tensor through
+    ``inspection`` (its sink: finite, the norm, the payload's digest) without holding one.
 
-    def consume(piece: bytes) -> None:
-        nonlocal inspector
-        writer.write(piece)
-        digest.update(piece)
-        completed = decoder.feed(piece)
-        if inspector is None and decoder.header is not None:
-            check_header(decoder.header)
-            inspector = UploadInspector(decoder.header.meta.codec)
-        for name, encoded in completed:
-            assert inspector is not None  # tensors come after the header
-            inspector.add(name, encoded)
+    Three stages run at once, each on a batch of chunks (at least FEED_BYTES): the event
+    loop receives batch k+2 while a worker thread writes and decodes batch k+1 (the blob,
+    the body's sha256, the tensors' scan) and another digests batch k's payload (the
+    second hash of the same bytes: ``inspection`` was made with ``digest_later``). So the
+    body arrives at the transport's pace; memory per upload is three batches, whatever the
+    tensor sizes. Chunks are used as received (``bytes``): no copies.
+    """
 
+    def consume(chunks: list[bytes]) -> list[bytes | memoryview]:
+        for chunk in chunks:
+            writer.write(chunk)
+            decoder.feed(chunk)
+        return inspection.digest_work()
+
+    consuming: asyncio.Future[list[bytes | memoryview]] | None = None
+    hashing: asyncio.Future[None] | None = None
+
+    async def handoff(batch: list[bytes] | None) -> None:
+        """Pass the decoded batch's digest work on, then ``batch`` (None: none) to decode."""
+        nonlocal consuming, hashing
+        if consuming is not None:
+            work = await consuming
+            if hashing is not None:
+                await hashing  # digests in order
+            hashing = asyncio.ensure_future(asyncio.to_thread(inspection.digest, work))
+        consuming = (
+            None if batch is None else asyncio.ensure_future(asyncio.to_thread(consume, batch))
+        )
+
+    received = 0
+    batch: list[bytes] = []
+    batched = 0
     try:
         async for chunk in stream:
-            if writer.nbytes + len(pending) + len(chunk) > limit:
+            received += len(chunk)
+            if received > limit:
                 raise UploadTooLarge(f"the body is over this round's {limit}-byte limit")
-            pending += chunk
-            if len(pending) >= FEED_BYTES:
-                await asyncio.to_thread(consume, bytes(pending))
-                pending.clear()
-        if pending:
-            await asyncio.to_thread(consume, bytes(pending))
+            batch.append(chunk)
+            batched += len(chunk)
+            if batched >= FEED_BYTES:
+                await handoff(batch)
+                batch, batched = [], 0
+        await handoff(batch or None)
+        await handoff(None)
+        if hashing is not None:
+            await hashing
         decoder.finish()
     except NonFiniteWireError as err:
         raise NonFiniteUpload(f"rejected: {err}") from None
     except WireFormatError as err:
         raise MalformedUpload(f"not a valid contribution body: {err}") from None
-    if inspector is None:
+    finally:  # the blob is aborted next: not while being written
+        running = [f for f in (consuming, hashing) if f is not None and not f.done()]
+        if running:
+            await asyncio.wait(running)
+        for f in running:
+            if not f.cancelled():
+                f.exception()  # retrieved: the error that stopped the loop is the answer
+    if decoder.header is None:
         raise MalformedUpload("the body ended before its header")
-    return digest.hexdigest(), inspector
 
 
 async def receive(
@@ -183,8 +208,7 @@ async def receive(
         raise UploadTooLarge(f"{content_length} bytes is over this round's {limit}-byte limit")
 
     # 2. stream into a temp blob, checking the header as soon as it is in, then every
-    # tensor as it completes (decoded: finite; measured); the blob is not kept unless all pass
-    decoder = ContributionDecoder(max_bytes=limit)
+    # tensor as it streams (finite; measured); the blob is not kept unless all pass
     key = f"runs/{run_id}/rounds/{index}/{contributor_id}-{secrets.token_hex(4)}.bin"
     rnd = facts.round
 
@@ -193,10 +217,14 @@ async def receive(
             raise refused(refusal)
         check_model(header, cfg=cfg)
 
+    # the run's codec: check_model refuses any other before a tensor byte is looked at
+    codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
+    inspection = UploadInspector(codec, digest_later=True)
+    decoder = ContributionDecoder(max_bytes=limit, on_header=check_header, sink=inspection)
     with storage.writer(key) as writer:
-        sha, inspection = await _stream_to_blob(
-            stream, writer, decoder, limit=limit, check_header=check_header
-        )
+        await _stream_to_blob(stream, writer, decoder, inspection, limit=limit)
+        sha = decoder.body_sha256
+        assert sha is not None  # finish() returned: the trailer matched
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
             return _retry_answer(existing, sha)
         writer.commit()
