@@ -1,164 +1,283 @@
-"""Server round benchmark: upload ingest, aggregation + outer step, peak RSS.
+"""The server's round path at 10M, 50M and 150M parameters, each stage beside its limit.
 
-Starts a real `diloco serve` (embedded Postgres in a temp dir, or the database named by
-DILOCO_BENCH_DATABASE_URL), creates a run with a ~10M-parameter model, uploads K int8
-contributions over loopback HTTP from this process (synthetic Δs: training them would only
-measure the CPU), lets the round close, and prints:
+For each model size it starts a real ``diloco serve`` (embedded Postgres, or the database
+in DILOCO_BENCH_DATABASE_URL), creates a run, has K volunteers upload real int8
+contributions (synthetic Δs: training them would only measure the CPU) over loopback
+HTTP, lets round 1 close, and prints every stage next to a limit measured in this same
+run on this same machine, with the ratio:
 
-- upload ingest MB/s (body bytes over the wall time of each PUT, median and total);
-- the close stages from the server's /metrics: load, aggregate, outer step, eval, write;
-- the server's peak RSS (VmHWM) and its size relative to the fp32 model.
+- upload ingest (MB/s per upload)      raw TCP loopback, a plain uvicorn app (bench.transport)
+- the pass: aggregate + outer step     the memory-bandwidth bound (the bytes the work must
+  (and its parts: read, sum, step,     move, at the copy bandwidth torch reaches here), and
+  write)                               a plain torch reference of the same work in memory
+- write (fsync, rename)                the same bytes written and fsync'd by plain Python
+- critical path (claim to next round   1.5 x (aggregate + step + the fsync'd writes)
+  open: the close's publish)
+- eval (after publishing)              the same windows through the same model in torch
+- checkpoint and delta downloads       raw TCP loopback
+- peak server RSS during the close     4 x the fp32 model + the idle server's RSS
+- bytes a returning volunteer fetches  26% of the fp32 checkpoint
 
-    python bench/server_round.py [--n-layer 6 --n-embd 384 --contributions 8]
+    python bench/server_round.py [--sizes 10M,50M,150M --contributions 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from diloco.exchange import encode_delta  # noqa: E402
-from diloco.wire import ContributionMeta, encode_contribution  # noqa: E402
+from bench.transport import (  # noqa: E402
+    API,
+    DilocoServer,
+    contribution_body,
+    create_run,
+    diloco_server,
+    download,
+    join,
+    mbps,
+    plain_http_mbps,
+    raw_tcp_mbps,
+    reseeded,
+    rss_mib,
+    safetensors_shapes,
+    upload,
+)
+from diloco.codec import Int8Codec  # noqa: E402
+from diloco.model import GPT, GPTConfig  # noqa: E402
+from diloco.train import evaluate  # noqa: E402
 
-API = "/api/v1"
-ADMIN = "adm_bench"
+SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16)}  # layers, width, heads
+EVAL_WINDOWS = 16  # per version, the server's and the reference's
+BLOCK = 4096  # the int8 block size of the runs (the config's default)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass
+class Figures:
+    rows: list[tuple[str, str, str, str, str]]
+
+    def add(self, stage: str, measured: str, limit: str, ratio: str, goal: str = "") -> None:
+        self.rows.append((stage, measured, limit, ratio, goal))
+
+    def print(self, title: str) -> None:
+        print(f"\n## {title}\n")
+        print("| stage | measured | limit (same run) | ratio | goal |")
+        print("|---|---|---|---|---|")
+        for row in self.rows:
+            print("| " + " | ".join(row) + " |")
 
 
-def wait(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
+def metric_sums(text: str, name: str) -> dict[str, float]:
+    """``<name>_sum{stage="x"} v`` lines (or the unlabelled sum as key "")."""
+    out = {}
+    for m in re.finditer(rf'^{name}_sum(?:\{{\w+="(\w+)"\}})? (\S+)$', text, re.M):
+        out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def metric_count(text: str, name: str) -> float:
+    m = re.search(rf"^{name}_count (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def poll(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+        if result := check():
+            return result
+        time.sleep(0.1)
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise SystemExit("no VmHWM in /proc: this benchmark needs Linux")
+# ---------------------------------------------------------------- limits, in this process
 
 
-def stage_seconds(metrics: str) -> dict[str, float]:
-    pattern = re.compile(r'^diloco_round_close_stage_seconds_sum\{stage="(\w+)"\} (\S+)$', re.M)
-    return {m.group(1): float(m.group(2)) for m in pattern.finditer(metrics)}
+def copy_bandwidth() -> float:
+    """Bytes per second torch moves copying a 512 MiB buffer (read + write counted)."""
+    src = torch.ones(128 << 20)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def pass_bytes(n: int, k: int) -> int:
+    """What aggregate + step must move: K uploads (int8 + scales) and θ, m, r read; θ, m, r
+    and the int8 delta (+ scales) written."""
+    upload = n + 4 * math.ceil(n / BLOCK)
+    return k * upload + 12 * n + 12 * n + upload
+
+
+def torch_reference(n: int, k: int) -> float:
+    """The same work in plain torch, whole tensors in memory: dequantise and sum K int8
+    uploads, the Nesterov step with the residual, quantise the change, apply it."""
+    gen = torch.Generator().manual_seed(0)
+    codec = Int8Codec(BLOCK)
+    uploads = [codec.encode(torch.randn(n, generator=gen)) for _ in range(k)]
+    theta, m, r = (torch.randn(n, generator=gen) for _ in range(3))
+    start = time.perf_counter()
+    g = torch.zeros(n)
+    for e in uploads:
+        g.add_(codec.decode(e), alpha=1.0 / k)
+    m.mul_(0.9).add_(g)
+    u = torch.add(g, m, alpha=0.9)
+    d = torch.add(r, u, alpha=-0.7)
+    change = codec.decode(codec.encode(d))
+    theta.add_(change)
+    d.sub_(change)
+    return time.perf_counter() - start
+
+
+def fsync_reference(folder: Path, nbytes: int) -> float:
+    """Write ``nbytes`` (in 4 MiB pieces, as the close does) and fsync: the unavoidable."""
+    piece = os.urandom(4 << 20)
+    path = folder / "fsync-reference.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(piece)):
+            f.write(piece)
+        f.write(piece[: nbytes % len(piece)])
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def eval_reference(cfg: GPTConfig, windows: int) -> float:
+    model = GPT(cfg)
+    val = torch.randint(0, 256, (windows * cfg.block_size + 1,), dtype=torch.uint8)
+    start = time.perf_counter()
+    with torch.no_grad():
+        evaluate(model, val, block_size=cfg.block_size, max_windows=windows)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- one size
+
+
+def bench_size(
+    label: str, shape: tuple[int, int, int], k: int, data: Path, scratch: Path
+) -> Figures:
+    n_layer, n_embd, n_head = shape
+    env = {"DILOCO_SWEEP_INTERVAL_S": "0.2", "DILOCO_EVAL_WINDOWS": str(EVAL_WINDOWS)}
+    fig = Figures([])
+    with diloco_server(**env) as server:
+        idle_rss = rss_mib(server.pid)
+        run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k, data=data)
+        run_id, n_params = run["id"], run["n_params"]
+        model_mib = n_params * 4 / 2**20
+        volunteers = [join(server, run_id, f"bench{i}") for i in range(k)]
+        first = download(server, volunteers[0].lease["checkpoint"]["url"], volunteers[0].token)
+        shapes = safetensors_shapes(first.body)
+        body = contribution_body(run_id, volunteers[0].lease, shapes, seed=0)
+        bodies = [reseeded(body, i) for i in range(k)]
+        # version 0's eval runs after run creation: let it finish before the round
+        poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 1, 600,
+             "version 0's eval")  # fmt: skip
+        Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # peak RSS from here
+        ingest = []
+        for v, b in zip(volunteers, bodies, strict=True):
+            ingest.append(mbps(len(b), upload(server, run_id, v, b).seconds))
+        poll(lambda: server.call("GET", f"{API}/runs/{run_id}")["checkpoint_version"] == 1,  # type: ignore[index]
+             900, "round 1 to close")  # fmt: skip
+        peak = rss_mib(server.pid, "VmHWM")
+        text = metrics(server)
+        stages = metric_sums(text, "diloco_round_close_stage_seconds")
+        close = metric_sums(text, "diloco_round_close_seconds")[""]
+        poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 2, 900,
+             "version 1's eval")  # fmt: skip
+        eval_s = metric_sums(metrics(server), "diloco_version_eval_seconds")[""]
+        plan = server.call("GET", f"{API}/runs/{run_id}/checkpoints/1/catch-up?from=0")
+        assert isinstance(plan, dict)
+        token = volunteers[0].token
+        full = [download(server, plan["full"]["url"], token) for _ in range(3)]
+        delta = [download(server, plan["deltas"][0]["url"], token) for _ in range(3)]
+        fsync_s = fsync_reference(scratch, 13 * n_params)
+    # limits measured now, in this process (the server has stopped)
+    bw = copy_bandwidth()
+    bound = pass_bytes(n_params, k) / bw
+    reference = torch_reference(n_params, k)
+    up_http = statistics.median(plain_http_mbps(len(bodies[0]), rounds=3))
+    up_tcp = statistics.median(raw_tcp_mbps(len(bodies[0]), rounds=3))
+    down_tcp = statistics.median(raw_tcp_mbps(full[0].nbytes, rounds=3, send=False))
+    gpt = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=128)
+    eval_ref = eval_reference(gpt, EVAL_WINDOWS)
+
+    print(f"\n{label}: {n_params:,} parameters ({model_mib:.0f} MiB fp32), {k} uploads of "
+          f"{len(bodies[0]):,} B; copy bandwidth {bw / 1e9:.1f} GB/s")  # fmt: skip
+    med = statistics.median(ingest)
+    fig.add("ingest, per upload", f"{med:.0f} MB/s", f"plain uvicorn {up_http:.0f} MB/s; "
+            f"raw TCP {up_tcp:.0f} MB/s", f"{med / up_http:.2f}; {med / up_tcp:.2f}",
+            "≥ 400 MB/s")  # fmt: skip
+    fig.add("load (base opened)", f"{stages.get('load', 0):.3f} s", "", "")
+    agg = stages.get("pass", 0.0)
+    fig.add("aggregate + step (the pass)", f"{agg:.3f} s",
+            f"bandwidth bound {bound:.3f} s; torch in memory {reference:.3f} s",
+            f"{bound / agg:.0%} of bound; {reference / agg:.2f}x torch",
+            "≥ 50% of bound")  # fmt: skip
+    parts = ", ".join(
+        f"{p} {stages.get('pass_' + p, 0):.3f}" for p in ("read", "sum", "step", "write")
+    )
+    fig.add("  the pass's parts (s)", parts, "", "")
+    write = stages.get("write", 0.0)
+    fig.add("write (fsync + rename of 3 files)", f"{write:.3f} s",
+            f"{13 * n_params / 1e6:.0f} MB written + fsync {fsync_s:.3f} s",
+            f"{fsync_s / write:.2f}" if write else "")  # fmt: skip
+    limit = 1.5 * (agg + fsync_s)
+    fig.add("critical path (claim to next round open)", f"{close:.3f} s",
+            f"1.5 x (pass + fsync'd writes) = {limit:.3f} s", f"{close / limit:.2f}",
+            "≤ 1")  # fmt: skip
+    fig.add("eval (after publishing)", f"{eval_s:.3f} s", f"torch forward {eval_ref:.3f} s",
+            f"{eval_s / eval_ref:.2f}", "off the critical path")  # fmt: skip
+    full_mbps = statistics.median(mbps(a.nbytes, a.seconds) for a in full)
+    delta_mbps = statistics.median(mbps(a.nbytes, a.seconds) for a in delta)
+    fig.add("checkpoint download", f"{full_mbps:.0f} MB/s", f"raw TCP {down_tcp:.0f} MB/s",
+            f"{full_mbps / down_tcp:.2f}")  # fmt: skip
+    fig.add("delta download", f"{delta_mbps:.0f} MB/s", f"raw TCP {down_tcp:.0f} MB/s",
+            f"{delta_mbps / down_tcp:.2f}")  # fmt: skip
+    over = peak - idle_rss
+    fig.add("peak RSS during the round", f"{peak:.0f} MiB ({over:.0f} over idle)",
+            f"4 x model {4 * model_mib:.0f} MiB + idle {idle_rss:.0f} MiB",
+            f"{over / model_mib:.2f}x model", "≤ 4x model")  # fmt: skip
+    ratio = plan["deltas"][0]["nbytes"] / plan["full"]["nbytes"]
+    fig.add("returning volunteer's download", f"{plan['deltas'][0]['nbytes']:,} B",
+            f"fp32 checkpoint {plan['full']['nbytes']:,} B", f"{ratio:.1%}", "≤ 26%")  # fmt: skip
+    return fig
+
+
+def metrics(server: DilocoServer) -> str:
+    from bench.transport import http_request
+
+    return http_request(server.port, "GET", "/metrics").body.decode()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--n-layer", type=int, default=6)
-    ap.add_argument("--n-embd", type=int, default=384)
+    ap.add_argument("--sizes", default="10M,50M,150M")
     ap.add_argument("--contributions", type=int, default=8)
     ap.add_argument("--data", type=Path, default=REPO / "examples/data/shakespeare-excerpt.txt")
     args = ap.parse_args()
-
-    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
-        port = free_port()
-        cmd = [sys.executable, "-m", "client.cli", "serve", "--port", str(port)]
-        cmd += ["--data-dir", str(Path(tmp) / "srv")]
-        if url := os.environ.get("DILOCO_BENCH_DATABASE_URL"):
-            cmd += ["--database-url", url]
-        env = {**os.environ, "DILOCO_ADMIN_TOKEN": ADMIN, "DILOCO_SWEEP_INTERVAL_S": "0.2"}
-        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            run(args, f"http://127.0.0.1:{port}", server.pid)
-        finally:
-            os.kill(server.pid, signal.SIGTERM)
-            server.wait(timeout=30)
-            log.close()
-
-
-def run(args: argparse.Namespace, base_url: str, pid: int) -> None:
-    http = httpx.Client(base_url=base_url, timeout=120)
-    wait(lambda: http.get("/healthz").status_code == 200, 120, "the server")
-    config = {
-        "name": "bench-server-round",
-        "model": {"n_layer": args.n_layer, "n_head": 6 if args.n_embd % 6 == 0 else 4,
-                  "n_embd": args.n_embd, "block_size": 128},
-        "data": {"path": args.data.name},
-        "inner": {"steps": 1},
-        "rounds": {"quorum": args.contributions, "target": args.contributions,
-                   "timeout_s": 3600, "max_rounds": 10},
-    }  # fmt: skip
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": (args.data.name, args.data.read_bytes(), "text/plain")},
-        headers={"Authorization": f"Bearer {ADMIN}"},
-    )
-    r.raise_for_status()
-    run_info = r.json()
-    run_id, n_params = run_info["id"], run_info["n_params"]
-    rss_before = peak_rss_mib(pid)
-
-    # K volunteers: join, then a synthetic Δ (the shapes of the checkpoint), int8, upload
-    from safetensors.torch import load as safetensors_load
-
-    times, sizes = [], []
-    params = None
-    for i in range(args.contributions):
-        token = http.post(f"{API}/contributors", json={"name": f"bench{i}"}).json()["token"]
-        auth = {"Authorization": f"Bearer {token}"}
-        lease = http.post(f"{API}/runs/{run_id}/join", headers=auth).json()
-        if params is None:
-            params = safetensors_load(http.get(lease["checkpoint"]["url"]).content)
-        gen = torch.Generator().manual_seed(i)
-        delta = {n: torch.randn(p.shape, generator=gen) * 1e-3 for n, p in params.items()}
-        encoded, codec = encode_delta(delta, kind="int8", block_size=4096)
-        meta = ContributionMeta(run_id, lease["round"], lease["base_version"], 16 * 128, 1, 3.0,
-                                codec)  # fmt: skip
-        body = b"".join(encode_contribution(meta, encoded))
-        start = time.perf_counter()
-        put = http.put(f"{API}/runs/{run_id}/rounds/1/contribution", content=body,
-                       headers={**auth, "Content-Type": "application/octet-stream"})  # fmt: skip
-        times.append(time.perf_counter() - start)
-        sizes.append(len(body))
-        put.raise_for_status()
-    wait(lambda: http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == 1, 600,
-         "the round to close")  # fmt: skip
-    stages = stage_seconds(http.get("/metrics").text)
-    rss = peak_rss_mib(pid)
-
-    mb = [s / t / 1e6 for s, t in zip(sizes, times, strict=True)]
-    model_mib = n_params * 4 / 2**20
-    print(f"model: {n_params:,} parameters ({model_mib:.1f} MiB fp32); "
-          f"{args.contributions} contributions of {sizes[0]:,} bytes "
-          f"({sizes[0] / n_params:.3f} bytes/parameter)")  # fmt: skip
-    print(f"upload ingest: median {statistics.median(mb):8.1f} MB/s   "
-          f"overall {sum(sizes) / sum(times) / 1e6:8.1f} MB/s")  # fmt: skip
-    for stage in ("load", "aggregate", "step", "eval", "write"):
-        print(f"close stage {stage:<10s} {stages.get(stage, float('nan')):8.3f} s")
-    agg_step = stages.get("aggregate", 0) + stages.get("step", 0)
-    print(f"aggregation + outer step: {agg_step:.3f} s")
-    print(f"server peak RSS: {rss:.0f} MiB (after run creation {rss_before:.0f} MiB; "
-          f"{rss / model_mib:.1f}x the fp32 model)")  # fmt: skip
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as scratch:
+        for label in args.sizes.split(","):
+            figures = bench_size(label, SIZES[label], args.contributions, args.data, Path(scratch))
+            figures.print(label)
 
 
 if __name__ == "__main__":

@@ -156,13 +156,10 @@ class UploadFile:
         full = q.numel() // bs
         head, tail = full * bs, q.numel() - full * bs
         scales = self._tensor_scales
-        torch.mul(
-            q[:head].view(full, bs),
-            scales[first : first + full, None],
-            out=out[:head].view(full, bs),
-        )
+        out.copy_(q)  # int8 -> fp32 then a same-dtype multiply: ~15x a mixed-dtype one here
+        out[:head].view(full, bs).mul_(scales[first : first + full, None])
         if tail:
-            torch.mul(q[head:], scales[first + full], out=out[head:])
+            out[head:].mul_(scales[first + full])
         return out
 
     def finish(self) -> None:
