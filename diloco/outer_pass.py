@@ -27,6 +27,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,22 +42,34 @@ from diloco.wire import DIGEST_BYTES, ContributionDecoder, WireFormatError
 from diloco.wire_header import MAX_HEADER_BYTES, PREFIX
 
 Shapes = Mapping[str, tuple[int, ...]]
-CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: a few of them stay in the CPU's caches
+CHUNK_ELEMENTS = 1 << 17  # 512 KiB of fp32: the ops stay in the core's L2 here
 UPLOAD_BUFFER_BUDGET = 64 << 20  # bytes of upload chunks held at once, all uploads together
 
 
 def chunk_elements(n_sources: int, block_size: int) -> int:
     """The pass's chunk: a whole number of blocks, smaller when many uploads share the
     buffer budget."""
-    want = min(CHUNK_ELEMENTS, UPLOAD_BUFFER_BUDGET // max(1, n_sources))
+    # per upload and element: two int8 read buffers and the decoded fp32 chunk
+    want = min(CHUNK_ELEMENTS, UPLOAD_BUFFER_BUDGET // (6 * max(1, n_sources)))
     return max(block_size, want // block_size * block_size)
 
 
 class UploadFile:
     """A stored upload (``diloco.wire`` body), read range by range and hashed in order."""
 
-    def __init__(self, source_id: str, path: Path, shapes: Shapes, codec: dict) -> None:
+    def __init__(
+        self,
+        source_id: str,
+        path: Path,
+        shapes: Shapes,
+        codec: dict,
+        hasher: Executor | None = None,
+    ) -> None:
         self.id = source_id
+        # where the bytes are hashed: a thread of its own (in order: one worker), so that
+        # sha256 runs on another core while this one sums; None: here, inline
+        self._hasher = hasher
+        self._pending: list[Future[None] | None] = [None, None]
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except OSError as err:
@@ -102,7 +115,9 @@ class UploadFile:
             raise self.damaged(f"it is {size} bytes, its header says {at + DIGEST_BYTES}")
         self._tensor_scales = torch.empty(0)
         self._tensor_scales_at = 0
-        self._buf = torch.empty(0, dtype=torch.int8)
+        # two buffers, used in turn: one is read into while the other may still be hashed
+        self._bufs = [torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int8)]
+        self._turn = 0
 
     def damaged(self, why: object) -> SourceUnreadable:
         return SourceUnreadable(self.id, f"its stored upload is damaged: {why}")
@@ -117,14 +132,17 @@ class UploadFile:
             ) from None
         if got != len(view):
             raise self.damaged("it ended early")
-        self._hash(view, at)
+        self._pending[self._turn] = self._hash(view, at)
 
-    def _hash(self, view: memoryview, at: int) -> None:
+    def _hash(self, view: memoryview, at: int) -> Future[None] | None:
         if at == self._next:  # read in file order: hashed on the way
-            self._sha.update(view)
             self._next += len(view)
-        else:  # finish() reads the whole file again
-            self._next = -1
+            if self._hasher is None:
+                self._sha.update(view)
+                return None
+            return self._hasher.submit(self._sha.update, view)
+        self._next = -1  # not in file order: finish() reads the whole file again
+        return None
 
     def start_tensor(self, name: str, numel: int) -> None:
         """Read the tensor's scales (hashed after its data: file order)."""
@@ -136,14 +154,19 @@ class UploadFile:
         self._tensor_scales_at = self._scales[name]
 
     def end_tensor(self) -> None:
-        self._hash(byte_view(self._tensor_scales), self._tensor_scales_at)
+        self._hash(byte_view(self._tensor_scales), self._tensor_scales_at)  # a fresh tensor
 
     def chunk(self, name: str, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the tensor's data, in a buffer reused next call."""
         dtype = self.codec.data_dtype
-        if self._buf.dtype != dtype or self._buf.numel() < n:
-            self._buf = torch.empty(n, dtype=dtype)
-        out = self._buf[:n]
+        self._turn ^= 1
+        if (pending := self._pending[self._turn]) is not None:
+            pending.result()  # this buffer's bytes are hashed: it may be read into again
+            self._pending[self._turn] = None
+        buf = self._bufs[self._turn]
+        if buf.dtype != dtype or buf.numel() < n:
+            buf = self._bufs[self._turn] = torch.empty(n, dtype=dtype)
+        out = buf[:n]
         self._pread_into(out, self._data[name] + start * out.element_size())
         return out
 
@@ -164,6 +187,8 @@ class UploadFile:
 
     def finish(self) -> None:
         """Check the trailer against the bytes read."""
+        if self._hasher is not None:  # every update queued so far (one worker: in order)
+            self._hasher.submit(lambda: None).result()
         if self._next != self._trailer:  # not read in file order: hash it all again
             self._sha = hashlib.sha256()
             for at in range(0, self._trailer, 1 << 22):
@@ -250,7 +275,7 @@ def run_pass(
     """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
     the new version's files from g; with ``keep``, g itself (memory O(model))."""
     chunk = chunk_elements(len(uploads), block_size)
-    scratch = torch.empty(chunk, dtype=torch.float32)
+    decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
     result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
@@ -263,18 +288,19 @@ def run_pass(
         kept = torch.empty(numel, dtype=torch.float32) if keep else None
         for start, n in _range_chunks(numel, chunk):
             g = g_buf[:n].zero_()
-            chunks = []
+            xs = []
             t = time.perf_counter()
-            for u, c in zip(uploads, coefficients, strict=True):
+            for u, c, buf in zip(uploads, coefficients, decoded, strict=True):
                 q = u.chunk(name, start, n)
                 t = result.lap("read", t)
-                g.add_(u.decode_into(q, start, scratch[:n]), alpha=c)
+                x = u.decode_into(q, start, buf[:n])
+                g.add_(x, alpha=c)
                 t = result.lap("sum", t)
-                chunks.append(q)
+                xs.append(x)
             if center is not None:
                 g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
-            for u, q in zip(uploads, chunks, strict=True):
-                result.dots[u.id] += float(torch.dot(u.decode_into(q, start, scratch[:n]), g))
+            for u, x in zip(uploads, xs, strict=True):
+                result.dots[u.id] += float(torch.dot(x, g))
             result.g_sq += float(torch.dot(g, g))
             if kept is not None:
                 kept[start : start + n] = g
@@ -317,13 +343,10 @@ def _step_chunk(
     else:
         u.copy_(m)
     torch.add(r, u, alpha=-hp.lr, out=d)
-    try:
+    try:  # an overflow anywhere above (g, m, u) shows in d
         encoded, change = deltas.publish_change(d, step.codec)
     except NonFiniteError:
         return False
-    if not math.isfinite(m_sq := float(torch.dot(m, m))):
-        return False
-    del m_sq
     deltas.apply_change(theta, change)
     d.sub_(change)  # the residual carried into the next round
     res.change_sq += float(torch.dot(change, change))

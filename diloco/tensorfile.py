@@ -24,6 +24,7 @@ import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -95,6 +96,7 @@ class TensorFileWriter:
         metadata: Mapping[str, str],
         *,
         digest: bool = True,
+        hasher: Executor | None = None,
     ) -> None:
         if len({e.name for e in entries}) != len(entries):
             raise ValueError("tensor names must be unique")
@@ -105,6 +107,7 @@ class TensorFileWriter:
         self._tmp = atomic.temp_path(self.path)
         self._fd: int | None = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._digest = digest  # False: nobody needs the file's sha256 (commit returns "")
+        self._hasher = hasher  # hash on this thread (one worker: in order); None: inline
         self._sha = hashlib.sha256(head)
         self._hashed = len(head)  # bytes hashed so far: the sha follows while writes are in order
         os.pwrite(self._fd, head, 0)
@@ -124,8 +127,18 @@ class TensorFileWriter:
         if os.pwrite(self._fd, data, at) != len(data):
             raise OSError(f"short write to {self._tmp}")
         if self._digest and at == self._hashed:
-            self._sha.update(data)
+            if self._hasher is None:
+                self._sha.update(data)
+            else:  # a copy: the caller reuses its buffer
+                self._hasher.submit(self._sha.update, bytes(data))
             self._hashed += len(data)
+
+    def settle(self) -> None:
+        """Wait for the hashing queued so far; hash any later writes inline (the caller's
+        hashing thread may go away)."""
+        if self._hasher is not None:
+            self._hasher.submit(lambda: None).result()
+            self._hasher = None
 
     def commit(self) -> str:
         """fsync, rename into place; the file's sha256."""
@@ -133,6 +146,7 @@ class TensorFileWriter:
             raise RuntimeError(f"{self.path.name} is already committed or aborted")
         fd, self._fd = self._fd, None
         try:
+            self.settle()
             if self._digest and self._hashed != self.nbytes:  # written out of order: reread
                 self._sha = hashlib.sha256()
                 for at in range(0, self.nbytes, 1 << 22):

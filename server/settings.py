@@ -55,7 +55,11 @@ class Settings(BaseSettings):
     max_data_bytes: int = Field(1 << 30, gt=0)  # the data file uploaded with a run
     upload_slack_bytes: int = Field(1 << 16, ge=0)  # header room above the exact body size
     eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
-    torch_threads: int = Field(0, ge=0)  # 0: torch's default
+    # torch's intra-op threads in the server. 1 by default: the server's threads (requests,
+    # the close, the eval, upload digests) already share the cores, and an op split over
+    # threads waits for the slowest one; with one core busy, the close's pass measured 4-10x
+    # slower at 2 threads than at 1 here (docs/benchmarks.md). 0: torch's default.
+    torch_threads: int = Field(1, ge=0)
 
     # hostile traffic: what one connection, upload or run may cost (server.connection,
     # server.body_timeout, server.rounds.slots, run creation)

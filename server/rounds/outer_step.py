@@ -33,6 +33,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,20 +259,24 @@ def _try_step(
     storage: Storage, inputs: StepInputs, base: _Base, kept: list[Stored], clock: _StageClock
 ) -> _Tried:
     """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
-    version's files written to temp names, and what each contribution put in."""
+    version's files written to temp names, and what each contribution put in. sha256 runs
+    on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
     policy = inputs.cfg.aggregation
     norms = {c.id: c.norm for c in kept}
     total = sum(c.weight for c in kept)
     _, clip = clip_factors(norms, inputs.history, policy)
     coefficients = [c.weight * clip[c.id] / total for c in kept]
-    out = _outputs(storage, inputs, base)
     with contextlib.ExitStack() as stack:
+        hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
+        out = _outputs(storage, inputs, base, hasher)
 
         def open_uploads() -> list[UploadFile]:  # read from the start, hashed from the start
             return [
                 stack.enter_context(
                     contextlib.closing(
-                        UploadFile(c.id, storage.path(c.blob_key), base.shapes, base.upload_codec)
+                        UploadFile(
+                            c.id, storage.path(c.blob_key), base.shapes, base.upload_codec, hasher
+                        )
                     )
                 )
                 for c in kept
@@ -293,6 +298,7 @@ def _try_step(
                 result = run_pass(
                     open_uploads(), pulls, base.shapes, block_size=block, center=centre, step=step
                 )
+            out.params.settle()  # before its hashing thread goes
         except BaseException:
             out.abort()
             raise
@@ -308,7 +314,9 @@ def _try_step(
     return _Tried(out, result, shares)
 
 
-def _outputs(storage: Storage, inputs: StepInputs, base: _Base) -> Outputs:
+def _outputs(
+    storage: Storage, inputs: StepInputs, base: _Base, hasher: ThreadPoolExecutor
+) -> Outputs:
     keys = checkpoints_service.version_keys(inputs.run_id, inputs.version)
     names = list(base.shapes)
     meta = {"run_id": inputs.run_id}
@@ -320,6 +328,7 @@ def _outputs(storage: Storage, inputs: StepInputs, base: _Base) -> Outputs:
                 storage.path(keys.params),
                 params_entries(base.shapes),
                 params_metadata(version=inputs.version, names=names, metadata=meta),
+                hasher=hasher,
             )
         )
         hparams = {

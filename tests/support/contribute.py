@@ -190,17 +190,38 @@ def reference_step(
     aggregate = robust_aggregate(
         sources, shapes=shapes, codec=works[0].meta.codec, policy=cfg.aggregation
     )
-    hp, codec = cfg.outer, Int8Codec(cfg.compression.block_size)
+    return outer_reference(
+        base,
+        aggregate.delta,
+        hyper=(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov),
+        codec=Int8Codec(cfg.compression.block_size),
+        state=state,
+    )
+
+
+def outer_reference(
+    base: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor],
+    *,
+    hyper: tuple[float, float, bool],
+    codec: Int8Codec,
+    state: Reference | None = None,
+) -> Reference:
+    """The outer step and the published change on whole tensors, written out from the
+    formulas (docs/protocol.md): the Nesterov step from the aggregate ``delta``, with the
+    base's momentum and residual (``state``; none for the first step), through the int8
+    delta with error feedback."""
+    lr, momentum, nesterov = hyper
     out = Reference({}, {}, {})
     for name, theta in base.items():
-        g = aggregate.delta[name].reshape(-1)
+        g = delta[name].reshape(-1)
         if state is None:
             m, r = g.clone(), torch.zeros_like(g)
         else:
-            m = state.momentum[name].reshape(-1).mul(hp.momentum).add_(g)
+            m = state.momentum[name].reshape(-1).mul(momentum).add_(g)
             r = state.residual[name].reshape(-1).clone()
-        u = torch.add(g, m, alpha=hp.momentum) if hp.nesterov else m
-        d = torch.add(r, u, alpha=-hp.lr)
+        u = torch.add(g, m, alpha=momentum) if nesterov else m
+        d = torch.add(r, u, alpha=-lr)
         _, change = publish_change(d, codec)
         new = theta.reshape(-1).float().clone()
         apply_change(new, change)
