@@ -66,7 +66,8 @@ from server.runs.models import Run
 from server.settings import Settings
 from server.storage import BlobWriter, Storage
 
-FEED_BYTES = 1 << 20  # decode in batches of at least this size, off the event loop
+# decode in batches of at least this size, off the event loop (1 MiB cost 25% more CPU)
+FEED_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
