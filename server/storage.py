@@ -16,9 +16,11 @@ its ``contributions.blob_key`` row).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,24 @@ class Storage(Protocol):
         ...
 
 
+WRITEBACK_BYTES = 8 << 20  # a blob being written goes to disk in pieces of this size
+
+
+def _libc_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+
+
 class _LocalWriter:
     def __init__(self, final: Path) -> None:
         self.final = final
@@ -79,12 +99,24 @@ class _LocalWriter:
         self.tmp = atomic.temp_path(final)
         self._file: BinaryIO | None = open(self.tmp, "xb")  # noqa: SIM115 - closed in commit/abort
         self.nbytes = 0
+        self._written_back = 0  # bytes whose writeback to disk has been started
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._file is None:
             raise RuntimeError(f"blob {self.final.name} is already committed or aborted")
         self._file.write(data)
         self.nbytes += len(data)
+        if _SYNC_FILE_RANGE is not None and self.nbytes - self._written_back >= WRITEBACK_BYTES:
+            # the disk writes while the rest arrives, so that commit's fsync finds little left
+            # (an fsync of 48 MB took 85 ms here; Linux only, a hint: errors are ignored)
+            self._file.flush()
+            _SYNC_FILE_RANGE(
+                self._file.fileno(),
+                self._written_back,
+                self.nbytes - self._written_back,
+                _SYNC_FILE_RANGE_WRITE,
+            )
+            self._written_back = self.nbytes
 
     def commit(self) -> None:
         if self._file is None:
