@@ -8,8 +8,9 @@ run on this same machine, with the ratio:
 
 - upload ingest (MB/s per upload)      raw TCP loopback, a plain uvicorn app (bench.transport)
 - the pass: aggregate + outer step     the memory-bandwidth bound (the bytes the work must
-  (and its parts: read, sum, step,     move, at the copy bandwidth torch reaches here), and
-  write)                               a plain torch reference of the same work in memory
+  (and its parts: read, sum, step,     move, at the copy bandwidth torch reaches here on every
+  write)                               core), and a plain torch reference of the same work in
+                                       memory, on one thread as the server's torch runs
 - write (fsync, rename)                the same bytes written and fsync'd by plain Python
 - critical path (claim to next round   1.5 x (aggregate + step + the fsync'd writes)
   open: the close's publish)
@@ -105,7 +106,17 @@ def poll(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
 
 
 def copy_bandwidth() -> float:
-    """Bytes per second torch moves copying a 512 MiB buffer (read + write counted)."""
+    """Bytes per second torch moves copying a 512 MiB buffer (read + write counted), on
+    every core: the machine's bound, whatever the server uses."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return _copy_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_bandwidth() -> float:
     src = torch.ones(128 << 20)
     dst = torch.empty_like(src)
     best = math.inf
@@ -273,7 +284,8 @@ def main() -> None:
     ap.add_argument("--contributions", type=int, default=8)
     ap.add_argument("--data", type=Path, default=REPO / "examples/data/shakespeare-excerpt.txt")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    # the references run as the server does: one torch thread (DILOCO_TORCH_THREADS)
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as scratch:
         for label in args.sizes.split(","):
             figures = bench_size(label, SIZES[label], args.contributions, args.data, Path(scratch))

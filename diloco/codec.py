@@ -71,14 +71,17 @@ class Codec(Protocol):
 def _flat_finite_fp32(t: torch.Tensor) -> torch.Tensor:
     """Flatten to 1-D fp32 (on t's device, possibly a view) after rejecting NaN/Inf."""
     flat = t.detach().reshape(-1).to(torch.float32)
-    finite = torch.isfinite(flat)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
-        raise NonFiniteError(
-            f"cannot encode a tensor with {bad} non-finite value(s) (NaN/Inf) "
-            f"out of {flat.numel()}; the inner loop diverged or the input is corrupt"
-        )
+    if not bool(torch.isfinite(flat).all()):
+        _refuse_non_finite(flat)
     return flat
+
+
+def _refuse_non_finite(flat: torch.Tensor) -> None:
+    bad = int((~torch.isfinite(flat)).sum())
+    raise NonFiniteError(
+        f"cannot encode a tensor with {bad} non-finite value(s) (NaN/Inf) "
+        f"out of {flat.numel()}; the inner loop diverged or the input is corrupt"
+    )
 
 
 def _split_blocks(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +113,16 @@ class Int8Codec:
         return self.n_blocks(numel)
 
     def encode(self, t: torch.Tensor) -> EncodedTensor:
-        flat = _flat_finite_fp32(t)  # (N,)
+        flat = t.detach().reshape(-1).to(torch.float32)  # (N,)
         head, tail = _split_blocks(flat, self.block_size)  # (B, bs), (N - B*bs,)
 
         # Per-block absmax; amax of max/-min avoids materialising |x| for the whole tensor.
         absmax = torch.maximum(head.amax(dim=1), -head.amin(dim=1))  # (B,)
         if tail.numel():
             absmax = torch.cat([absmax, tail.abs().amax().reshape(1)])  # (n_blocks,)
+        # amax propagates NaN and keeps Inf: every value is finite iff every absmax is
+        if not bool(torch.isfinite(absmax).all()):
+            _refuse_non_finite(flat)
         scales = absmax / INT8_MAX
         # An all-zero block has scale 0: divide by 1 instead, so it quantizes to exact zeros.
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
