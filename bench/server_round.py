@@ -60,7 +60,8 @@ from diloco.codec import Int8Codec  # noqa: E402
 from diloco.model import GPT, GPTConfig  # noqa: E402
 from diloco.train import evaluate  # noqa: E402
 
-SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16)}  # layers, width, heads
+# layers, width, heads; "tiny" is for the test that runs this script
+SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16), "tiny": (1, 64, 4)}
 EVAL_WINDOWS = 16  # per version, the server's and the reference's
 BLOCK = 4096  # the int8 block size of the runs (the config's default)
 

@@ -109,3 +109,26 @@ def test_transport_bench_prints_every_figure_beside_its_limit(database_url):
     assert "x (b)" in out and "x (a)" in out  # ingest beside plain uvicorn and raw TCP
     assert "2 concurrent uploads" in out and "peak" in out
     assert "(d) checkpoint download" in out
+
+
+def test_server_round_bench_prints_every_stage_beside_its_limit(database_url):
+    proc = subprocess.run(
+        [sys.executable, "bench/server_round.py", "--sizes", "tiny", "--contributions", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "DILOCO_BENCH_DATABASE_URL": database_url},
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for stage in (
+        "ingest, per upload",
+        "aggregate + step",
+        "critical path",
+        "eval (after",
+        "checkpoint download",
+        "delta download",
+        "peak RSS",
+        "returning volunteer",
+    ):
+        assert f"| {stage}" in out, (stage, out)  # fmt: skip
+    assert "bandwidth bound" in out and "raw TCP" in out and "% of bound" in out
