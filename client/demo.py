@@ -111,24 +111,34 @@ def run_demo(
         print(f"stopped; logs and data are in {data_dir}", file=sys.stderr)
 
 
+EVAL_GRACE_S = 60.0  # how long the demo waits for the last versions' eval losses
+
+
 def _follow(url: str, run_id: str, max_rounds: int, timeout_s: float) -> int:
+    """Print each round once it is closed and its eval loss is in (a version is published
+    first and evaluated afterwards), in order; return when the run ends and every closed
+    round is printed (or ``EVAL_GRACE_S`` after it ends)."""
     seen = 0
     deadline = time.monotonic() + timeout_s
+    ended: tuple[str, float] | None = None  # the run's final status, and when we saw it
     while time.monotonic() < deadline:
         rounds = _get(f"{url}/api/v1/runs/{run_id}/rounds")["rounds"]
         for r in rounds:
-            if r["state"] == "closed" and r["index"] > seen:
-                seen = r["index"]
-                print(
-                    f"round {r['index']:3d}/{max_rounds}  accepted {r['accepted']}  "
-                    f"train {r['train_loss']:.3f}  eval {r['eval_loss']:.3f}  ({r['close_code']})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        status = _get(f"{url}/api/v1/runs/{run_id}")["status"]
-        if status != "active":
-            print(f"run {run_id} is {status}", file=sys.stderr)
-            return 0 if status == "completed" else 1
+            if r["index"] != seen + 1 or r["state"] != "closed" or r["eval_loss"] is None:
+                continue
+            seen = r["index"]
+            print(
+                f"round {r['index']:3d}/{max_rounds}  accepted {r['accepted']}  "
+                f"train {r['train_loss']:.3f}  eval {r['eval_loss']:.3f}  ({r['close_code']})",
+                file=sys.stderr,
+                flush=True,
+            )
+        if ended is None and (status := _get(f"{url}/api/v1/runs/{run_id}")["status"]) != "active":
+            ended = (status, time.monotonic())
+        closed = sum(r["state"] == "closed" for r in rounds)
+        if ended is not None and (seen >= closed or time.monotonic() > ended[1] + EVAL_GRACE_S):
+            print(f"run {run_id} is {ended[0]}", file=sys.stderr)
+            return 0 if ended[0] == "completed" else 1
         time.sleep(1.0)
     print(f"the run did not complete within {timeout_s:.0f} s", file=sys.stderr)
     return 1
