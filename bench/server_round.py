@@ -6,7 +6,7 @@ contributions (synthetic Δs: training them would only measure the CPU) over loo
 HTTP, lets round 1 close, and prints every stage next to a limit measured in this same
 run on this same machine, with the ratio:
 
-- upload ingest (MB/s per upload)      raw TCP loopback, a plain uvicorn app (bench.transport)
+- upload ingest (MB/s per upload)      raw TCP loopback, a plain uvicorn app (bench.loopback)
 - the pass: aggregate + outer step     the memory-bandwidth bound (the bytes the work must
   (and its parts: read, sum, step,     move, at the copy bandwidth torch reaches here on every
   write)                               core), and a plain torch reference of the same work in
@@ -40,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.loopback import http_request, mbps, plain_http_mbps, raw_tcp_mbps  # noqa: E402
 from bench.transport import (  # noqa: E402
     API,
     DilocoServer,
@@ -48,9 +49,6 @@ from bench.transport import (  # noqa: E402
     diloco_server,
     download,
     join,
-    mbps,
-    plain_http_mbps,
-    raw_tcp_mbps,
     reseeded,
     rss_mib,
     safetensors_shapes,
@@ -274,8 +272,6 @@ def bench_size(
 
 
 def metrics(server: DilocoServer) -> str:
-    from bench.transport import http_request
-
     return http_request(server.port, "GET", "/metrics").body.decode()
 
 

@@ -6,9 +6,9 @@ Body layout (all integers little-endian; ``docs/protocol.md`` is the full contra
     for each tensor in header order: data (numel · itemsize) | scales (4 · n_scales) |
     sha256 of every preceding byte (32)
 
-The constants, errors, header dataclasses and header schema live in ``diloco.wire_header``;
-this module streams the body around them and re-exports their public names, so callers
-import everything from ``diloco.wire``.
+The constants, errors, header dataclasses and header schema live in ``diloco.wire_header``
+and the encoder in ``diloco.wire_encode``; this module decodes the body as it streams in
+and re-exports their public names, so callers import everything from ``diloco.wire``.
 
 Why this shape: the header is small and self-describing (msgpack, never pickle — nothing
 from the network may construct objects), while the tensor bytes travel as raw frames that
@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import itertools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from diloco.codec import INT8_MAX, EncodedTensor, codec_from_description
+from diloco.wire_encode import contribution_nbytes, encode_contribution
 from diloco.wire_header import (
     DIGEST_BYTES,
     DTYPES,
@@ -49,8 +49,6 @@ from diloco.wire_header import (
     TensorSpec,
     WireFormatError,
     parse_header,
-    prefix_and_header,
-    spec_of,
 )
 
 __all__ = [
@@ -75,66 +73,6 @@ __all__ = [
 ]
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-# ---------------------------------------------------------------- encoding
-
-
-def contribution_nbytes(meta: ContributionMeta, tensors: Mapping[str, EncodedTensor]) -> int:
-    """The exact body size ``encode_contribution`` will produce (for Content-Length)."""
-    specs = [spec_of(name, t) for name, t in tensors.items()]
-    return len(prefix_and_header(meta, specs)) + sum(s.frame_bytes for s in specs) + DIGEST_BYTES
-
-
-def _le_bytes(x: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a CPU tensor, little-endian (copies only on big-endian hosts)."""
-    arr = x.numpy()
-    if not _LITTLE_ENDIAN:
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr.view(np.uint8).data
-
-
-def encode_contribution(
-    meta: ContributionMeta, tensors: Mapping[str, EncodedTensor], chunk_size: int = 1 << 20
-) -> Iterator[bytes]:
-    """Validate now, then stream the body as chunks of at most ``chunk_size`` bytes.
-
-    Only one chunk is materialised at a time; tensor bytes are sliced from the tensors.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    items = list(tensors.items())
-    prefix = prefix_and_header(meta, [spec_of(name, t) for name, t in items])
-
-    def pieces() -> Iterator[memoryview]:
-        digest = hashlib.sha256()
-        views = (v for _, t in items for v in (_le_bytes(t.data), _le_bytes(t.scales)))
-        for piece in itertools.chain([memoryview(prefix)], views):
-            digest.update(piece)
-            yield piece
-        yield memoryview(digest.digest())
-
-    return _rechunk(pieces(), chunk_size)
-
-
-def _rechunk(pieces: Iterable[memoryview], chunk_size: int) -> Iterator[bytes]:
-    """Coalesce small pieces and split large ones into chunks of exactly ``chunk_size``
-    (the last one shorter), so many small tensors do not become many tiny writes."""
-    buf = bytearray()
-    for piece in pieces:
-        while len(piece):
-            if not buf and len(piece) >= chunk_size:
-                yield bytes(piece[:chunk_size])
-                piece = piece[chunk_size:]
-                continue
-            room = chunk_size - len(buf)
-            buf += piece[:room]
-            piece = piece[room:]
-            if len(buf) == chunk_size:
-                yield bytes(buf)
-                buf.clear()
-    if buf:
-        yield bytes(buf)
 
 
 # ---------------------------------------------------------------- decoding
