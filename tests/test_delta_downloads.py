@@ -413,8 +413,8 @@ def test_a_corrupted_delta_makes_the_volunteer_download_the_full_checkpoint(
 def test_a_volunteer_that_missed_rounds_catches_up_by_deltas_bit_for_bit(
     hub: Hub, tmp_path: Path
 ) -> None:
-    # NEEDS THE NEW CLOSE PATH (issue 12): until closing a round writes the version's delta
-    # and fills checkpoints.delta_*, the plan is "full" and this test fails at caught_up.
+    # every close publishes its version's int8 delta (server.rounds.outer_step): the
+    # deltas here are the real ones, from real rounds
     with hub.server.client() as http:
         run_id = create_run(http, server_run_config(rounds={"quorum": 1, "max_rounds": 8}))["id"]
         steady, late = register(http, "every-round"), register(http, "missed-rounds")
