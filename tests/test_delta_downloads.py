@@ -1,11 +1,12 @@
 """int8 delta downloads: the delta route, the catch-up plan, served-bytes metrics, and a
 volunteer that missed rounds catching up by deltas to the very bytes of the checkpoint.
 
-A real ``diloco serve`` on a fresh migrated database. Until the close path writes deltas,
-most tests publish versions themselves (``publish``, marked TEST SETUP): the files go into
-the server's data dir in the published layout (``diloco.checkpoint.write_params``,
-``diloco.delta.write_delta``) and the ``checkpoints`` rows are inserted with SQL. The last
-test drives real rounds and needs the close path that writes deltas.
+A real ``diloco serve`` on a fresh migrated database. Most tests publish versions themselves
+(``publish``, marked TEST SETUP), so that sizes, missing deltas and older versions can be
+chosen: the files go into the server's data dir in the published layout
+(``diloco.checkpoint.write_params``, ``diloco.delta.write_delta``) and the ``checkpoints``
+rows are inserted with SQL. The last test drives real rounds and reads the deltas real
+closes wrote.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def _sql(hub: Hub, query: str, *args: object) -> None:
 def publish(
     hub: Hub, run_id: str, base: dict[str, torch.Tensor], version: int, *, delta: bool = True
 ) -> Published:
-    """TEST SETUP, standing in for the close path until it writes deltas: version
-    ``version`` = ``base`` + a random int8 change, as the files and the ``checkpoints`` row
-    the close path will write (``delta=False``: a version published before deltas)."""
+    """TEST SETUP, in place of a close: version ``version`` = ``base`` + a random int8
+    change, as the files and the ``checkpoints`` row a close writes (``delta=False``: a
+    version published before deltas existed)."""
     folder = hub.blobs / "runs" / run_id / "checkpoints"
     gen = torch.Generator().manual_seed(version)
     codec = Int8Codec(256)
