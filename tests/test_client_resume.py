@@ -38,10 +38,12 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def downloads(http: httpx.Client, what: str) -> float:
-    """GETs of checkpoint or shard files the server answered with 200 or 206 (not their
-    deltas nor catch-up plans)."""
+    """GETs of checkpoint or shard files (``what``: ``checkpoints``, ``shards``, or
+    ``deltas``: a checkpoint's delta) the server answered with 200 or 206 (not the
+    catch-up plans)."""
     total = 0.0
-    file_route = re.compile(rf'route="/api/v1/runs/\{{run_id\}}/{what}/\{{[a-z_]+\}}"')
+    route = r"checkpoints/\{version\}/delta" if what == "deltas" else rf"{what}/\{{[a-z_]+\}}"
+    file_route = re.compile(rf'route="/api/v1/runs/\{{run_id\}}/{route}"')
     for line in http.get("/metrics").text.splitlines():
         m = re.match(r"^diloco_http_requests_total\{(.*)\} (\S+)$", line)
         labels = m.group(1) if m else ""
@@ -113,7 +115,7 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
         first.stop()
     stopped = first.output()
     lease_after_stop = lease_step(database_url, run_id, 2)
-    before = (downloads(http, "checkpoints"), downloads(http, "shards"))
+    before = tuple(downloads(http, what) for what in ("checkpoints", "deltas", "shards"))
     state_after_1 = saved_state(home / "cache", run_id)
 
     second = Proc([*args, "--max-rounds", "1"], log=home / "second.log", env=env)
@@ -130,8 +132,9 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
     assert (state_after_1["round"], state_after_1["steps"]) == ("1", str(H))
     # the restart: no download, the saved AdamW state, an accepted contribution
     assert second.popen.returncode == 0, resumed[-2000:]
-    assert before == (2.0, 1.0)  # v0, v1 and the one shard, by the first process
-    assert (downloads(http, "checkpoints"), downloads(http, "shards")) == before
+    # the first process: v0 whole, v1 as v0 plus its int8 delta, and the one shard
+    assert before == (1.0, 1.0, 1.0)
+    assert tuple(downloads(http, what) for what in ("checkpoints", "deltas", "shards")) == before
     assert "checkpoint v1: cached copy verified" in resumed, resumed[-2000:]
     assert f"AdamW state restored from {home / 'cache'}" in resumed, resumed[-2000:]
     assert f"(step {H}, saved after round 1)" in resumed, resumed[-2000:]
