@@ -87,7 +87,9 @@ def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(
 
 def test_delta_downloads_bench_prints_each_seed_beside_the_limit():
     proc = subprocess.run(
-        [sys.executable, "bench/delta_downloads.py", "--quick"],
+        # the checkout's own corpus: a fresh clone has no ../shared beside it
+        [sys.executable, "bench/delta_downloads.py", "--quick",
+         "--data", str(REPO / "examples/data/shakespeare-excerpt.txt")],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
 
