@@ -9,7 +9,6 @@ clock (speeds, dropouts, deadlines: ``diloco.simulate_protocol``). Exit codes ar
 from __future__ import annotations
 
 import json
-import math
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -350,12 +349,12 @@ def simulate(
         "bytes_down_per_worker": result.bytes_down_per_worker,
         "wall_s": round(result.wall_s, 1),
     }
-    if (delta := result.delta) is not None:
+    if (delta := result.delta) is not None and delta.final_eval_loss_outer is not None:
         summary |= {
             "downloads": result.downloads,
             "delta_bytes": delta.delta_bytes,
             "checkpoint_bytes": delta.checkpoint_bytes,
-            "final_eval_loss_outer": round(delta.final_eval_loss_outer or math.nan, 5),
+            "final_eval_loss_outer": round(delta.final_eval_loss_outer, 5),
         }
     if (totals := result.protocol) is not None:
         summary |= {
