@@ -146,12 +146,20 @@ class Int8Codec:
                 f"int8 codec with block_size {self.block_size} expects "
                 f"{self.n_blocks(e.numel)} scales for {e.numel} values, got {e.scales.numel()}"
             )
-        out = e.data.to(torch.float32)  # (N,) a fresh copy, scaled in place below
+        out = torch.empty(e.numel, dtype=torch.float32)  # (N,)
+        return self.decode_into(e.data, e.scales.to(torch.float32), out).reshape(e.shape)
+
+    def decode_into(
+        self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Dequantise flat int8 ``data`` (from a block boundary) with its blocks' fp32
+        ``scales`` into ``out`` (fp32, same length), unchecked: the one dequantisation, for
+        whole tensors (``decode``) and for chunks of them (``diloco.outer_pass``) alike."""
+        out.copy_(data)  # int8 -> fp32, then a same-dtype multiply (a mixed one is ~15x slower)
         out_head, out_tail = _split_blocks(out, self.block_size)
-        scales = e.scales.to(torch.float32)
         out_head.mul_(scales[: out_head.shape[0], None])
         out_tail.mul_(scales[out_head.shape[0] :])
-        return out.reshape(e.shape)
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "block_size": self.block_size}

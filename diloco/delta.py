@@ -26,6 +26,7 @@ A delta file is a safetensors file: ``scales/<name>`` (fp32, one per block) and
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ def apply_change(theta: torch.Tensor, change: torch.Tensor) -> None:
 
 def entries(shapes: Mapping[str, tuple[int, ...]], codec: Int8Codec) -> list[Entry]:
     out = [
-        Entry(SCALES + n, torch.float32, (codec.n_blocks(_numel(s)),)) for n, s in shapes.items()
+        Entry(SCALES + n, torch.float32, (codec.n_blocks(math.prod(s)),)) for n, s in shapes.items()
     ]
     return out + [Entry(DATA + n, torch.int8, tuple(s)) for n, s in shapes.items()]
 
@@ -76,13 +77,6 @@ def metadata(
         "block_size": str(codec.block_size),
         "param_names": json.dumps(names),
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def write_delta(

@@ -39,7 +39,7 @@ from diloco.codec import Int8Codec, NonFiniteError, codec_from_description
 from diloco.robust import SourceUnreadable
 from diloco.tensorfile import TensorFileReader, TensorFileWriter, byte_view
 from diloco.wire import DIGEST_BYTES, ContributionDecoder, WireFormatError
-from diloco.wire_header import MAX_HEADER_BYTES, PREFIX
+from diloco.wire_header import DTYPES, MAX_HEADER_BYTES, PREFIX
 
 Shapes = Mapping[str, tuple[int, ...]]
 CHUNK_ELEMENTS = 1 << 17  # 512 KiB of fp32: the ops stay in the core's L2 here
@@ -105,7 +105,7 @@ class UploadFile:
         at = PREFIX.size + header_len
         for spec in header.tensors:
             self._data[spec.name] = at
-            at += spec.numel * (1 if spec.dtype == "int8" else 4)
+            at += spec.numel * DTYPES[spec.dtype].itemsize
             self._scales[spec.name] = at
             at += 4 * spec.n_scales
         self._trailer = at
@@ -174,16 +174,9 @@ class UploadFile:
         """Dequantise the chunk ``q`` (from element ``start``) into ``out``."""
         if not isinstance(self.codec, Int8Codec):
             return q  # fp32 already
-        bs = self.codec.block_size
-        first = start // bs
-        full = q.numel() // bs
-        head, tail = full * bs, q.numel() - full * bs
-        scales = self._tensor_scales
-        out.copy_(q)  # int8 -> fp32 then a same-dtype multiply: ~15x a mixed-dtype one here
-        out[:head].view(full, bs).mul_(scales[first : first + full, None])
-        if tail:
-            out[head:].mul_(scales[first + full])
-        return out
+        first = start // self.codec.block_size
+        scales = self._tensor_scales[first : first + self.codec.n_blocks(q.numel())]
+        return self.codec.decode_into(q, scales, out)
 
     def finish(self) -> None:
         """Check the trailer against the bytes read."""

@@ -125,23 +125,26 @@ async def evaluate_next(
     return True
 
 
+async def fill_in(session: AsyncSession, *, run_id: str, version: int, loss: float) -> None:
+    """A version's eval loss on its checkpoint (its eval claim released) and on the round
+    that published it (the round of the same index; version 0 has none), in the caller's
+    transaction."""
+    await session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.run_id == run_id, Checkpoint.version == version)
+        .values(eval_loss=loss, eval_claim_expires_at=None)
+    )
+    await session.execute(
+        update(Round).where(Round.run_id == run_id, Round.index == version).values(eval_loss=loss)
+    )
+
+
 async def record(
     sessions: async_sessionmaker[AsyncSession], *, run_id: str, version: int, loss: float
 ) -> None:
     """Fill a version's eval loss in, on its checkpoint and on the round that published it."""
     if not math.isfinite(loss):  # stored as it is (the API answers null): never pending again
         log.warning("run %s version %d: the eval loss is not finite", run_id, version)
-    value = loss
     async with sessions() as session, session.begin():
-        await session.execute(
-            update(Checkpoint)
-            .where(Checkpoint.run_id == run_id, Checkpoint.version == version)
-            .values(eval_loss=value, eval_claim_expires_at=None)
-        )
-        if version > 0:
-            await session.execute(
-                update(Round)
-                .where(Round.run_id == run_id, Round.index == version)
-                .values(eval_loss=value)
-            )
+        await fill_in(session, run_id=run_id, version=version, loss=loss)
     log.info("run %s version %d: eval loss %.4f", run_id, version, loss)

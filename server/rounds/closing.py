@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.faults import FaultInjector
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
+from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
@@ -241,15 +242,8 @@ async def _publish(
             )
         )
         if result.base_eval_loss is not None:  # measured by this close: the base's own figure
-            await session.execute(
-                update(Checkpoint)
-                .where(Checkpoint.run_id == claim.run_id, Checkpoint.version == claim.index - 1)
-                .values(eval_loss=result.base_eval_loss)
-            )
-            await session.execute(
-                update(Round)
-                .where(Round.run_id == claim.run_id, Round.index == claim.index - 1)
-                .values(eval_loss=result.base_eval_loss)
+            await evals.fill_in(
+                session, run_id=claim.run_id, version=claim.index - 1, loss=result.base_eval_loss
             )
         if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it
             await session.execute(
