@@ -169,6 +169,17 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    storage: Annotated[
+        str | None,
+        typer.Option(
+            help="Where checkpoints, uploads and shards live: file:///dir or "
+            "s3://bucket/prefix (credentials and endpoint from AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL; volunteers then transfer "
+            "straight to the bucket). Default: blobs/ under the data dir.",
+            envvar="DILOCO_STORAGE",
+            show_default=False,
+        ),
+    ] = None,
     role: Annotated[
         str,
         typer.Option(
@@ -198,6 +209,7 @@ def serve(
         data_dir=data_dir or default_data_dir(),
         database_url=database_url,
         role=role,
+        storage=storage,
     )
     if status:
         raise typer.Exit(status)  # 128 + the signal that stopped it

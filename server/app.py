@@ -35,7 +35,7 @@ from server.rounds.sweeper import Sweeper
 from server.runs.router import router as runs_router
 from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
-from server.storage import LocalStorage
+from server.storage import open_storage
 from server.web import router as web
 
 log = logging.getLogger("diloco.server")
@@ -70,7 +70,9 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         app.state.sessions = make_sessionmaker(engine)
         # heartbeats and joins: fixed SQL on a small asyncpg pool (server.rounds.leases)
         app.state.fast_pool = await make_fast_pool(settings.database_url) if serves_api else None
-        app.state.storage = LocalStorage(settings.data_dir / "blobs")
+        app.state.storage = open_storage(
+            settings.storage, settings.data_dir / "blobs", scratch_dir=settings.scratch_dir
+        )
         faults = FaultInjector.parse(settings.faults)
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)
         tasks = [asyncio.create_task(watch_loop_lag(), name="loop-lag")]

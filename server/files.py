@@ -1,4 +1,6 @@
-"""Serve a stored file with ETag, conditional GET and single byte ranges.
+"""Serve a stored blob: from disk with ETag, conditional GET and single byte ranges, or,
+from object storage, by a redirect to the bucket (``read_url``: a signed GET, or the CDN
+in front of the bucket), so that no blob byte passes through the server.
 
 Starlette's FileResponse measured 0.27-0.61 GB/s here against 2.6 GB/s for a streamed
 response on uvicorn+uvloop, so files are streamed in 1 MiB chunks from an open handle.
@@ -13,11 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 
 from diloco.protocol.messages import ErrorCode
 from server.errors import HubError
-from server.metrics import SERVED_BYTES, ServedKind
+from server.metrics import REDIRECTS, SERVED_BYTES, ServedKind
+from server.settings import Settings
+from server.storage import Storage
 
 CHUNK = 1 << 20
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -84,3 +88,35 @@ def serve_file(
         )
     base["Content-Length"] = str(size)
     return StreamingResponse(_chunks(path, 0, size, kind), media_type=media_type, headers=base)
+
+
+def read_url(settings: Settings, storage: Storage, key: str, server_path: str) -> str:
+    """Where a volunteer reads blob ``key``: ``server_path`` (this server streams it from
+    disk), ``<public_read_url>/<key>`` (a CDN or public bucket in front of the store), or a
+    GET signed for this one object, valid ``signed_url_ttl_s``."""
+    if not storage.direct:
+        return server_path
+    if settings.public_read_url:
+        return f"{settings.public_read_url.rstrip('/')}/{key}"
+    return storage.signed_url(key, "GET", settings.signed_url_ttl_s)
+
+
+def serve_blob(
+    request: Request,
+    key: str,
+    *,
+    etag: str,
+    media_type: str,
+    headers: dict[str, str],
+    kind: ServedKind,
+) -> Response:
+    """A blob by its key: streamed from disk (``serve_file``), or a 307 to the store."""
+    storage: Storage = request.app.state.storage
+    local = storage.local_file(key)
+    if local is not None:
+        return serve_file(
+            request, local, etag=etag, media_type=media_type, headers=headers, kind=kind
+        )
+    REDIRECTS.labels(kind).inc()
+    url = read_url(request.app.state.settings, storage, key, str(request.url))
+    return RedirectResponse(url, status_code=307, headers={"ETag": f'"{etag}"', **headers})

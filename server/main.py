@@ -46,6 +46,7 @@ def serve(
     data_dir: Path | None = None,
     database_url: str | None = None,
     role: str = "all",
+    storage: str | None = None,
     log_level: str = "info",
 ) -> int:
     """Serve until stopped; returns the exit status: 0, or 128 + the signal that stopped it
@@ -58,6 +59,8 @@ def serve(
         overrides["data_dir"] = data_dir
     if database_url:
         overrides["database_url"] = database_url
+    if storage:
+        overrides["storage"] = storage
     settings = Settings(**overrides)  # type: ignore[arg-type]
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     stops = StopSignals()

@@ -10,7 +10,14 @@ from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UPLOADS = Counter("diloco_uploads_total", "Contribution uploads by outcome", ["outcome"])
-UPLOAD_BYTES = Counter("diloco_upload_bytes_total", "Bytes of accepted contribution bodies")
+UPLOAD_BYTES = Counter(
+    "diloco_upload_bytes_total", "Bytes of accepted contribution bodies received by this server"
+)
+DIRECT_UPLOAD_BYTES = Counter(
+    "diloco_direct_upload_bytes_total",
+    "Bytes of accepted contributions put straight into the object store by volunteers "
+    "(read back from the store to be checked, never sent to this server)",
+)
 ROUNDS_CLOSED = Counter("diloco_rounds_closed_total", "Rounds closed, by reason code", ["code"])
 CLOSE_SECONDS = Histogram(
     "diloco_round_close_seconds",
@@ -46,6 +53,13 @@ SERVED_BYTES = Counter(
 )
 for _served in SERVED_KINDS:
     SERVED_BYTES.labels(_served)  # every kind shows, at 0, from the start
+REDIRECTS = Counter(
+    "diloco_redirects_total",
+    "Blob reads sent to the object store instead (a 307 to a signed or CDN URL), by kind",
+    ["kind"],
+)
+for _served in SERVED_KINDS:
+    REDIRECTS.labels(_served)
 JANITOR_KINDS = ("temp_file", "orphan_blob", "orphan_run")
 JANITOR_REMOVED = Counter(
     "diloco_janitor_removed_total", "Leftovers the janitor removed, by kind", ["kind"]

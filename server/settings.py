@@ -30,6 +30,17 @@ class Settings(BaseSettings):
     data_dir: Path = Path("diloco-data")  # blobs, checkpoints, shards, embedded Postgres
     database_url: str = ""  # postgresql://...; empty: the embedded Postgres under data_dir
     admin_token: SecretStr | None = None  # None: generated into <data_dir>/admin-token
+    # where blobs live (server.storage.open_storage): file:///dir, or s3://bucket/prefix with
+    # the AWS_* variables; empty: <data_dir>/blobs on this machine's disk
+    storage: str = ""
+    # where a replica on object storage stages the close's files (None: the system temp dir)
+    scratch_dir: Path | None = None
+    # how long the signed URLs of direct transfers live: downloads, and an upload's PUT
+    # (at least until its round's deadline, and this much longer)
+    signed_url_ttl_s: int = Field(3600, ge=60, le=7 * 24 * 3600)
+    # a CDN (or public bucket) base URL serving the store's keys: checkpoints, deltas and
+    # shards are then handed out as <base>/<key>, unsigned and cacheable; empty: signed URLs
+    public_read_url: str = ""
 
     # rounds (the bounds keep every deadline and expiry a representable date)
     # how often the sweeper asks decide_close

@@ -1,13 +1,20 @@
-"""Blob storage behind a small interface: local disk today, S3-compatible storage later.
+"""Blob storage behind a small interface: local disk (``LocalStorage``, the default) or an
+S3-compatible bucket (``server.storage_s3.S3Storage``), chosen by URL (``open_storage``).
 
-Keys are ``/``-separated relative paths (``runs/<id>/rounds/3/<contributor>.bin``); nothing
-in the interface is a file system path except ``path``, which only ``LocalStorage`` can
-honour. A blob is written through a ``BlobWriter``: bytes go to a temp name (the
-``diloco.atomic`` scheme), and ``commit`` fsyncs the file, renames it into place and fsyncs
-the directory, so a 2xx that follows a commit means the bytes survive a crash (invariant 1).
-``abort`` (or leaving the ``with`` block on an error) removes the temp file: a rejected
-upload leaves nothing behind. A crash leaves an unfinished write, which
-``list_unfinished`` finds and the janitor (``server.janitor``) deletes once it is old.
+Keys are ``/``-separated relative paths (``runs/<id>/rounds/3/<contributor>.bin``); the
+interface speaks keys, streams, whole-file transfers (``fetch``/``put_file``) and signed
+URLs, never file system paths: ``local_file`` answers one only where the backend keeps
+blobs as files (sendfile serves them), and None elsewhere. Work that needs files (the
+close's pass, an eval) goes through ``server.staging``.
+
+A blob is written through a ``BlobWriter``: on disk, bytes go to a temp name (the
+``diloco.atomic`` scheme) and ``commit`` fsyncs the file, renames it into place and fsyncs
+the directory; in a bucket, ``commit`` returns when the object is whole and durable. Either
+way a 2xx that follows a commit means the bytes survive a crash (invariant 1). ``abort``
+(or leaving the ``with`` block on an error) removes what was written: a rejected upload
+leaves nothing behind. A crash leaves an unfinished write (a temp file, an incomplete
+multipart upload), which ``list_unfinished`` finds and the janitor (``server.janitor``)
+deletes once it is old.
 
 Layout: ``runs/<id>/data/`` (validation and training shards), ``runs/<id>/checkpoints/``
 (two files per version), ``runs/<id>/rounds/<index>/`` (contribution blobs, each named by
@@ -19,13 +26,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Literal, Protocol
+from urllib.parse import urlsplit
 
 from diloco import atomic
 
@@ -37,6 +46,23 @@ class BlobInfo:
     key: str
     nbytes: int
     modified: float  # seconds since the epoch: the file's mtime (S3: LastModified)
+    etag: str = ""  # S3's ETag (quoted, as the store gives it); "" on disk
+
+
+class BlobMissing(FileNotFoundError):
+    """No blob under this key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no blob {key!r}")
+        self.key = key
+
+
+def check_key(key: str) -> str:
+    """A key is a relative ``/`` path without empty, ``.`` or ``..`` parts."""
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"blob key {key!r} must be a relative path without . or ..")
+    return key
 
 
 class BlobWriter(Protocol):
@@ -52,13 +78,42 @@ class BlobWriter(Protocol):
 
 
 class Storage(Protocol):
+    url: str  # file:///dir or s3://bucket/prefix/
+    direct: bool  # volunteers move bytes straight to and from it (signed URLs)
+    scratch_dir: Path | None  # where server.staging puts fetched files (None: system temp)
+
     def writer(self, key: str) -> BlobWriter: ...
-    def open(self, key: str) -> BinaryIO: ...
-    def read_chunks(self, key: str, chunk_size: int = 1 << 20) -> Iterator[bytes]: ...
+    def read_chunks(
+        self, key: str, chunk_size: int = 1 << 20, *, if_match: str | None = None
+    ) -> Generator[bytes, None, None]:
+        """The blob's bytes in order; with ``if_match``, only while its ETag is that one."""
+        ...
+
+    def read_bytes(self, key: str) -> bytes: ...
+    def head(self, key: str) -> BlobInfo: ...
     def size(self, key: str) -> int: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
-    def path(self, key: str) -> Path: ...
+
+    def local_file(self, key: str) -> Path | None:
+        """The blob's file on this machine where the backend keeps files, else None."""
+        ...
+
+    def fetch(self, key: str, dest: Path) -> None:
+        """Copy the blob into the local file ``dest`` (BlobMissing if there is none)."""
+        ...
+
+    def put_file(self, key: str, src: Path) -> None:
+        """A finished local file becomes the blob, durable when this returns."""
+        ...
+
+    def copy(self, src: str, dst: str, *, if_match: str | None = None) -> None:
+        """Copy inside the store; with ``if_match``, only if ``src``'s ETag is still that."""
+        ...
+
+    def signed_url(self, key: str, method: Literal["GET", "PUT"], expires_s: int) -> str:
+        """A URL for one method on one object until it expires (object storage only)."""
+        ...
 
     def list_blobs(self, prefix: str) -> Iterator[BlobInfo]:
         """Committed blobs whose keys start with ``prefix`` ("" or ending in "/")."""
@@ -144,35 +199,78 @@ class _LocalWriter:
 class LocalStorage:
     """Blobs as files under ``root``."""
 
+    direct = False  # the server proxies every transfer
+    scratch_dir: Path | None = None  # its blobs are files: nothing is ever staged
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.resolve().as_uri()
 
     def path(self, key: str) -> Path:
-        parts = key.split("/")
-        if not key or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"blob key {key!r} must be a relative path without . or ..")
-        return self.root.joinpath(*parts)
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def local_file(self, key: str) -> Path:
+        return self.path(key)
 
     def writer(self, key: str) -> _LocalWriter:
         return _LocalWriter(self.path(key))
 
-    def open(self, key: str) -> BinaryIO:
-        return open(self.path(key), "rb")
+    def _open(self, key: str) -> BinaryIO:
+        try:
+            return open(self.path(key), "rb")
+        except FileNotFoundError:
+            raise BlobMissing(key) from None
 
-    def read_chunks(self, key: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
-        with self.open(key) as f:
+    def read_chunks(
+        self, key: str, chunk_size: int = 1 << 20, *, if_match: str | None = None
+    ) -> Generator[bytes, None, None]:
+        if if_match:
+            raise ValueError("files on disk have no ETag to match")
+        with self._open(key) as f:
             while block := f.read(chunk_size):
                 yield block
 
+    def read_bytes(self, key: str) -> bytes:
+        with self._open(key) as f:
+            return f.read()
+
+    def head(self, key: str) -> BlobInfo:
+        try:
+            st = self.path(key).stat()
+        except FileNotFoundError:
+            raise BlobMissing(key) from None
+        return BlobInfo(key, st.st_size, st.st_mtime)
+
     def size(self, key: str) -> int:
-        return self.path(key).stat().st_size
+        return self.head(key).nbytes
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def fetch(self, key: str, dest: Path) -> None:
+        with self._open(key) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+
+    def put_file(self, key: str, src: Path) -> None:
+        final = self.path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = atomic.temp_path(final)
+        shutil.copyfile(src, tmp)
+        atomic.commit(tmp, final)
+
+    def copy(self, src: str, dst: str, *, if_match: str | None = None) -> None:
+        if if_match:
+            raise ValueError("files on disk have no ETag to match")
+        self.put_file(dst, self.path(src))
+
+    def signed_url(self, key: str, method: Literal["GET", "PUT"], expires_s: int) -> str:
+        raise NotImplementedError(
+            "a local-disk store signs no URLs: the server proxies its transfers"
+        )
 
     def list_blobs(self, prefix: str) -> Iterator[BlobInfo]:
         return (b for b, unfinished in self._walk(prefix) if not unfinished)
@@ -236,3 +334,24 @@ def _remove_dir(path: Path) -> None:
             path.rmdir()
     except FileNotFoundError:
         return
+
+
+def open_storage(url: str, default_root: Path, *, scratch_dir: Path | None = None) -> Storage:
+    """The store a URL names: ``file:///dir``, ``s3://bucket/prefix`` (credentials and
+    endpoint from the ``AWS_*`` variables), or "" for ``default_root`` on disk."""
+    if not url:
+        return LocalStorage(default_root)
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ValueError(f"storage {url!r}: write file:///absolute/dir")
+        return LocalStorage(Path(parts.path))
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"storage {url!r}: write s3://bucket or s3://bucket/prefix")
+        from server.storage_s3 import S3Storage
+
+        s3 = S3Storage(parts.netloc, parts.path.lstrip("/"), scratch_dir=scratch_dir)
+        s3.check()
+        return s3
+    raise ValueError(f"storage {url!r}: use file:///dir or s3://bucket/prefix")

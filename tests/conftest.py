@@ -114,3 +114,24 @@ def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory):  # type
 def http(server):  # type: ignore[no-untyped-def]
     with server.client() as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real S3 API server (SeaweedFS) on 127.0.0.1 for the whole session."""
+    from tests.support.s3 import S3Server
+
+    proc = S3Server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """The AWS_* variables of the test S3 server, set in this process for the test."""
+    env = s3_server.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env

@@ -107,6 +107,18 @@ class ShardRef(FileRef):
     chunk_len: int  # the shard is uint8 tokens, row-major (nbytes / chunk_len, chunk_len)
 
 
+class UploadTarget(_Message):
+    """A direct upload (runs on object storage): PUT the body to ``url`` (signed for that
+    one object and method, until ``expires_at``; send no Authorization header), then POST
+    ``commit_url`` (contributor token). The server checks the stored object as it checks a
+    proxied body; its 2xx answer, as a proxied upload's, means accepted and durable."""
+
+    url: str
+    method: Literal["PUT"] = "PUT"
+    expires_at: datetime
+    commit_url: str  # a server path
+
+
 class Lease(_Message):
     """``POST /runs/{id}/join``: a contributor's claim on the open round, and what to do."""
 
@@ -124,6 +136,7 @@ class Lease(_Message):
     lease_expires_at: datetime
     heartbeat_interval_s: float
     max_upload_bytes: int
+    upload: UploadTarget | None = None  # None: PUT the body to the server (local storage)
 
 
 class HeartbeatIn(_Message):

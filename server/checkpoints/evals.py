@@ -35,6 +35,7 @@ from server.rounds.models import Round
 from server.runs import data as run_data
 from server.runs import service as runs_service
 from server.settings import Settings
+from server.staging import Stage
 from server.storage import Storage
 
 log = logging.getLogger("diloco.evals")
@@ -97,13 +98,14 @@ async def evaluate_next(
 
     def measure() -> float:
         faults.hit("eval.version")
-        return evaluate_file(
-            storage,
-            run_id=run_id,
-            cfg=cfg,
-            params_path=storage.path(params_key),
-            windows=settings.eval_windows,
-        )
+        with Stage(storage) as stage:
+            return evaluate_file(
+                storage,
+                run_id=run_id,
+                cfg=cfg,
+                params_path=stage.input(params_key),
+                windows=settings.eval_windows,
+            )
 
     try:
         loss = await asyncio.get_running_loop().run_in_executor(executor, measure)

@@ -11,10 +11,12 @@ from server.checkpoints import service
 from server.checkpoints.models import Checkpoint
 from server.db import SessionDep
 from server.errors import InvalidRequest, NotFound
-from server.files import serve_file
+from server.files import read_url, serve_blob
 from server.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
 from server.runs import data as run_data
 from server.runs import service as runs_service
+from server.settings import Settings
+from server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["checkpoints"])
 API = "/api/v1"
@@ -38,9 +40,9 @@ async def checkpoint(
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
     row = await service.get(session=session, run_id=run_id, version=wanted)
-    return serve_file(
+    return serve_blob(
         request,
-        request.app.state.storage.path(row.params_key),
+        row.params_key,
         etag=row.sha256,
         media_type="application/octet-stream",
         headers={
@@ -66,9 +68,9 @@ async def delta(
             "versions published before deltas existed have none); download the full "
             f"checkpoint: {API}/runs/{run_id}/checkpoints/{row.version}"
         )
-    return serve_file(
+    return serve_blob(
         request,
-        request.app.state.storage.path(row.delta_key),
+        row.delta_key,
         etag=row.delta_sha256,
         media_type="application/octet-stream",
         headers={
@@ -87,6 +89,7 @@ async def catch_up(
     run_id: RunId,
     version: CheckpointVersion,
     from_version: FromVersion,
+    request: Request,
     session: SessionDep,
 ) -> CatchUpPlan:
     """How a volunteer holding version ``from`` gets this version (or ``latest``): the
@@ -103,7 +106,12 @@ async def catch_up(
     rows = await service.with_deltas(
         session=session, run_id=run_id, after=from_version, through=row.version
     )
-    refs = {r.version: ref for r in rows if (ref := _delta_ref(run_id, r)) is not None}
+    settings, storage = request.app.state.settings, request.app.state.storage
+    refs = {
+        r.version: ref
+        for r in rows
+        if (ref := _delta_ref(run_id, r, settings, storage)) is not None
+    }
     sizes = {v: ref.nbytes for v, ref in refs.items()}
     chosen = plan_catch_up(from_version, row.version, full_nbytes=row.nbytes, delta_nbytes=sizes)
     deltas = [refs[v] for v in chosen or []]
@@ -113,7 +121,9 @@ async def catch_up(
         kind="deltas" if chosen else "full",
         deltas=deltas,
         full=CheckpointRef(
-            url=f"{API}/runs/{run_id}/checkpoints/{row.version}",
+            url=read_url(
+                settings, storage, row.params_key, f"{API}/runs/{run_id}/checkpoints/{row.version}"
+            ),
             sha256=row.sha256,
             nbytes=row.nbytes,
             version=row.version,
@@ -122,11 +132,15 @@ async def catch_up(
     )
 
 
-def _delta_ref(run_id: str, row: Checkpoint) -> DeltaRef | None:
-    if row.delta_sha256 is None or row.delta_nbytes is None:
+def _delta_ref(
+    run_id: str, row: Checkpoint, settings: Settings, storage: Storage
+) -> DeltaRef | None:
+    if row.delta_key is None or row.delta_sha256 is None or row.delta_nbytes is None:
         return None
     return DeltaRef(
-        url=f"{API}/runs/{run_id}/checkpoints/{row.version}/delta",
+        url=read_url(
+            settings, storage, row.delta_key, f"{API}/runs/{run_id}/checkpoints/{row.version}/delta"
+        ),
         sha256=row.delta_sha256,
         nbytes=row.delta_nbytes,
         version=row.version,
@@ -142,9 +156,9 @@ async def shard(
     run = await runs_service.get(session=session, run_id=run_id)
     if not 0 <= index < run.n_shards:
         raise NotFound(f"run {run_id} has shards 0..{run.n_shards - 1}, not {index}")
-    return serve_file(
+    return serve_blob(
         request,
-        request.app.state.storage.path(run_data.shard_key(run_id, index)),
+        run_data.shard_key(run_id, index),
         etag=run.shards[index]["sha256"],
         media_type="application/octet-stream",
         headers={"X-Chunk-Len": str(run.chunk_len)},

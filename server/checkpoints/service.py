@@ -22,6 +22,7 @@ from diloco.checkpoint import state_metadata, write_params
 from diloco.tensorfile import TensorFileWriter
 from server.checkpoints.models import Checkpoint
 from server.errors import NotFound
+from server.staging import Stage
 from server.storage import Storage
 
 
@@ -81,12 +82,13 @@ def write_initial(
     residual (both read as zeros by the first close)."""
     keys = version_keys(run_id, 0)
     meta = {"run_id": run_id}
-    storage.path(keys.params).parent.mkdir(parents=True, exist_ok=True)
-    sha = write_params(storage.path(keys.params), params, version=0, metadata=meta)
     state_meta = state_metadata(version=0, names=list(params), hparams=hparams, metadata=meta)
     state_meta["outer_momentum"] = "false"
-    with TensorFileWriter(storage.path(keys.state), [], state_meta, digest=False) as out:
-        out.commit()
+    with Stage(storage) as stage:
+        sha = write_params(stage.output(keys.params), params, version=0, metadata=meta)
+        with TensorFileWriter(stage.output(keys.state), [], state_meta, digest=False) as out:
+            out.commit()
+        stage.publish()
     return VersionFiles(0, keys.params, keys.state, sha, storage.size(keys.params))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -191,7 +191,10 @@ async def receive(
     contributor_id: str,
     content_length: str | None,
     stream: AsyncIterator[bytes],
+    landing: Callable[[str], BlobWriter] | None = None,
 ) -> Accepted:
+    """``landing(key)``: where the checked body goes, committed only when it all passed
+    (default: ``storage.writer``; a direct upload's lands by a copy inside the store)."""
     # 1. cheap checks, in a short read-only transaction
     async with sessions() as session:
         run = await runs_service.get(session=session, run_id=run_id)
@@ -223,7 +226,7 @@ async def receive(
     codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
     inspection = UploadInspector(codec, digest_later=True)
     decoder = ContributionDecoder(max_bytes=limit, on_header=check_header, sink=inspection)
-    with storage.writer(key) as writer:
+    with (landing or storage.writer)(key) as writer:
         await _stream_to_blob(stream, writer, decoder, inspection, limit=limit)
         sha = decoder.body_sha256
         assert sha is not None  # finish() returned: the trailer matched

@@ -38,6 +38,7 @@ from diloco.protocol.state import (
     RunStatus,
 )
 from server.auth import UNKNOWN_TOKEN, banned, hash_token
+from server.checkpoints.service import version_keys
 from server.errors import (
     HubError,
     LeaseNotFound,
@@ -46,9 +47,13 @@ from server.errors import (
     Unauthorized,
     refused,
 )
+from server.files import read_url
 from server.rounds import service as rounds_service
+from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
+from server.runs.data import shard_key
 from server.settings import Settings
+from server.storage import Storage
 
 API = "/api/v1"
 
@@ -141,7 +146,13 @@ def _round_view(row: asyncpg.Record) -> RoundView | None:
 
 
 async def join(
-    *, pool: asyncpg.Pool, settings: Settings, token: str, run_id: str, now: datetime
+    *,
+    pool: asyncpg.Pool,
+    settings: Settings,
+    storage: Storage,
+    token: str,
+    run_id: str,
+    now: datetime,
 ) -> Lease:
     """A lease on the run's open round (a new one, or the contributor's own renewed), or the
     rule's refusal. No transaction: one statement reads every fact; a new lease then takes
@@ -201,29 +212,41 @@ async def join(
             )
         else:
             lease = await conn.fetchrow(RENEW_LEASE, row["lease_id"], now, grant.expires_at)
-    return _lease_answer(settings, run_id, view, row, lease)
+    return _lease_answer(settings, storage, run_id, view, row, lease, now)
 
 
 def _lease_answer(
-    settings: Settings, run_id: str, rnd: RoundView, row: asyncpg.Record, lease: asyncpg.Record
+    settings: Settings,
+    storage: Storage,
+    run_id: str,
+    rnd: RoundView,
+    row: asyncpg.Record,
+    lease: asyncpg.Record,
+    now: datetime,
 ) -> Lease:
     config, shards = _static(row["config"], row["shards"])
     cfg = parse_config(config)
     shard = shards[lease["shard"]]
+    version, index = row["version"], lease["shard"]
+    checkpoint_key = version_keys(run_id, version).params
     return Lease(
         lease_id=lease["id"],
         run_id=run_id,
         round=rnd.index,
         base_version=rnd.base_version,
         checkpoint=CheckpointRef(
-            version=row["version"],
-            url=f"{API}/runs/{run_id}/checkpoints/{row['version']}",
+            version=version,
+            url=read_url(
+                settings, storage, checkpoint_key, f"{API}/runs/{run_id}/checkpoints/{version}"
+            ),
             sha256=row["sha256"],
             nbytes=row["nbytes"],
         ),
         shard=ShardRef(
-            index=lease["shard"],
-            url=f"{API}/runs/{run_id}/shards/{lease['shard']}",
+            index=index,
+            url=read_url(
+                settings, storage, shard_key(run_id, index), f"{API}/runs/{run_id}/shards/{index}"
+            ),
             sha256=shard["sha256"],
             nbytes=shard["nbytes"],
             chunk_len=row["chunk_len"],
@@ -236,6 +259,15 @@ def _lease_answer(
         lease_expires_at=lease["expires_at"],
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
+        upload=upload_target(
+            settings,
+            storage,
+            run_id=run_id,
+            index=rnd.index,
+            contributor_id=row["contributor_id"],
+            deadline=rnd.deadline,
+            now=now,
+        ),
     )
 
 

@@ -56,6 +56,7 @@ from diloco.robust import Share, SourceUnreadable, centre_pulls, clip_factors, c
 from diloco.tensorfile import TensorFileReader, TensorFileWriter
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.staging import Stage
 from server.storage import Storage
 
 log = logging.getLogger("diloco.rounds")
@@ -137,18 +138,22 @@ def apply_outer_step(
 ) -> OuterResult:
     """Aggregate, step under the guard and write ``inputs.version`` (module docstring)."""
     clock = _StageClock()
-    base = _open_base(storage, inputs)
-    try:
-        return _close(storage, inputs, base, clock, eval_windows, faults)
-    finally:
-        base.close()
+    with Stage(storage) as stage:
+        # on disk: the blobs' own files; on object storage: fetched to scratch, in parallel
+        stage.inputs([inputs.base_params_key, inputs.base_state_key])
+        stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
+        base = _open_base(stage, inputs)
+        try:
+            return _close(stage, inputs, base, clock, eval_windows, faults)
+        finally:
+            base.close()
 
 
-def _open_base(storage: Storage, inputs: StepInputs) -> _Base:
+def _open_base(stage: Stage, inputs: StepInputs) -> _Base:
     cfg = inputs.cfg
-    params = TensorFileReader(storage.path(inputs.base_params_key))
+    params = TensorFileReader(stage.input(inputs.base_params_key))
     try:
-        state = open_outer_state(storage.path(inputs.base_state_key))
+        state = open_outer_state(stage.input(inputs.base_state_key))
     except BaseException:
         params.close()
         raise
@@ -164,7 +169,7 @@ def _open_base(storage: Storage, inputs: StepInputs) -> _Base:
 
 
 def _close(
-    storage: Storage,
+    stage: Stage,
     inputs: StepInputs,
     base: _Base,
     clock: _StageClock,
@@ -193,7 +198,7 @@ def _close(
                     clock.seconds,
                 )  # fmt: skip
         try:
-            tried = _try_step(storage, inputs, base, kept, clock)
+            tried = _try_step(stage, inputs, base, kept, clock)
         except SourceUnreadable as err:
             unreadable[err.source_id] = err.reason
             log.warning("run %s round %d: %s", inputs.run_id, inputs.version, err)
@@ -211,9 +216,9 @@ def _close(
             )  # fmt: skip
             if base_loss is None:
                 measured_base = base_loss = _evaluate(
-                    storage, inputs, base.params.path, eval_windows
+                    stage.storage, inputs, base.params.path, eval_windows
                 )
-            loss = _evaluate(storage, inputs, tried.out.params.temp_path, eval_windows)
+            loss = _evaluate(stage.storage, inputs, tried.out.params.temp_path, eval_windows)
             clock.lap("judge")
         verdict = (
             judge_step(base_loss, loss, finite=result.finite, max_loss_ratio=policy.max_loss_ratio)
@@ -231,8 +236,9 @@ def _close(
             continue
         break
     params_sha, delta_sha = tried.out.commit()
+    stage.publish()  # object storage: the three files go up, durable before any row names them
     files = checkpoints_service.version_files(
-        storage,
+        stage.storage,
         run_id=inputs.run_id,
         version=inputs.version,
         sha256=params_sha,
@@ -256,7 +262,7 @@ def _close(
 
 
 def _try_step(
-    storage: Storage, inputs: StepInputs, base: _Base, kept: list[Stored], clock: _StageClock
+    stage: Stage, inputs: StepInputs, base: _Base, kept: list[Stored], clock: _StageClock
 ) -> _Tried:
     """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
     version's files written to temp names, and what each contribution put in. sha256 runs
@@ -268,15 +274,14 @@ def _try_step(
     coefficients = [c.weight * clip[c.id] / total for c in kept]
     with contextlib.ExitStack() as stack:
         hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
-        out = _outputs(storage, inputs, base, hasher)
+        out = _outputs(stage, inputs, base, hasher)
+        blobs = stage.inputs((c.blob_key for c in kept), missing_ok=True)  # staged already
 
         def open_uploads() -> list[UploadFile]:  # read from the start, hashed from the start
             return [
                 stack.enter_context(
                     contextlib.closing(
-                        UploadFile(
-                            c.id, storage.path(c.blob_key), base.shapes, base.upload_codec, hasher
-                        )
+                        UploadFile(c.id, blobs[c.blob_key], base.shapes, base.upload_codec, hasher)
                     )
                 )
                 for c in kept
@@ -314,18 +319,15 @@ def _try_step(
     return _Tried(out, result, shares)
 
 
-def _outputs(
-    storage: Storage, inputs: StepInputs, base: _Base, hasher: ThreadPoolExecutor
-) -> Outputs:
+def _outputs(stage: Stage, inputs: StepInputs, base: _Base, hasher: ThreadPoolExecutor) -> Outputs:
     keys = checkpoints_service.version_keys(inputs.run_id, inputs.version)
     names = list(base.shapes)
     meta = {"run_id": inputs.run_id}
-    storage.path(keys.params).parent.mkdir(parents=True, exist_ok=True)
     writers: list[TensorFileWriter] = []
     try:
         writers.append(
             TensorFileWriter(
-                storage.path(keys.params),
+                stage.output(keys.params),
                 params_entries(base.shapes),
                 params_metadata(version=inputs.version, names=names, metadata=meta),
                 hasher=hasher,
@@ -338,7 +340,7 @@ def _outputs(
         }
         writers.append(
             TensorFileWriter(
-                storage.path(keys.state),
+                stage.output(keys.state),
                 state_entries(base.shapes),
                 state_metadata(version=inputs.version, names=names, hparams=hparams, metadata=meta),
                 digest=False,
@@ -346,7 +348,7 @@ def _outputs(
         )
         writers.append(
             TensorFileWriter(
-                storage.path(keys.delta),
+                stage.output(keys.delta),
                 deltas.entries(base.shapes, base.delta_codec),
                 deltas.metadata(
                     run_id=inputs.run_id,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request, Response
@@ -11,7 +12,7 @@ from server.errors import HubError, TooManyUploads
 from server.inputs import RoundIndex, RunId
 from server.metrics import UPLOAD_BYTES, UPLOADS
 from server.ratelimit import Action
-from server.rounds import ingest, leases, notify, rejections
+from server.rounds import direct, ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
     HeartbeatIn,
@@ -49,6 +50,7 @@ async def join(run_id: RunId, request: Request) -> Lease:
     return await leases.join(
         pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
+        storage=request.app.state.storage,
         token=bearer_token(request),
         run_id=run_id,
         now=datetime.now(UTC),
@@ -114,19 +116,75 @@ async def contribution(
     ``too_many_uploads``: wait ``Retry-After`` seconds; 408 ``request_timeout``: the body
     stalled and was dropped, send it again."""
     state = request.app.state
+
+    def receive() -> Awaitable[ingest.Accepted]:
+        return ingest.receive(
+            sessions=state.sessions,
+            storage=state.storage,
+            settings=state.settings,
+            run_id=run_id,
+            index=index,
+            contributor_id=contributor.id,
+            content_length=request.headers.get("content-length"),
+            stream=request.stream(),
+        )
+
+    accepted = await _accept(request, run_id, index, contributor.id, receive)
+    if accepted.created:
+        UPLOAD_BYTES.inc(int(request.headers.get("content-length", "0")))
+    else:
+        response.status_code = 200
+    return accepted.out
+
+
+@router.post(
+    "/rounds/{index}/contribution/commit",
+    status_code=201,
+    responses={200: {"description": "an identical retry of an accepted upload"}},
+    dependencies=ratelimit.depends(Action.UPLOAD),
+)
+async def commit_contribution(
+    run_id: RunId,
+    index: RoundIndex,
+    request: Request,
+    response: Response,
+    contributor: ContributorAuth,
+) -> Receipt:
+    """A direct upload (runs on object storage): after PUTting the body to the lease's
+    ``upload.url``, ask the server to check it there and accept it. Answers as the
+    proxied upload does (2xx means durable); 404 ``not_found``: nothing was PUT, or this
+    run takes uploads through the server."""
+    state = request.app.state
+
+    def receive() -> Awaitable[ingest.Accepted]:
+        return direct.commit(
+            sessions=state.sessions,
+            storage=state.storage,
+            settings=state.settings,
+            run_id=run_id,
+            index=index,
+            contributor_id=contributor.id,
+        )
+
+    accepted = await _accept(request, run_id, index, contributor.id, receive)
+    if not accepted.created:
+        response.status_code = 200
+    return accepted.out
+
+
+async def _accept(
+    request: Request,
+    run_id: str,
+    index: int,
+    contributor_id: str,
+    receive: Callable[[], Awaitable[ingest.Accepted]],
+) -> ingest.Accepted:
+    """Run one upload's checks under an upload slot; count it, and record a refusal."""
+    state = request.app.state
     try:
         # a slot is taken before the body is read, and given back whatever happens
-        with state.upload_slots.hold(contributor.id):
-            accepted = await ingest.receive(
-                sessions=state.sessions,
-                storage=state.storage,
-                settings=state.settings,
-                run_id=run_id,
-                index=index,
-                contributor_id=contributor.id,
-                content_length=request.headers.get("content-length"),
-                stream=request.stream(),
-            )
+        with state.upload_slots.hold(contributor_id):
+            accepted = await receive()
     except TooManyUploads as err:  # counted, not recorded: a flood must not write rows
         UPLOADS.labels(err.code).inc()
         raise
@@ -136,14 +194,10 @@ async def contribution(
             sessions=state.sessions,
             run_id=run_id,
             index=index,
-            contributor_id=contributor.id,
+            contributor_id=contributor_id,
             error=err,
             now=datetime.now(UTC),
         )
         raise
     UPLOADS.labels("accepted" if accepted.created else "retry").inc()
-    if accepted.created:
-        UPLOAD_BYTES.inc(int(request.headers.get("content-length", "0")))
-    else:
-        response.status_code = 200
-    return accepted.out
+    return accepted

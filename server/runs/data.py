@@ -58,5 +58,5 @@ def split_and_store(
 
 
 def load_val(storage: Storage, run_id: str) -> torch.Tensor:
-    raw = storage.path(val_key(run_id)).read_bytes()
+    raw = storage.read_bytes(val_key(run_id))
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())

@@ -1,0 +1,202 @@
+"""Both storage backends against one contract (a real S3 API server for the bucket), and
+the signed URLs that direct transfers rest on, checked by that server."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.staging import Stage
+from server.storage import BlobMissing, LocalStorage, Storage, open_storage
+from server.storage_s3 import PART_BYTES, UNFINISHED, S3Storage
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    if request.param == "local":
+        return LocalStorage(tmp_path / "blobs")
+    request.getfixturevalue("s3_env")
+    bucket = request.getfixturevalue("s3_server").bucket
+    return open_storage(f"s3://{bucket}/t-{secrets.token_hex(4)}", tmp_path)
+
+
+def test_a_committed_blob_reads_back_whole_and_by_listing(storage: Storage) -> None:
+    with storage.writer("runs/r1/rounds/1/a.bin") as w:
+        w.write(b"hello ")
+        w.write(memoryview(b"world"))
+        w.commit()
+    assert storage.read_bytes("runs/r1/rounds/1/a.bin") == b"hello world"
+    assert b"".join(storage.read_chunks("runs/r1/rounds/1/a.bin", 4)) == b"hello world"
+    assert storage.size("runs/r1/rounds/1/a.bin") == 11
+    assert storage.exists("runs/r1/rounds/1/a.bin")
+    assert [b.key for b in storage.list_blobs("runs/r1/")] == ["runs/r1/rounds/1/a.bin"]
+    assert list(storage.list_blobs("runs/r2/")) == []
+
+
+def test_an_aborted_or_abandoned_blob_leaves_nothing(storage: Storage) -> None:
+    with storage.writer("runs/r1/x.bin") as w:
+        w.write(b"x" * 100)
+        w.abort()
+    with pytest.raises(RuntimeError), storage.writer("runs/r1/y.bin") as w:
+        w.write(b"y" * (PART_BYTES + 10))  # a multipart upload on S3, begun
+        raise RuntimeError("the body stalled")
+    assert list(storage.list_blobs("runs/")) == []
+    assert list(storage.list_unfinished("runs/")) == []
+    assert not storage.exists("runs/r1/x.bin")
+
+
+def test_a_blob_past_one_part_goes_up_in_parts_and_comes_back_equal(
+    storage: Storage, tmp_path: Path
+) -> None:
+    data = secrets.token_bytes(2 * PART_BYTES + 12345)
+    with storage.writer("runs/r1/big.bin") as w:
+        for at in range(0, len(data), 1 << 20):
+            w.write(data[at : at + (1 << 20)])
+        w.commit()
+    dest = tmp_path / "fetched.bin"
+    storage.fetch("runs/r1/big.bin", dest)
+    assert dest.read_bytes() == data
+    assert storage.head("runs/r1/big.bin").nbytes == len(data)
+
+
+def test_missing_blobs_say_so(storage: Storage, tmp_path: Path) -> None:
+    for call in (
+        lambda: storage.read_bytes("runs/none"),
+        lambda: storage.head("runs/none"),
+        lambda: storage.fetch("runs/none", tmp_path / "x"),
+    ):
+        with pytest.raises(BlobMissing):
+            call()
+    assert not storage.exists("runs/none")
+    storage.delete("runs/none")  # idempotent
+
+
+def test_put_file_copy_and_delete_prefix(storage: Storage, tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"checkpoint bytes")
+    storage.put_file("runs/r1/checkpoints/1.safetensors", src)
+    storage.copy("runs/r1/checkpoints/1.safetensors", "runs/r1/checkpoints/copy.safetensors")
+    assert storage.read_bytes("runs/r1/checkpoints/copy.safetensors") == b"checkpoint bytes"
+    storage.put_file("runs/r2/keep.bin", src)
+    assert storage.delete_prefix("runs/r1/") == 2
+    assert [b.key for b in storage.list_blobs("runs/")] == ["runs/r2/keep.bin"]
+
+
+def test_bad_keys_are_refused(storage: Storage) -> None:
+    for key in ("", "/abs", "a/../b", "a//b", "./a"):
+        with pytest.raises(ValueError):
+            storage.writer(key)
+
+
+def test_a_stage_hands_out_files_and_publishes_outputs(storage: Storage, tmp_path: Path) -> None:
+    with storage.writer("runs/r1/in.bin") as w:
+        w.write(b"input")
+        w.commit()
+    scratch = tmp_path / "scratch"
+    storage.scratch_dir = scratch
+    with Stage(storage) as stage:
+        paths = stage.inputs(["runs/r1/in.bin", "runs/r1/gone.bin"], missing_ok=True)
+        assert paths["runs/r1/in.bin"].read_bytes() == b"input"
+        assert not paths["runs/r1/gone.bin"].exists()
+        out = stage.output("runs/r1/out.bin")
+        out.write_bytes(b"output")
+        stage.publish()
+        with pytest.raises(BlobMissing):
+            stage.input("runs/r1/gone.bin")
+    assert storage.read_bytes("runs/r1/out.bin") == b"output"
+    assert not any(scratch.rglob("*.bin")), "a stage leaves no scratch file behind"
+
+
+# ---------------------------------------------------------------- object storage only
+
+
+@pytest.fixture
+def s3(s3_env: dict[str, str], s3_server, tmp_path: Path) -> S3Storage:  # type: ignore[no-untyped-def]
+    store = open_storage(f"s3://{s3_server.bucket}/t-{secrets.token_hex(4)}/", tmp_path)
+    assert isinstance(store, S3Storage)
+    return store
+
+
+def test_an_interrupted_multipart_upload_is_listed_unfinished_and_deletable(
+    s3: S3Storage,
+) -> None:
+    w = s3.writer("runs/r1/rounds/1/cut.bin")
+    w.write(b"z" * (PART_BYTES + 1))  # one part sent, then the process "dies"
+    unfinished = list(s3.list_unfinished("runs/"))
+    assert [u.key.split(UNFINISHED)[0] for u in unfinished] == ["runs/r1/rounds/1/cut.bin"]
+    s3.delete(unfinished[0].key)
+    assert list(s3.list_unfinished("runs/")) == []
+    assert list(s3.list_blobs("runs/")) == []
+
+
+def test_copy_with_if_match_refuses_a_replaced_object(s3: S3Storage) -> None:
+    with s3.writer("runs/r1/incoming/a.bin") as w:
+        w.write(b"validated bytes")
+        w.commit()
+    etag = s3.head("runs/r1/incoming/a.bin").etag
+    with s3.writer("runs/r1/incoming/a.bin") as w:  # the volunteer PUTs again, after the check
+        w.write(b"other bytes!!")
+        w.commit()
+    with pytest.raises(s3.client.exceptions.ClientError):
+        s3.copy("runs/r1/incoming/a.bin", "runs/r1/rounds/1/a.bin", if_match=etag)
+    assert not s3.exists("runs/r1/rounds/1/a.bin")
+
+
+def test_a_missing_bucket_fails_at_startup_with_its_name(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    with pytest.raises(RuntimeError, match="no-such-bucket"):
+        open_storage("s3://no-such-bucket/x", tmp_path)
+
+
+@pytest.mark.parametrize("url", ["ftp://x/y", "s3://", "file://host/dir", "file://"])
+def test_storage_urls_other_than_file_and_s3_are_refused(url: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        open_storage(url, tmp_path)
+
+
+def test_a_signed_get_reads_its_one_object_and_nothing_else(s3: S3Storage) -> None:
+    for key, body in (("runs/r1/a.bin", b"object a"), ("runs/r1/b.bin", b"object b")):
+        with s3.writer(key) as w:
+            w.write(body)
+            w.commit()
+    url = s3.signed_url("runs/r1/a.bin", "GET", 60)
+    assert httpx.get(url).content == b"object a"
+    assert httpx.get(url, headers={"Range": "bytes=2-3"}).content == b"je"
+    other = url.replace("/runs/r1/a.bin?", "/runs/r1/b.bin?")
+    assert other != url
+    assert httpx.get(other).status_code == 403  # another object: the signature does not match
+    assert httpx.put(url, content=b"evil").status_code == 403  # another method
+    assert httpx.delete(url).status_code == 403
+    assert s3.read_bytes("runs/r1/a.bin") == b"object a"
+    unsigned = url.split("?")[0]
+    assert httpx.get(unsigned).status_code == 403
+
+
+def test_a_signed_put_writes_its_one_object_once_in_time(s3: S3Storage) -> None:
+    url = s3.signed_url("runs/r1/incoming/c.bin", "PUT", 60)
+    assert httpx.put(url, content=b"contribution").status_code == 200
+    assert s3.read_bytes("runs/r1/incoming/c.bin") == b"contribution"
+    assert httpx.get(url).status_code == 403  # a PUT URL reads nothing
+    elsewhere = url.replace("/incoming/c.bin?", "/incoming/d.bin?")
+    assert httpx.put(elsewhere, content=b"x").status_code == 403
+    assert not s3.exists("runs/r1/incoming/d.bin")
+
+
+def test_signed_urls_expire(s3: S3Storage) -> None:
+    with s3.writer("runs/r1/a.bin") as w:
+        w.write(b"a")
+        w.commit()
+    get = s3.signed_url("runs/r1/a.bin", "GET", 1)
+    put = s3.signed_url("runs/r1/p.bin", "PUT", 1)
+    time.sleep(2.5)
+    expired = httpx.get(get)
+    assert expired.status_code == 403 and b"expired" in expired.content
+    assert httpx.put(put, content=b"late").status_code == 403
+    assert not s3.exists("runs/r1/p.bin")
+    with pytest.raises(ValueError):
+        s3.signed_url("runs/r1/a.bin", "GET", 8 * 24 * 3600)  # SigV4's limit is a week
