@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,19 +29,18 @@ from client.credentials import normalize_server_url
 from client.download import Fetched, fetch_once
 from client.http import (
     CHUNK,
-    TRY_AGAIN,
     ApiError,
     DownloadError,
-    RetryableError,
     RetryPolicy,
     ServerUnreachable,
     Timeouts,
     backoff_delay,
     error_from,
     json_object,
+    with_retries,
 )
 from client.lease import Lease, ProtocolError, parse, parse_lease, require
-from diloco.protocol.messages import CatchUpPlan, Receipt
+from diloco.protocol.messages import CatchUpPlan, Receipt, UploadTarget
 
 __all__ = [
     "ApiError",
@@ -59,6 +57,9 @@ __all__ = [
 ]
 
 API_PREFIX = "/api/v1"
+# the object store refused a direct upload's PUT (its signed URL expired, say): the round's
+# upload is lost, as when the round moves on; the next lease brings a fresh URL
+UPLOAD_TARGET_REFUSED = "upload_target_refused"
 T = TypeVar("T")
 
 
@@ -130,46 +131,13 @@ class ServerAPI:
         idempotent: bool = True,
         retry: RetryPolicy | None = None,
     ) -> T:
-        """Run ``attempt_once`` until it succeeds, raises a non-retryable error, or the
-        policy's attempts or total time run out."""
-        policy, started = retry or self.retry, time.monotonic()
-        for attempt in range(1, policy.attempts + 1):
-            asked = None  # how long the server asked us to wait
-            try:
-                return await attempt_once()
-            except ApiError as err:
-                if err.status in TRY_AGAIN:  # refused before acting: safe to send again
-                    asked = err.retry_after_s
-                    if err.status == 429 and (
-                        asked is None or time.monotonic() - started + asked > policy.total_s
-                    ):
-                        raise  # the server did not say when, or not within our budget
-                elif not (err.status == 503 or (idempotent and err.status >= 500)):
-                    raise
-                last: Exception = err
-            except RetryableError as err:
-                last = err.cause
-            except aiohttp.ClientConnectorError as err:  # never reached the server
-                last = ServerUnreachable(f"cannot connect to {self.server_url} ({what}): {err}")
-            except (aiohttp.ClientError, TimeoutError) as err:
-                reason = str(err) or type(err).__name__
-                last = ServerUnreachable(f"{what} on {self.server_url} failed: {reason}")
-                if not idempotent:  # the server may have acted on it: do not repeat it blindly
-                    raise ServerUnreachable(
-                        f"{last}; it may or may not have taken effect, check before repeating it"
-                    ) from err
-            delay = backoff_delay(attempt, policy, random.random())
-            if asked is not None:  # never sooner than the server asked
-                delay = max(delay, asked)
-            if attempt == policy.attempts or time.monotonic() - started + delay > policy.total_s:
-                break
-            await asyncio.sleep(delay)
-        if isinstance(last, ServerUnreachable):
-            raise ServerUnreachable(
-                f"{last} (gave up after {attempt} tries in {time.monotonic() - started:.0f} s); "
-                "check the URL and that the server is running"
-            )
-        raise last
+        return await with_retries(
+            what,
+            attempt_once,
+            policy=retry or self.retry,
+            server_url=self.server_url,
+            idempotent=idempotent,
+        )
 
     async def _json(
         self,
@@ -242,22 +210,22 @@ class ServerAPI:
         round: int,
         chunks_factory: Callable[[], Iterable[bytes]],
         nbytes: int,
+        target: UploadTarget | None = None,
     ) -> UploadReceipt:
         """PUT a contribution body, streamed chunk by chunk; ``chunks_factory`` makes a fresh
-        iterator for every try, so a retry re-sends the same bytes (the server is idempotent)."""
+        iterator for every try, so a retry re-sends the same bytes (the server is idempotent).
+        With the lease's ``target`` (object storage) the body goes straight to the bucket and
+        the server is asked to commit it; each try does both."""
+        if target is not None:
+            return await self._upload_direct(round, chunks_factory, nbytes, target)
         url = self.url(f"/runs/{run_id}/rounds/{round}/contribution")
         headers = self._headers(
             {"Content-Type": "application/octet-stream", "Content-Length": str(nbytes)}
         )
 
-        async def body() -> AsyncIterator[bytes]:
-            for chunk in chunks_factory():
-                yield chunk
-                await asyncio.sleep(0)  # let heartbeats through between chunks
-
         async def once() -> UploadReceipt:
             async with self._http().put(
-                url, data=body(), headers=headers, timeout=self._transfer_timeout
+                url, data=_paced(chunks_factory), headers=headers, timeout=self._transfer_timeout
             ) as resp:
                 if resp.status >= 400:
                     raise await error_from(resp)
@@ -266,12 +234,52 @@ class ServerAPI:
 
         return await self._with_retries(f"upload of round {round}", once)
 
+    async def _upload_direct(
+        self,
+        round: int,
+        chunks_factory: Callable[[], Iterable[bytes]],
+        nbytes: int,
+        target: UploadTarget,
+    ) -> UploadReceipt:
+        """PUT to the signed URL (no token: the signature is the permission), then commit."""
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(nbytes)}
+
+        async def once() -> UploadReceipt:
+            async with self._http().put(
+                target.url,
+                data=_paced(chunks_factory),
+                headers=headers,
+                timeout=self._transfer_timeout,
+            ) as resp:
+                if resp.status >= 500:
+                    raise await error_from(resp)  # the store's trouble: tried again
+                if resp.status >= 400:  # expired or refused: a new lease brings a new URL
+                    text = (await resp.text(errors="replace"))[:300]
+                    raise ApiError(
+                        409,
+                        UPLOAD_TARGET_REFUSED,
+                        f"the object store refused the upload ({resp.status}): {text}",
+                        {},
+                    )
+            async with self._http().post(
+                self.url(target.commit_url), headers=self._headers(), timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                receipt = parse(Receipt, await json_object(resp), "the commit answer")
+                return UploadReceipt(receipt, repeated=resp.status == 200)
+
+        return await self._with_retries(f"direct upload of round {round}", once)
+
     async def download(self, url: str, dest: Path, expected_sha256: str) -> Fetched:
         """GET ``url`` into ``dest``, verified against ``expected_sha256``; an interrupted
-        attempt is resumed with a Range request (``client.download``), also after a restart."""
+        attempt is resumed with a Range request (``client.download``), also after a restart.
+        A URL off this server (an object store's signed URL, a CDN) gets no token."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         full = self.url(url)
+        ours = full.startswith(self.server_url + "/")
+        headers = self._headers({"Accept": "*/*"}) if ours else {"Accept": "*/*"}
 
         async def once() -> Fetched:
             return await fetch_once(
@@ -279,8 +287,9 @@ class ServerAPI:
                 full,
                 dest,
                 expected_sha256,
-                headers=self._headers({"Accept": "*/*"}),
+                headers=headers,
                 timeout=self._transfer_timeout,
+                if_range=ours,
             )
 
         return await self._with_retries(f"download of {url}", once)
@@ -403,3 +412,10 @@ class ServerAPI:
         """The run's rounds, oldest first."""
         data = await self._json("GET", f"/runs/{run_id}/rounds")
         return require(data, "rounds", list, "the round list")
+
+
+async def _paced(chunks_factory: Callable[[], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """An upload body from a fresh iterator, letting heartbeats through between chunks."""
+    for chunk in chunks_factory():
+        yield chunk
+        await asyncio.sleep(0)

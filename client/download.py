@@ -85,16 +85,21 @@ async def fetch_once(
     *,
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
+    if_range: bool = True,
 ) -> Fetched:
     """One attempt: resume or start ``<dest>.part``, verify, rename to ``dest``.
 
     A dropped connection raises (aiohttp.ClientError / TimeoutError) with the part kept for
-    the next attempt; a sha256 mismatch raises :class:`RetryableError` with the part gone."""
+    the next attempt; a sha256 mismatch raises :class:`RetryableError` with the part gone.
+    ``if_range=False`` for an object store's URL: its ETag is not our sha256, and its keys
+    never change content (the sha256 check still catches a mix-up)."""
     part = part_path(dest)
     digest, have = _hash_prefix(part) if part.exists() else (hashlib.sha256(), 0)
     request_headers = dict(headers)
     if have:
-        request_headers |= {"Range": f"bytes={have}-", "If-Range": f'"{expected_sha256}"'}
+        request_headers["Range"] = f"bytes={have}-"
+        if if_range:
+            request_headers["If-Range"] = f'"{expected_sha256}"'
     async with session.get(url, headers=request_headers, timeout=timeout) as resp:
         if resp.status == 416:  # the part is longer than the file: it cannot be ours
             part.unlink(missing_ok=True)

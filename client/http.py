@@ -12,16 +12,20 @@ jitter (``backoff_delay``), within a bounded number of attempts and total time.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Mapping
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from client.lease import ProtocolError
 
 CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -143,3 +147,53 @@ async def json_object(resp: aiohttp.ClientResponse) -> dict[str, Any]:
             f"{resp.method} {resp.url} did not answer a JSON object; is this a DiLoCo Hub server?"
         )
     return data
+
+
+async def with_retries(
+    what: str,
+    attempt_once: Callable[[], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    server_url: str,
+    idempotent: bool = True,
+) -> T:
+    """Run ``attempt_once`` until it succeeds, raises a non-retryable error, or the
+    policy's attempts or total time run out."""
+    started = time.monotonic()
+    for attempt in range(1, policy.attempts + 1):
+        asked = None  # how long the server asked us to wait
+        try:
+            return await attempt_once()
+        except ApiError as err:
+            if err.status in TRY_AGAIN:  # refused before acting: safe to send again
+                asked = err.retry_after_s
+                if err.status == 429 and (
+                    asked is None or time.monotonic() - started + asked > policy.total_s
+                ):
+                    raise  # the server did not say when, or not within our budget
+            elif not (err.status == 503 or (idempotent and err.status >= 500)):
+                raise
+            last: Exception = err
+        except RetryableError as err:
+            last = err.cause
+        except aiohttp.ClientConnectorError as err:  # never reached the server
+            last = ServerUnreachable(f"cannot connect to {server_url} ({what}): {err}")
+        except (aiohttp.ClientError, TimeoutError) as err:
+            reason = str(err) or type(err).__name__
+            last = ServerUnreachable(f"{what} on {server_url} failed: {reason}")
+            if not idempotent:  # the server may have acted on it: do not repeat it blindly
+                raise ServerUnreachable(
+                    f"{last}; it may or may not have taken effect, check before repeating it"
+                ) from err
+        delay = backoff_delay(attempt, policy, random.random())
+        if asked is not None:  # never sooner than the server asked
+            delay = max(delay, asked)
+        if attempt == policy.attempts or time.monotonic() - started + delay > policy.total_s:
+            break
+        await asyncio.sleep(delay)
+    if isinstance(last, ServerUnreachable):
+        raise ServerUnreachable(
+            f"{last} (gave up after {attempt} tries in {time.monotonic() - started:.0f} s); "
+            "check the URL and that the server is running"
+        )
+    raise last

@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 
 from client import identity
-from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable, Timeouts
+from client.api import (
+    UPLOAD_TARGET_REFUSED,
+    ApiError,
+    RetryPolicy,
+    ServerAPI,
+    ServerUnreachable,
+    Timeouts,
+)
 from client.fetch import Fetcher
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
@@ -40,6 +47,7 @@ REJECTED_CODES = frozenset(
         ErrorCode.NO_LEASE,
         ErrorCode.DUPLICATE_CONTRIBUTION,
         ErrorCode.RUN_NOT_ACTIVE,
+        UPLOAD_TARGET_REFUSED,
     }
 )
 # a heartbeat answer that means the lease is no longer worth training for (a paused or
@@ -311,6 +319,7 @@ class _Worker:
                 lease.round,
                 lambda: encode_contribution(body.meta, body.tensors),
                 body.nbytes,
+                lease.upload,
             )
         except ApiError as err:
             if err.status >= 500 or err.status in (401, 403):

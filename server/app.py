@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version as pkg_version
 
@@ -35,6 +36,7 @@ from server.rounds.sweeper import Sweeper
 from server.runs.router import router as runs_router
 from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
+from server.staging import sweep_stale
 from server.storage import open_storage
 from server.web import router as web
 
@@ -77,6 +79,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)
         tasks = [asyncio.create_task(watch_loop_lag(), name="loop-lag")]
         if works_rounds:  # the background work: rounds, and collecting what crashes left
+            sweep_stale(settings.scratch_dir, max_age_s=settings.temp_max_age_s, now=time.time())
             janitor = Janitor(app.state.sessions, app.state.storage, settings)
             tasks.append(asyncio.create_task(janitor.run(), name="janitor"))
             listener = Listener(settings.database_url, app.state.sweeper.wake)

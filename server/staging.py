@@ -25,6 +25,7 @@ from server.storage import BlobMissing, Storage
 log = logging.getLogger("diloco.server.staging")
 
 FETCH_THREADS = 4  # blobs fetched at once (each a multipart download of its own)
+PREFIX = "diloco-stage-"
 
 
 class Stage:
@@ -39,7 +40,7 @@ class Stage:
             root = self._scratch_root
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="diloco-stage-", dir=root))
+            self._dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=root))
         path = self._dir.joinpath(*key.split("/"))
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
@@ -111,3 +112,24 @@ class Stage:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def sweep_stale(scratch_dir: Path | None, *, max_age_s: float, now: float) -> list[Path]:
+    """Remove the stage folders a killed process left in the scratch dir: those whose
+    newest file is older than ``max_age_s`` (a live stage writes, or is younger). Returns
+    what was removed."""
+    root = Path(scratch_dir) if scratch_dir is not None else Path(tempfile.gettempdir())
+    removed: list[Path] = []
+    for folder in root.glob(f"{PREFIX}*"):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        try:
+            newest = max([p.lstat().st_mtime for p in folder.rglob("*")], default=0.0)
+            newest = max(newest, folder.lstat().st_mtime)
+        except FileNotFoundError:  # another process is removing it
+            continue
+        if now - newest > max_age_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("staging: removed %s, left by an interrupted close", folder)
+            removed.append(folder)
+    return removed

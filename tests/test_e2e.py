@@ -72,11 +72,13 @@ class Volunteers:
     def __init__(self, root: Path) -> None:
         self.root, self.procs = root, {}  # type: ignore[var-annotated]
 
-    def start(self, name: str, server: ServerProcess, run_id: str, **env: str) -> Proc:
+    def start(self, name: str, server: ServerProcess | str, run_id: str, **env: str) -> Proc:
+        """``server``: a server process, or a URL (a load balancer's)."""
         home = self.root / name
         home.mkdir(parents=True)
+        url = server if isinstance(server, str) else server.url
         proc = Proc(
-            [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id,
+            [sys.executable, "-m", "client.cli", "join", url, "--run", run_id,
              "--name", name, "--threads", "1", "--quiet"],
             log=home / "join.log",
             env={"DILOCO_CONFIG_DIR": str(home / "config"),

@@ -3,6 +3,7 @@ the signed URLs that direct transfers rest on, checked by that server."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.staging import Stage
+from server.staging import Stage, sweep_stale
 from server.storage import BlobMissing, LocalStorage, Storage, open_storage
 from server.storage_s3 import PART_BYTES, UNFINISHED, S3Storage
 
@@ -200,3 +201,19 @@ def test_signed_urls_expire(s3: S3Storage) -> None:
     assert not s3.exists("runs/r1/p.bin")
     with pytest.raises(ValueError):
         s3.signed_url("runs/r1/a.bin", "GET", 8 * 24 * 3600)  # SigV4's limit is a week
+
+
+def test_stale_stage_folders_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    old = tmp_path / "diloco-stage-old"
+    (old / "runs/r1").mkdir(parents=True)
+    (old / "runs/r1/1.safetensors").write_bytes(b"x")
+    live = tmp_path / "diloco-stage-live"
+    live.mkdir()
+    (live / "part").write_bytes(b"y")
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    for path in (old, old / "runs", old / "runs/r1", old / "runs/r1/1.safetensors", other):
+        os.utime(path, (1000.0, 1000.0))
+    now = time.time()
+    assert sweep_stale(tmp_path, max_age_s=3600, now=now) == [old]
+    assert not old.exists() and live.exists() and other.exists()

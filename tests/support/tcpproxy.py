@@ -1,5 +1,7 @@
 """A TCP forwarder on 127.0.0.1 that a test can cut and restore: the database "goes away"
-for a server that reaches Postgres through it, without touching Postgres itself."""
+for a server that reaches Postgres through it, without touching Postgres itself. And
+``Balancer``: the same, spreading connections round-robin over several servers and
+skipping those that refuse (a load balancer in front of replicas, as dumb as they come)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,8 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:  # closed by cut()
                 return
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
+            upstream = self._connect()
+            if upstream is None:
                 client.close()
                 continue
             upstream.settimeout(None)
@@ -33,6 +34,12 @@ class TcpProxy:
                 self._open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _connect(self) -> socket.socket | None:
+        try:
+            return socket.create_connection(self.target, timeout=5)
+        except OSError:
+            return None
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket) -> None:
@@ -51,3 +58,23 @@ class TcpProxy:
             with suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+class Balancer(TcpProxy):
+    """Each new connection goes to the next of ``targets`` that accepts it."""
+
+    def __init__(self, targets: list[tuple[str, int]]) -> None:
+        self.targets, self._next = list(targets), 0
+        self.connections = [0] * len(self.targets)  # connections each target was given
+        super().__init__(self.targets[0])
+
+    def _connect(self) -> socket.socket | None:
+        for _ in range(len(self.targets)):
+            i, self._next = self._next, (self._next + 1) % len(self.targets)
+            try:
+                upstream = socket.create_connection(self.targets[i], timeout=5)
+            except OSError:
+                continue  # down, or not started yet: the next one
+            self.connections[i] += 1
+            return upstream
+        return None
