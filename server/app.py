@@ -73,7 +73,10 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         # heartbeats and joins: fixed SQL on a small asyncpg pool (server.rounds.leases)
         app.state.fast_pool = await make_fast_pool(settings.database_url) if serves_api else None
         app.state.storage = open_storage(
-            settings.storage, settings.data_dir / "blobs", scratch_dir=settings.scratch_dir
+            settings.storage,
+            settings.data_dir / "blobs",
+            scratch_dir=settings.scratch_dir,
+            public_endpoint=settings.storage_public_endpoint,
         )
         faults = FaultInjector.parse(settings.faults)
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # where blobs live (server.storage.open_storage): file:///dir, or s3://bucket/prefix with
     # the AWS_* variables; empty: <data_dir>/blobs on this machine's disk
     storage: str = ""
+    # the store's address as volunteers reach it, when it differs from AWS_ENDPOINT_URL (a
+    # compose network's http://minio:9000 is http://HOST:9000 outside): signed URLs name it
+    storage_public_endpoint: str = ""
     # where a replica on object storage stages the close's files (None: the system temp dir)
     scratch_dir: Path | None = None
     # how long the signed URLs of direct transfers live: downloads, and an upload's PUT

@@ -336,9 +336,16 @@ def _remove_dir(path: Path) -> None:
         return
 
 
-def open_storage(url: str, default_root: Path, *, scratch_dir: Path | None = None) -> Storage:
+def open_storage(
+    url: str,
+    default_root: Path,
+    *,
+    scratch_dir: Path | None = None,
+    public_endpoint: str = "",
+) -> Storage:
     """The store a URL names: ``file:///dir``, ``s3://bucket/prefix`` (credentials and
-    endpoint from the ``AWS_*`` variables), or "" for ``default_root`` on disk."""
+    endpoint from the ``AWS_*`` variables; signed URLs for ``public_endpoint`` when the
+    volunteers reach the store by another address), or "" for ``default_root`` on disk."""
     if not url:
         return LocalStorage(default_root)
     parts = urlsplit(url)
@@ -351,7 +358,12 @@ def open_storage(url: str, default_root: Path, *, scratch_dir: Path | None = Non
             raise ValueError(f"storage {url!r}: write s3://bucket or s3://bucket/prefix")
         from server.storage_s3 import S3Storage
 
-        s3 = S3Storage(parts.netloc, parts.path.lstrip("/"), scratch_dir=scratch_dir)
+        s3 = S3Storage(
+            parts.netloc,
+            parts.path.lstrip("/"),
+            scratch_dir=scratch_dir,
+            public_endpoint=public_endpoint,
+        )
         s3.check()
         return s3
     raise ValueError(f"storage {url!r}: use file:///dir or s3://bucket/prefix")

@@ -114,6 +114,7 @@ class S3Storage:
         *,
         client: Any | None = None,
         scratch_dir: Path | None = None,
+        public_endpoint: str = "",
     ) -> None:
         self.scratch_dir = scratch_dir
         if prefix and not prefix.endswith("/"):
@@ -121,6 +122,10 @@ class S3Storage:
         self.bucket, self.prefix = bucket, prefix
         self.url = f"s3://{bucket}/{prefix}"
         self.client = client if client is not None else make_client()
+        # signed URLs name the host volunteers reach the store by, which may not be the one
+        # this server uses (a compose network's http://minio:9000): signing is local
+        # computation, so a second client only signs
+        self._signer = make_client(public_endpoint) if public_endpoint else self.client
         import boto3.s3.transfer
 
         # multipart transfers of 16 MiB parts on 8 threads: a 1 GB blob moves in ~64 parts
@@ -293,7 +298,7 @@ class S3Storage:
             raise ValueError(f"a signed URL lives 1 s to {MAX_SIGNED_S} s, not {expires_s}")
         operation = {"GET": "get_object", "PUT": "put_object"}[method]
         return str(
-            self.client.generate_presigned_url(
+            self._signer.generate_presigned_url(
                 operation,
                 Params={"Bucket": self.bucket, "Key": self.full(key)},
                 ExpiresIn=expires_s,
@@ -308,15 +313,16 @@ class S3Storage:
             raise RuntimeError(f"storage {self.url}: the bucket cannot be reached: {err}") from err
 
 
-def make_client() -> Any:
-    """A boto3 S3 client from the standard environment variables; SigV4 everywhere (the
-    presigned URLs too), standard retries, a connection pool for parallel transfers."""
+def make_client(endpoint: str = "") -> Any:
+    """A boto3 S3 client from the standard environment variables (``endpoint`` instead of
+    ``AWS_ENDPOINT_URL`` when given); SigV4 everywhere (the presigned URLs too), standard
+    retries, a connection pool for parallel transfers."""
     import boto3
     from botocore.config import Config
 
     return boto3.client(
         "s3",
-        endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+        endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL") or None,
         region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
         config=Config(
             signature_version="s3v4",

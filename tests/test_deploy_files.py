@@ -10,13 +10,24 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_compose_file_parses_and_wires_postgres_server_and_volunteer():
+def test_compose_file_parses_and_wires_postgres_minio_server_and_volunteer():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 
     services = compose["services"]
-    assert set(services) == {"postgres", "server", "volunteer"}
+    assert set(services) == {"postgres", "minio", "bucket", "server", "volunteer"}
     server = services["server"]
     assert server["depends_on"]["postgres"]["condition"] == "service_healthy"
+    # the server stores blobs in MinIO's bucket, which the one-shot service creates first
+    assert server["depends_on"]["bucket"]["condition"] == "service_completed_successfully"
+    assert services["bucket"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert "mc mb --ignore-existing hub/diloco" in services["bucket"]["entrypoint"][-1]
+    env = server["environment"]
+    assert env["DILOCO_STORAGE"].startswith("s3://diloco/")
+    assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        assert env[name], name
+    assert env["DILOCO_STORAGE_PUBLIC_ENDPOINT"].endswith(":9000}")
+    assert "9000:9000" in services["minio"]["ports"]
     url = server["environment"]["DILOCO_DATABASE_URL"]
     assert url.startswith("postgresql://") and "@postgres:5432/" in url
     assert "DILOCO_ADMIN_TOKEN" in server["environment"]

@@ -217,3 +217,20 @@ def test_stale_stage_folders_are_swept_and_live_ones_kept(tmp_path: Path) -> Non
     now = time.time()
     assert sweep_stale(tmp_path, max_age_s=3600, now=now) == [old]
     assert not old.exists() and live.exists() and other.exists()
+
+
+def test_signed_urls_name_the_public_endpoint_and_work_there(
+    s3_env: dict[str, str], s3_server, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # the server reaches the store at 127.0.0.1; volunteers by another name (localhost here)
+    public = s3_server.endpoint.replace("127.0.0.1", "localhost")
+    store = open_storage(
+        f"s3://{s3_server.bucket}/t-{secrets.token_hex(4)}", tmp_path, public_endpoint=public
+    )
+    with store.writer("runs/r1/a.bin") as w:
+        w.write(b"by another name")
+        w.commit()
+    url = store.signed_url("runs/r1/a.bin", "GET", 60)
+    assert url.startswith(public + "/")
+    assert httpx.get(url).content == b"by another name"
+    assert httpx.get(url.replace("localhost", "127.0.0.1")).status_code == 403  # host is signed
