@@ -15,101 +15,31 @@ import contextlib
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from client import identity
-from client.api import (
-    UPLOAD_TARGET_REFUSED,
-    ApiError,
-    RetryPolicy,
-    ServerAPI,
-    ServerUnreachable,
-    Timeouts,
-)
+from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
 from client.progress import Reporter, RoundBar
 from client.training import DivergedError, LocalTrainer, StopTraining, resolve_device, stop_flag
+from client.worker_options import (
+    BUSY_CODES,
+    LOST_LEASE_CODES,
+    MAX_INVALID_IN_A_ROW,
+    REJECTED_CODES,
+    NoActiveRun,
+    WorkerOptions,
+    WorkerSummary,
+)
 from diloco.faults import FaultInjector
 from diloco.protocol.messages import ErrorCode
 from diloco.train import InnerResult
 from diloco.wire import encode_contribution
 
-# the round moved on without us: drop this round's work and join again
-REJECTED_CODES = frozenset(
-    {
-        ErrorCode.ROUND_CLOSED,
-        ErrorCode.BASE_VERSION_MISMATCH,
-        ErrorCode.NO_LEASE,
-        ErrorCode.DUPLICATE_CONTRIBUTION,
-        ErrorCode.RUN_NOT_ACTIVE,
-        UPLOAD_TARGET_REFUSED,
-    }
-)
-# a heartbeat answer that means the lease is no longer worth training for (a paused or
-# ended run takes no upload: the join that follows waits or stops)
-LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
-# the upload was still refused after every retry (client.api waits the server's Retry-After):
-# the server was too busy, or our connection too slow; not our body's fault
-BUSY_CODES = frozenset({ErrorCode.TOO_MANY_UPLOADS, ErrorCode.REQUEST_TIMEOUT})
-# the server refused our upload itself (not the round's timing): worth a few more rounds,
-# in case it was one bad round, but not forever (a client the server cannot read)
-MAX_INVALID_IN_A_ROW = 3
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    server_url: str
-    run_id: str | None = None  # None: the newest active run
-    invite: str | None = None  # a private run's invite code: become a member first
-    name: str | None = None  # register under this name (first use only)
-    token: str | None = None  # use this contributor token instead of the stored one
-    device: str = "auto"  # auto | cpu | cuda | mps
-    max_rounds: int | None = None  # stop after this many accepted contributions
-    max_hours: float | None = None  # stop (releasing the lease) after this long
-    threads: int | None = None  # torch CPU threads
-    quiet: bool = False  # no progress bar, no per-round lines
-    progress_bar: bool | None = None  # None: when stderr is a terminal and not quiet
-    poll_s: float = 15.0  # how often to ask again while the run is paused
-    max_wait_s: float = 120.0  # cap on the server's retry_after_s
-    retry: RetryPolicy = field(
-        default_factory=lambda: RetryPolicy(attempts=10, max_delay_s=60.0, total_s=900.0)
-    )
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    config_dir: Path | None = None  # None: credentials.config_dir()
-    cache_dir: Path | None = None  # None: credentials.cache_dir()
-    faults: str = ""  # tests only: points where this volunteer fails or dies (diloco.faults)
-
-
-@dataclass
-class WorkerSummary:
-    accepted: int = 0
-    rejected: int = 0
-    abandoned: int = 0  # rounds that closed while we were still training
-    tokens: int = 0  # trained on in accepted contributions
-    stopped_because: str = "stopped"
-    signal: int | None = None  # the signal that stopped the worker, if one did
-    time_up: bool = False  # --max-hours stopped it
-    started: float = field(default_factory=time.monotonic)
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        return (
-            f"{self.stopped_because}: {self.accepted} contributions accepted, "
-            f"{self.rejected} rejected, {self.abandoned} abandoned, "
-            f"{self.tokens:,} tokens in {elapsed / 60:.1f} min"
-        )
-
-
 default_name = identity.default_name  # re-exported: the CLI's --name default
-
-
-class NoActiveRun(Exception):
-    """``--run`` was not given and the server has no active run to join."""
 
 
 class _Worker:
