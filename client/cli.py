@@ -203,6 +203,13 @@ def serve(
         )
     if role not in ("all", "api", "worker"):
         fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
+    if storage:
+        from server.storage import parse_storage_url
+
+        try:
+            parse_storage_url(storage)
+        except ValueError as err:
+            fail(f"--storage: {err}", ExitStatus.USAGE)
     status = serve_app(
         host=host,
         port=port,

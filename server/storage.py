@@ -348,22 +348,26 @@ def open_storage(
     volunteers reach the store by another address), or "" for ``default_root`` on disk."""
     if not url:
         return LocalStorage(default_root)
+    scheme, where, prefix = parse_storage_url(url)
+    if scheme == "file":
+        return LocalStorage(Path(where))
+    from server.storage_s3 import S3Storage
+
+    s3 = S3Storage(where, prefix, scratch_dir=scratch_dir, public_endpoint=public_endpoint)
+    s3.check()
+    return s3
+
+
+def parse_storage_url(url: str) -> tuple[Literal["file", "s3"], str, str]:
+    """``("file", dir, "")`` or ``("s3", bucket, prefix)``; ValueError saying how to write
+    it otherwise."""
     parts = urlsplit(url)
     if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost") or not parts.path:
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise ValueError(f"storage {url!r}: write file:///absolute/dir")
-        return LocalStorage(Path(parts.path))
+        return "file", parts.path, ""
     if parts.scheme == "s3":
-        if not parts.netloc:
+        if not parts.netloc or parts.query or parts.fragment:
             raise ValueError(f"storage {url!r}: write s3://bucket or s3://bucket/prefix")
-        from server.storage_s3 import S3Storage
-
-        s3 = S3Storage(
-            parts.netloc,
-            parts.path.lstrip("/"),
-            scratch_dir=scratch_dir,
-            public_endpoint=public_endpoint,
-        )
-        s3.check()
-        return s3
+        return "s3", parts.netloc, parts.path.strip("/")
     raise ValueError(f"storage {url!r}: use file:///dir or s3://bucket/prefix")

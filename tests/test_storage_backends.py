@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import httpx
 import pytest
 
 from server.staging import Stage, sweep_stale
-from server.storage import BlobMissing, LocalStorage, Storage, open_storage
+from server.storage import BlobMissing, LocalStorage, Storage, open_storage, parse_storage_url
 from server.storage_s3 import PART_BYTES, UNFINISHED, S3Storage
 
 
@@ -234,3 +236,25 @@ def test_signed_urls_name_the_public_endpoint_and_work_there(
     assert url.startswith(public + "/")
     assert httpx.get(url).content == b"by another name"
     assert httpx.get(url.replace("localhost", "127.0.0.1")).status_code == 403  # host is signed
+
+
+@pytest.mark.parametrize(
+    ("url", "parsed"),
+    [
+        ("file:///srv/blobs", ("file", "/srv/blobs", "")),
+        ("s3://bucket", ("s3", "bucket", "")),
+        ("s3://bucket/a/b/", ("s3", "bucket", "a/b")),
+    ],
+)
+def test_storage_urls_parse(url: str, parsed: tuple[str, str, str]) -> None:
+    assert parse_storage_url(url) == parsed
+
+
+@pytest.mark.parametrize("url", ["ftp://x/y", "s3:///p", "s3://b/p?x=1", "file:relative", "blobs"])
+def test_diloco_serve_refuses_a_storage_url_it_cannot_use_before_starting(url: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "client.cli", "serve", "--storage", url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "--storage" in out.stderr and ("file:///" in out.stderr or "s3://" in out.stderr)
