@@ -79,6 +79,12 @@ ERRORS: dict[str, Errors] = {
         404: ("run_not_found", "no_lease"),
     },
     "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
+    # a direct upload's commit: the stored body, checked as a PUT's (its size is the store's)
+    "POST /api/v1/runs/{run_id}/rounds/{index}/contribution/commit": {
+        **{status: codes for status, codes in UPLOAD.items() if status != 411},
+        404: ("run_not_found", "not_found"),
+        507: ("storage_failed",),
+    },
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": FILE,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/catch-up": {
@@ -217,13 +223,19 @@ def _fix_success(key: str, op: dict[str, Any]) -> None:
         responses["200"] = {"description": FILES[key], "content": whole}
         responses["206"] = {"description": "the byte range asked for", "content": binary}
         responses["304"] = {"description": "If-None-Match holds the current ETag"}
+        if not key.startswith("GET /downloads/"):
+            responses["307"] = {
+                "description": "the blobs live in object storage: Location is the file's URL "
+                "there (signed, or the operator's CDN)"
+            }
         op.setdefault("parameters", []).extend(_RANGE_HEADERS)
     if key in CONTENT:
         media, schema = CONTENT[key]
         responses["200"] = {**responses["200"], "content": {media: {"schema": schema}}}
     if key in BODIES:
         op["requestBody"] = BODIES[key]
-    if key.startswith("PUT ") and "200" in responses:  # an identical retry: the same body
+    retried = key.startswith("PUT ") or key.endswith("/commit")
+    if retried and "200" in responses:  # an identical retry: the same body
         responses["200"]["content"] = responses["201"]["content"]
 
 
