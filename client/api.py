@@ -60,6 +60,9 @@ API_PREFIX = "/api/v1"
 # the object store refused a direct upload's PUT (its signed URL expired, say): the round's
 # upload is lost, as when the round moves on; the next lease brings a fresh URL
 UPLOAD_TARGET_REFUSED = "upload_target_refused"
+# the object store refused a download's signed URL (it expired during a long download, say):
+# a new lease brings fresh URLs, and the part file already fetched is resumed
+DOWNLOAD_URL_REFUSED = "download_url_refused"
 T = TypeVar("T")
 
 
@@ -282,15 +285,26 @@ class ServerAPI:
         headers = self._headers({"Accept": "*/*"}) if ours else {"Accept": "*/*"}
 
         async def once() -> Fetched:
-            return await fetch_once(
-                self._http(),
-                full,
-                dest,
-                expected_sha256,
-                headers=headers,
-                timeout=self._transfer_timeout,
-                if_range=ours,
-            )
+            try:
+                return await fetch_once(
+                    self._http(),
+                    full,
+                    dest,
+                    expected_sha256,
+                    headers=headers,
+                    timeout=self._transfer_timeout,
+                    if_range=ours,
+                )
+            except ApiError as err:
+                if ours or err.status not in (401, 403):
+                    raise
+                raise ApiError(
+                    409,
+                    DOWNLOAD_URL_REFUSED,
+                    f"the object store refused {url.split('?')[0]} ({err.status}); join again "
+                    "for fresh URLs",
+                    {},
+                ) from err
 
         return await self._with_retries(f"download of {url}", once)
 

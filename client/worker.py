@@ -19,7 +19,7 @@ import time
 import torch
 
 from client import identity
-from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable
+from client.api import DOWNLOAD_URL_REFUSED, ApiError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
@@ -136,7 +136,13 @@ class _Worker:
             cfg, rebuilt = await asyncio.to_thread(self.local.prepare, lease.config)
             if rebuilt:
                 await self.restore_optimizer(lease, cfg.name)
-            params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
+            try:
+                params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
+            except ApiError as err:
+                if err.code != DOWNLOAD_URL_REFUSED:
+                    raise
+                self.say.warn(f"{err.detail}")  # the next join brings fresh URLs
+                return
             trained = None if lost.is_set() else await self.train(lease, params, shard, bar, lost)
             if self.banned is not None:
                 raise self.banned

@@ -4,16 +4,21 @@ stored body (and the nothing it leaves behind), and blob routes answering 307.""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import secrets
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from client.api import DOWNLOAD_URL_REFUSED, UPLOAD_TARGET_REFUSED, ApiError, ServerAPI
+from diloco.protocol.messages import UploadTarget
 from server.files import read_url
 from server.settings import Settings
 from server.storage import LocalStorage
@@ -199,3 +204,37 @@ def test_read_urls_are_server_paths_signed_gets_or_the_cdn(
     assert "X-Amz-Expires=120" in signed
     cdn = Settings(public_read_url="https://cdn.example.org/hub/")
     assert read_url(cdn, s3, key, path) == f"https://cdn.example.org/hub/{key}"
+
+
+def test_an_expired_signed_url_is_a_refusal_the_volunteer_recovers_from(
+    s3_env: dict[str, str], s3_server, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The client turns the store's 403 into codes its loop answers by joining again (fresh
+    URLs), never into the fatal 401/403 of the hub itself."""
+    s3 = S3Storage(s3_server.bucket, f"expired-{secrets.token_hex(4)}")
+    with s3.writer("runs/r1/checkpoints/0.safetensors") as w:
+        w.write(b"params")
+        w.commit()
+    get = s3.signed_url("runs/r1/checkpoints/0.safetensors", "GET", 1)
+    put = s3.signed_url("runs/r1/incoming/1/c.bin", "PUT", 1)
+    time.sleep(2.5)
+    target = UploadTarget(
+        url=put,
+        expires_at=datetime.now(UTC),
+        commit_url="/api/v1/runs/r1/rounds/1/contribution/commit",
+    )
+
+    async def attempt() -> tuple[ApiError, ApiError]:
+        async with ServerAPI("http://127.0.0.1:9", token="ctr_secret") as api:
+            with pytest.raises(ApiError) as download:
+                await api.download(
+                    get, tmp_path / "ck.safetensors", hashlib.sha256(b"params").hexdigest()
+                )
+            with pytest.raises(ApiError) as upload:
+                await api.upload("r1", 1, lambda: [b"body"], 4, target)
+        return download.value, upload.value
+
+    download, upload = asyncio.run(attempt())
+    assert download.code == DOWNLOAD_URL_REFUSED and download.status == 409
+    assert upload.code == UPLOAD_TARGET_REFUSED and upload.status == 409
+    assert not s3.exists("runs/r1/incoming/1/c.bin")
