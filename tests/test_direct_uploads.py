@@ -198,10 +198,14 @@ def test_read_urls_are_server_paths_signed_gets_or_the_cdn(
     path = "/api/v1/runs/r1/checkpoints/3"
     local = LocalStorage(tmp_path / "blobs")
     assert read_url(Settings(), local, key, path) == path
-    s3 = S3Storage(s3_server.bucket, "p")
+    s3 = S3Storage(s3_server.bucket, f"p{secrets.token_hex(4)}")
     signed = read_url(Settings(signed_url_ttl_s=120), s3, key, path)
-    assert signed.startswith(f"{s3_server.endpoint}/{s3_server.bucket}/p/{key}?")
+    assert signed.startswith(f"{s3_server.endpoint}/{s3_server.bucket}/{s3.prefix}{key}?")
     assert "X-Amz-Expires=120" in signed
+    # every volunteer reading the blob gets the same URL while half its life is left
+    assert read_url(Settings(signed_url_ttl_s=120), s3, key, path) == signed
+    other = read_url(Settings(signed_url_ttl_s=120), s3, "runs/r1/shards/0.bin", path)
+    assert other != signed and "/runs/r1/shards/0.bin?" in other
     cdn = Settings(public_read_url="https://cdn.example.org/hub/")
     assert read_url(cdn, s3, key, path) == f"https://cdn.example.org/hub/{key}"
 
