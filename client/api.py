@@ -230,10 +230,7 @@ class ServerAPI:
             async with self._http().put(
                 url, data=_paced(chunks_factory), headers=headers, timeout=self._transfer_timeout
             ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                receipt = parse(Receipt, await json_object(resp), "the upload answer")
-                return UploadReceipt(receipt, repeated=resp.status == 200)
+                return await _receipt(resp, "the upload answer")
 
         return await self._with_retries(f"upload of round {round}", once)
 
@@ -267,10 +264,7 @@ class ServerAPI:
             async with self._http().post(
                 self.url(target.commit_url), headers=self._headers(), timeout=self._transfer_timeout
             ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                receipt = parse(Receipt, await json_object(resp), "the commit answer")
-                return UploadReceipt(receipt, repeated=resp.status == 200)
+                return await _receipt(resp, "the commit answer")
 
         return await self._with_retries(f"direct upload of round {round}", once)
 
@@ -433,3 +427,10 @@ async def _paced(chunks_factory: Callable[[], Iterable[bytes]]) -> AsyncIterator
     for chunk in chunks_factory():
         yield chunk
         await asyncio.sleep(0)
+
+
+async def _receipt(resp: aiohttp.ClientResponse, what: str) -> UploadReceipt:
+    """An upload's (or a commit's) answer: 201 accepted, 200 an identical retry."""
+    if resp.status >= 400:
+        raise await error_from(resp)
+    return UploadReceipt(parse(Receipt, await json_object(resp), what), resp.status == 200)

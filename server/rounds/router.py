@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
@@ -115,21 +116,15 @@ async def contribution(
     """The upload body of docs/protocol.md, streamed. 2xx means durable. 429
     ``too_many_uploads``: wait ``Retry-After`` seconds; 408 ``request_timeout``: the body
     stalled and was dropped, send it again."""
-    state = request.app.state
-
-    def receive() -> Awaitable[ingest.Accepted]:
-        return ingest.receive(
-            sessions=state.sessions,
-            storage=state.storage,
-            settings=state.settings,
-            run_id=run_id,
-            index=index,
-            contributor_id=contributor.id,
-            content_length=request.headers.get("content-length"),
-            stream=request.stream(),
-        )
-
-    accepted = await _accept(request, run_id, index, contributor.id, receive)
+    accepted = await _accept(
+        request,
+        run_id,
+        index,
+        contributor.id,
+        ingest.receive,
+        content_length=request.headers.get("content-length"),
+        stream=request.stream(),
+    )
     if accepted.created:
         UPLOAD_BYTES.inc(int(request.headers.get("content-length", "0")))
     else:
@@ -154,19 +149,7 @@ async def commit_contribution(
     ``upload.url``, ask the server to check it there and accept it. Answers as the
     proxied upload does (2xx means durable); 404 ``not_found``: nothing was PUT, or this
     run takes uploads through the server."""
-    state = request.app.state
-
-    def receive() -> Awaitable[ingest.Accepted]:
-        return direct.commit(
-            sessions=state.sessions,
-            storage=state.storage,
-            settings=state.settings,
-            run_id=run_id,
-            index=index,
-            contributor_id=contributor.id,
-        )
-
-    accepted = await _accept(request, run_id, index, contributor.id, receive)
+    accepted = await _accept(request, run_id, index, contributor.id, direct.commit)
     if not accepted.created:
         response.status_code = 200
     return accepted.out
@@ -177,14 +160,24 @@ async def _accept(
     run_id: str,
     index: int,
     contributor_id: str,
-    receive: Callable[[], Awaitable[ingest.Accepted]],
+    receive: Callable[..., Awaitable[ingest.Accepted]],
+    **body: Any,
 ) -> ingest.Accepted:
-    """Run one upload's checks under an upload slot; count it, and record a refusal."""
+    """``receive`` one upload (its ``body`` arguments) under an upload slot; count it, and
+    record a refusal."""
     state = request.app.state
     try:
         # a slot is taken before the body is read, and given back whatever happens
         with state.upload_slots.hold(contributor_id):
-            accepted = await receive()
+            accepted = await receive(
+                sessions=state.sessions,
+                storage=state.storage,
+                settings=state.settings,
+                run_id=run_id,
+                index=index,
+                contributor_id=contributor_id,
+                **body,
+            )
     except TooManyUploads as err:  # counted, not recorded: a flood must not write rows
         UPLOADS.labels(err.code).inc()
         raise
