@@ -134,3 +134,21 @@ def test_server_round_bench_prints_every_stage_beside_its_limit(database_url):
     ):
         assert f"| {stage}" in out, (stage, out)  # fmt: skip
     assert "bandwidth bound" in out and "raw TCP" in out and "% of bound" in out
+
+
+def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
+    proc = subprocess.run(
+        [sys.executable, "bench/direct_transfers.py", "--size", "tiny"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "DILOCO_BENCH_DATABASE_URL": database_url},
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "proxied round done" in out and "direct round done" in out
+    assert "| proxied: server CPU-s | direct: server CPU-s |" in out
+    for stage in ("join + download", "upload, in all", "close", "eval", "**whole round**"):
+        assert f"| {stage}" in out, (stage, out)
+    assert "ratio: direct / proxied server CPU-seconds per round = " in out
+    assert 'diloco_served_bytes_total{kind="checkpoint"}' in out
+    assert "diloco_direct_upload_bytes_total" in out
