@@ -76,6 +76,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
             settings.storage,
             settings.data_dir / "blobs",
             scratch_dir=settings.scratch_dir,
+            scratch_cache_bytes=settings.scratch_cache_bytes,
             public_endpoint=settings.storage_public_endpoint,
         )
         faults = FaultInjector.parse(settings.faults)

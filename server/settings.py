@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     storage_public_endpoint: str = ""
     # where a replica on object storage stages the close's files (None: the system temp dir)
     scratch_dir: Path | None = None
+    # published checkpoint files (params and state) a worker keeps there, least recently
+    # used out first: the next close's base and the eval's file need not come back from the
+    # bucket (12 bytes per parameter a version; 0: keep none)
+    scratch_cache_bytes: int = Field(16 << 30, ge=0)
     # how long the signed URLs of direct transfers live: downloads, and an upload's PUT
     # (at least until its round's deadline, and this much longer)
     signed_url_ttl_s: int = Field(3600, ge=60, le=7 * 24 * 3600)

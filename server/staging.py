@@ -7,12 +7,22 @@ written in place (their writers rename temp files into place). On object storage
 are fetched into a scratch folder (in parallel: multipart GETs on boto3's threads), and
 outputs are written there and put into the bucket by ``publish``; ``close`` removes the
 folder, whatever happened. The scratch folder is ``DILOCO_SCRATCH_DIR`` (default: the
-system's temp dir), never the data dir: a replica keeps no blob.
+system's temp dir), never the data dir.
+
+A worker keeps the checkpoint files it published or fetched (params and outer state) in a
+``FileCache`` beside the stages, up to ``DILOCO_SCRATCH_CACHE_BYTES``: the version a close
+publishes is the base of the next close and the file of its eval, usually on the same
+worker, so those need not come back from the bucket. An entry is used only while the
+object's ETag (one HEAD) is the one it was kept under: another worker's version of the
+same key (after a crash, a re-close) is fetched, never mistaken for it. It is a cache: a
+replica that loses it loses only the time to fetch again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -26,6 +36,64 @@ log = logging.getLogger("diloco.server.staging")
 
 FETCH_THREADS = 4  # blobs fetched at once (each a multipart download of its own)
 PREFIX = "diloco-stage-"
+CACHE_FOLDER = "diloco-cache"
+
+
+def cacheable(key: str) -> bool:
+    """A version's parameters and outer state: what the next close and the eval read."""
+    return "/checkpoints/" in key and not key.endswith(".delta.safetensors")
+
+
+class FileCache:
+    """Blobs kept as files under ``root``, by key and ETag, least recently used first out
+    once they pass ``max_bytes``. Safe to share between processes: entries are written to
+    a temp name and renamed, handed out as hard links."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root, self.max_bytes = root, max_bytes
+
+    def _path(self, key: str, etag: str) -> Path:
+        tag = re.sub(r"[^0-9A-Za-z-]", "", etag)
+        return self.root / (key.replace("/", "__") + "." + tag)
+
+    def get(self, key: str, etag: str, dest: Path) -> bool:
+        """Link the entry for ``key`` at ``etag`` to ``dest``; False when there is none."""
+        entry = self._path(key, etag)
+        try:
+            os.link(entry, dest)
+            os.utime(entry)  # recently used
+        except FileNotFoundError:
+            return False
+        return True
+
+    def put(self, key: str, etag: str, src: Path) -> None:
+        """Keep ``src`` (a finished file) as ``key`` at ``etag``; then evict."""
+        if not etag or self.max_bytes <= 0:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        entry = self._path(key, etag)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
+        try:
+            os.link(src, tmp)
+        except OSError:  # another file system: a copy
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, entry)
+        self._evict()
+
+    def _evict(self) -> None:
+        entries = []
+        for path in self.root.iterdir():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
 
 
 class Stage:
@@ -34,6 +102,10 @@ class Stage:
         self._scratch_root = storage.scratch_dir
         self._dir: Path | None = None
         self._outputs: dict[str, Path] = {}
+        root = Path(storage.scratch_dir or tempfile.gettempdir())
+        self.cache = FileCache(root / CACHE_FOLDER, storage.scratch_cache_bytes)
+        self.hits: list[str] = []  # keys the cache gave, not the store
+        self._fetched: dict[str, Path] = {}  # key -> its file here (absent: could not be)
 
     def _scratch(self, key: str) -> Path:
         if self._dir is None:
@@ -51,25 +123,39 @@ class Stage:
 
     def inputs(self, keys: Iterable[str], *, missing_ok: bool = False) -> dict[str, Path]:
         """Each blob as a local file, fetched in parallel. With ``missing_ok`` a blob that
-        cannot be fetched is logged and its path left absent (its reader then says so)."""
+        cannot be fetched is logged and its path left absent (its reader then says so). A
+        blob this stage fetched already is not fetched again."""
         keys = list(dict.fromkeys(keys))
         paths: dict[str, Path] = {}
         fetch: list[str] = []
         for key in keys:
+            if key in self._fetched:
+                paths[key] = self._fetched[key]
+                if not missing_ok and not paths[key].is_file():
+                    raise BlobMissing(key)
+                continue
             local = self.storage.local_file(key)
             if local is not None:
                 if not missing_ok and not local.is_file():
                     raise BlobMissing(key)
                 paths[key] = local
             else:
-                paths[key] = self._scratch(key)
+                paths[key] = self._fetched[key] = self._scratch(key)
                 fetch.append(key)
         if not fetch:
             return paths
 
         def one(key: str) -> None:
             try:
+                etag = ""
+                if cacheable(key) and self.cache.max_bytes > 0:
+                    etag = self.storage.head(key).etag
+                    if self.cache.get(key, etag, paths[key]):
+                        self.hits.append(key)
+                        return
                 self.storage.fetch(key, paths[key])
+                if etag:
+                    self.cache.put(key, etag, paths[key])
             except (BlobMissing, OSError) as err:
                 paths[key].unlink(missing_ok=True)
                 if not missing_ok:
@@ -96,8 +182,14 @@ class Stage:
         todo = [k for k in chosen if k in self._outputs]
         if not todo:
             return
+
+        def one(key: str) -> None:
+            self.storage.put_file(key, self._outputs[key])
+            if cacheable(key) and self.cache.max_bytes > 0:  # the next close's base, the eval's
+                self.cache.put(key, self.storage.head(key).etag, self._outputs[key])
+
         with ThreadPoolExecutor(min(FETCH_THREADS, len(todo)), "stage-put") as pool:
-            for done in [pool.submit(self.storage.put_file, k, self._outputs[k]) for k in todo]:
+            for done in [pool.submit(one, k) for k in todo]:
                 done.result()
 
     def close(self) -> None:

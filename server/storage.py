@@ -81,6 +81,7 @@ class Storage(Protocol):
     url: str  # file:///dir or s3://bucket/prefix/
     direct: bool  # volunteers move bytes straight to and from it (signed URLs)
     scratch_dir: Path | None  # where server.staging puts fetched files (None: system temp)
+    scratch_cache_bytes: int  # published versions server.staging keeps there (0: none)
 
     def writer(self, key: str) -> BlobWriter: ...
     def read_chunks(
@@ -201,6 +202,7 @@ class LocalStorage:
 
     direct = False  # the server proxies every transfer
     scratch_dir: Path | None = None  # its blobs are files: nothing is ever staged
+    scratch_cache_bytes = 0
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -341,6 +343,7 @@ def open_storage(
     default_root: Path,
     *,
     scratch_dir: Path | None = None,
+    scratch_cache_bytes: int = 0,
     public_endpoint: str = "",
 ) -> Storage:
     """The store a URL names: ``file:///dir``, ``s3://bucket/prefix`` (credentials and
@@ -353,7 +356,13 @@ def open_storage(
         return LocalStorage(Path(where))
     from server.storage_s3 import S3Storage
 
-    s3 = S3Storage(where, prefix, scratch_dir=scratch_dir, public_endpoint=public_endpoint)
+    s3 = S3Storage(
+        where,
+        prefix,
+        scratch_dir=scratch_dir,
+        scratch_cache_bytes=scratch_cache_bytes,
+        public_endpoint=public_endpoint,
+    )
     s3.check()
     return s3
 

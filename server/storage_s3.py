@@ -114,9 +114,10 @@ class S3Storage:
         *,
         client: Any | None = None,
         scratch_dir: Path | None = None,
+        scratch_cache_bytes: int = 0,
         public_endpoint: str = "",
     ) -> None:
-        self.scratch_dir = scratch_dir
+        self.scratch_dir, self.scratch_cache_bytes = scratch_dir, scratch_cache_bytes
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         self.bucket, self.prefix = bucket, prefix

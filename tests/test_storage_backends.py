@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.staging import Stage, sweep_stale
+from server.staging import FileCache, Stage, sweep_stale
 from server.storage import BlobMissing, LocalStorage, Storage, open_storage, parse_storage_url
 from server.storage_s3 import PART_BYTES, UNFINISHED, S3Storage
 
@@ -104,6 +104,9 @@ def test_a_stage_hands_out_files_and_publishes_outputs(storage: Storage, tmp_pat
     with Stage(storage) as stage:
         paths = stage.inputs(["runs/r1/in.bin", "runs/r1/gone.bin"], missing_ok=True)
         assert paths["runs/r1/in.bin"].read_bytes() == b"input"
+        if storage.local_file("runs/r1/in.bin") is None:  # fetched once: asked again, kept
+            storage.delete("runs/r1/in.bin")
+            assert stage.input("runs/r1/in.bin").read_bytes() == b"input"
         assert not paths["runs/r1/gone.bin"].exists()
         out = stage.output("runs/r1/out.bin")
         out.write_bytes(b"output")
@@ -258,3 +261,45 @@ def test_diloco_serve_refuses_a_storage_url_it_cannot_use_before_starting(url: s
     )  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert "--storage" in out.stderr and ("file:///" in out.stderr or "s3://" in out.stderr)
+
+
+def test_the_file_cache_keeps_by_key_and_etag_and_evicts_the_least_recent(tmp_path: Path) -> None:
+    cache = FileCache(tmp_path / "cache", max_bytes=250)
+    for i, key in enumerate(
+        ("runs/r/checkpoints/1.safetensors", "runs/r/checkpoints/2.safetensors")
+    ):
+        src = tmp_path / f"src{i}"  # a finished file, never written again (entries are links)
+        src.write_bytes(bytes([i]) * 100)
+        cache.put(key, f'"etag{i}"', src)
+        os.utime(cache._path(key, f'"etag{i}"'), (1000.0 + i, 1000.0 + i))
+    dest = tmp_path / "got"
+    assert not cache.get("runs/r/checkpoints/1.safetensors", '"other"', dest)  # another version
+    assert cache.get("runs/r/checkpoints/1.safetensors", '"etag0"', dest)  # used: now the newest
+    assert dest.read_bytes() == b"\0" * 100
+    src = tmp_path / "src2"
+    src.write_bytes(b"\2" * 100)
+    cache.put("runs/r/checkpoints/3.safetensors", '"etag2"', src)  # 300 > 250: one goes
+    assert not cache.get("runs/r/checkpoints/2.safetensors", '"etag1"', tmp_path / "x")
+    assert cache.get("runs/r/checkpoints/3.safetensors", '"etag2"', tmp_path / "y")
+
+
+def test_a_published_version_is_read_back_from_the_cache_until_the_store_changes_it(
+    s3: S3Storage, tmp_path: Path
+) -> None:
+    s3.scratch_dir, s3.scratch_cache_bytes = tmp_path / "scratch", 1 << 20
+    key = "runs/r1/checkpoints/4.safetensors"
+    with Stage(s3) as stage:
+        stage.output(key).write_bytes(b"version 4")
+        stage.publish()
+    with Stage(s3) as stage:
+        assert stage.input(key).read_bytes() == b"version 4"
+        assert stage.hits == [key]
+    with s3.writer(key) as w:  # another worker published this version again, differently
+        w.write(b"version 4, again")
+        w.commit()
+    with Stage(s3) as stage:
+        assert stage.input(key).read_bytes() == b"version 4, again"
+        assert stage.hits == []
+    with Stage(s3) as stage:  # and that one is kept now
+        assert stage.input(key).read_bytes() == b"version 4, again"
+        assert stage.hits == [key]
