@@ -166,8 +166,11 @@ async def apply(
             continue
         mine = {k for k in present if k.startswith(f"runs/{run.id}/")}
         async with sessions() as session, session.begin():
-            versions, open_bases = await _versions(session, run.id, policy, mine)
-            blobs = await _blobs(session, run.id, policy, mine)
+            # each query names only the listed keys of its own folder
+            listed = {k for k in mine if k.startswith(f"runs/{run.id}/checkpoints/")}
+            versions, open_bases = await _versions(session, run.id, policy, listed)
+            listed = {k for k in mine if k.startswith(f"runs/{run.id}/rounds/")}
+            blobs = await _blobs(session, run.id, policy, listed)
         decided = plan(
             now=now,
             policy=policy,
@@ -193,7 +196,7 @@ async def apply(
                     removals.append(
                         ("retired_contribution", [key], f"contribution {cid}: {reasons[cid]}")
                     )
-        removals += [("retired_leftover", [key], why) for key, why in decided.finish]
+        removals += [("retired_leftover", [key], reason) for key, reason in decided.finish]
         await asyncio.to_thread(_delete, storage, removals)
 
 

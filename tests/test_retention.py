@@ -303,12 +303,17 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
         server.stop()
     prefix = f"runs/{run_id}/"
     assert len([b for b in store.list_blobs(f"{prefix}rounds/")]) == 6, "nothing retired yet"
+    # a replica that marked version 1 and crashed before deleting its files
+    mark = "UPDATE checkpoints SET files_deleted_at = now() WHERE run_id = $1 AND version = 1"
+    rows(database_url, mark, run_id)
+    assert store.exists(f"{prefix}checkpoints/1.safetensors")
 
     def removed(kind: str) -> float:
         value = REGISTRY.get_sample_value("diloco_janitor_removed_total", {"kind": kind})
         return value or 0.0
 
-    before = {kind: removed(kind) for kind in ("retired_checkpoint", "retired_contribution")}
+    kinds = ("retired_checkpoint", "retired_contribution", "retired_leftover")
+    before = {kind: removed(kind) for kind in kinds}
 
     # Execute: two replicas' passes at once, on one database and one store
     async def two_replicas() -> None:
@@ -325,10 +330,12 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
 
     asyncio.run(two_replicas())
 
-    # Assert: each version and each blob retired once, by one of them; the rest kept
+    # Assert: each version and each blob retired once, by one of them; the files the
+    # crashed replica left deleted (by either: deleting twice is harmless); the rest kept
     keys = sorted(b.key.removeprefix(prefix) for b in store.list_blobs(prefix))
     assert [k for k in keys if not k.startswith("data/")] == EXPECTED
-    assert removed("retired_checkpoint") - before["retired_checkpoint"] == 3
+    assert removed("retired_checkpoint") - before["retired_checkpoint"] == 2  # 2 and 4
+    assert 3 <= removed("retired_leftover") - before["retired_leftover"] <= 6  # v1's three
     assert removed("retired_contribution") - before["retired_contribution"] == 6
     checkpoints = rows(
         database_url,
