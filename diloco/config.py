@@ -146,6 +146,26 @@ class AggregationSection(_Section):
     suspect_multiple: float = Field(1.5, ge=1.0, le=1000.0)
 
 
+MAX_GRACE_S = 366 * 24 * 3600.0  # a year: past it, say "keep for ever" (None) instead
+DEFAULT_GRACE_S = 24 * 3600.0
+
+
+class RetentionSection(_Section):
+    """What the server deletes of a run as it goes (``server.retention``); rows stay."""
+
+    # keep the files of the newest keep_last versions; 0: keep every version. The latest
+    # version and an open round's base are kept whatever this says
+    keep_last: int = Field(0, ge=0, le=1_000_000)
+    # and of every version v with v % milestone_every == 0 (version 0 included); 0: none
+    milestone_every: int = Field(0, ge=0, le=1_000_000)
+    # a contribution's blob is deleted this long after its round closed (its row, hashes
+    # and norm stay: the ledger can still be checked). A day by default: long enough for
+    # an operator to look into a round that went wrong before its inputs are gone, short
+    # enough that a public run's bucket holds a day of uploads rather than all of them.
+    # None: keep the blobs for ever
+    contribution_grace_s: float | None = Field(DEFAULT_GRACE_S, ge=0.0, le=MAX_GRACE_S)
+
+
 class RunConfig(_Section):
     name: str = Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)  # runs.name
     # seeds the initial model and every lease's shard and batch sampling; None: the server
@@ -158,6 +178,7 @@ class RunConfig(_Section):
     rounds: RoundsSection = RoundsSection()
     compression: CompressionSection = CompressionSection()
     aggregation: AggregationSection = AggregationSection()
+    retention: RetentionSection = RetentionSection()
 
     @property
     def total_inner_steps(self) -> int:

@@ -89,6 +89,12 @@ class RunNotFound(NotFound):
     code = ErrorCode.RUN_NOT_FOUND
 
 
+class Gone(HubError):
+    # a checkpoint version whose files the run's retention policy deleted (server.retention)
+    status = 410
+    code = ErrorCode.GONE
+
+
 class LeaseNotFound(NotFound):
     # releasing a lease this contributor never held (uploads without one: 409 NoLease)
     code = ErrorCode.NO_LEASE

@@ -16,6 +16,9 @@ that, it removes:
   row mean this database is not the one the data dir belongs to, and such a folder is kept,
   with a warning, rather than destroying a trained model.
 
+Each pass then applies the runs' retention policies (``server.retention``: old checkpoint
+versions and the blobs of closed rounds), with the listing it made.
+
 The decision is the pure ``plan(now=..., ...)``; ``Janitor`` only scans, asks the database,
 calls it and removes. One line per removal says why; ``diloco_janitor_removed_total{kind}``
 counts them. A removal that fails is logged and counted (``diloco_janitor_errors_total``)
@@ -31,11 +34,13 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from server import retention
 from server.metrics import JANITOR_ERRORS, JANITOR_PASSES, JANITOR_REMOVED
 from server.rounds.models import Contribution
 from server.runs.models import Run
@@ -190,6 +195,10 @@ class Janitor:
         for sentence in result.kept:
             log.warning("janitor: %s", sentence)
         await asyncio.to_thread(self._remove, result.removals)
+        present = {b.key for b in scan.blobs}
+        await retention.apply(
+            self.sessions, self.storage, present=present, now=datetime.fromtimestamp(now, UTC)
+        )
         JANITOR_PASSES.inc()
         return result
 

@@ -60,9 +60,20 @@ REDIRECTS = Counter(
 )
 for _served in SERVED_KINDS:
     REDIRECTS.labels(_served)
-JANITOR_KINDS = ("temp_file", "orphan_blob", "orphan_run")
+# crash leftovers (server.janitor), then what retention deleted (server.retention): a
+# version's files, a contribution's blob, a file a retired row left behind
+JANITOR_KINDS = (
+    "temp_file",
+    "orphan_blob",
+    "orphan_run",
+    "retired_checkpoint",
+    "retired_contribution",
+    "retired_leftover",
+)
 JANITOR_REMOVED = Counter(
-    "diloco_janitor_removed_total", "Leftovers the janitor removed, by kind", ["kind"]
+    "diloco_janitor_removed_total",
+    "Leftovers the janitor removed, and what retention deleted, by kind",
+    ["kind"],
 )
 JANITOR_ERRORS = Counter(
     "diloco_janitor_errors_total", "Leftovers the janitor failed to remove (retried next pass)"

@@ -26,6 +26,7 @@ CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
 LIMITED: Errors = {429: ("rate_limited",)}  # server.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
+VERSION_FILE: Errors = {**FILE, 410: ("gone",)}  # retention deleted the version's files
 UPLOAD: Errors = {
     400: ("malformed_upload", "non_finite", "wrong_tensors", "wrong_codec", "header_mismatch"),
     **CONTRIBUTOR,
@@ -51,6 +52,7 @@ ERRORS: dict[str, Errors] = {
     },
     "GET /api/v1/runs": {},
     "GET /api/v1/runs/{run_id}": RUN,
+    "GET /api/v1/runs/{run_id}/storage": RUN,
     "POST /api/v1/runs/{run_id}/pause": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "POST /api/v1/runs/{run_id}/resume": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
@@ -85,10 +87,11 @@ ERRORS: dict[str, Errors] = {
         404: ("run_not_found", "not_found"),
         507: ("storage_failed",),
     },
-    "GET /api/v1/runs/{run_id}/checkpoints/{version}": FILE,
-    "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": FILE,
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}": VERSION_FILE,
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": VERSION_FILE,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/catch-up": {
         404: ("run_not_found", "not_found"),
+        410: ("gone",),  # the version asked for is retired
         422: (),  # from: not a number, or not older than the version
     },
     "GET /api/v1/runs/{run_id}/shards/{index}": FILE,

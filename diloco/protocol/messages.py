@@ -43,6 +43,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     RUN_NOT_FOUND = "run_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    GONE = "gone"  # 410: a version whose files retention deleted (its row stays)
     # the round's and the run's state (409)
     ROUND_CLOSED = "round_closed"
     ROUND_CLOSING = "round_closing"

@@ -37,3 +37,6 @@ class Checkpoint(Base):
     # the process evaluating this version holds it until then (server.checkpoints.evals)
     eval_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # retention (server.retention) deleted its three files; the row stays, its downloads
+    # answer 410 gone. Set before the files go
+    files_deleted_at: Mapped[datetime | None] = mapped_column(default=None)

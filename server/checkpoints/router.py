@@ -36,10 +36,11 @@ FromVersion = Annotated[
 async def checkpoint(
     run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
 ) -> Response:
-    """The model parameters of a version (or ``latest``) as safetensors."""
+    """The model parameters of a version (or ``latest``) as safetensors; 410 ``gone`` for a
+    version the run's retention policy deleted."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
-    row = await service.get(session=session, run_id=run_id, version=wanted)
+    row = service.check_retained(await service.get(session=session, run_id=run_id, version=wanted))
     return serve_blob(
         request,
         row.params_key,
@@ -58,10 +59,11 @@ async def delta(
     run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
 ) -> Response:
     """The int8 delta from ``version − 1`` to a version (or ``latest``), as safetensors
-    (``diloco.delta``); 404 ``not_found`` for version 0 and versions published without one."""
+    (``diloco.delta``); 404 ``not_found`` for version 0 and versions published without one,
+    410 ``gone`` for a version the run's retention policy deleted."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
-    row = await service.get(session=session, run_id=run_id, version=wanted)
+    row = service.check_retained(await service.get(session=session, run_id=run_id, version=wanted))
     if row.delta_key is None or row.delta_sha256 is None:
         raise NotFound(
             f"checkpoint version {row.version} of run {run_id} has no delta (version 0 and "
@@ -93,11 +95,12 @@ async def catch_up(
     session: SessionDep,
 ) -> CatchUpPlan:
     """How a volunteer holding version ``from`` gets this version (or ``latest``): the
-    deltas in order when each exists and together they are smaller than the full file,
-    else the full checkpoint."""
+    deltas in order when each exists (retention deleted none of them) and together they
+    are smaller than the full file, else the full checkpoint; 410 ``gone`` when the version
+    asked for is itself deleted."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
-    row = await service.get(session=session, run_id=run_id, version=wanted)
+    row = service.check_retained(await service.get(session=session, run_id=run_id, version=wanted))
     if from_version >= row.version:
         raise InvalidRequest(
             f"from: {from_version} is not older than checkpoint version {row.version}; "

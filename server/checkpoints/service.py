@@ -21,9 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from diloco.checkpoint import state_metadata, write_params
 from diloco.tensorfile import TensorFileWriter
 from server.checkpoints.models import Checkpoint
-from server.errors import NotFound
+from server.errors import Gone, NotFound
 from server.staging import Stage
 from server.storage import Storage
+
+API = "/api/v1"
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,29 @@ async def get(*, session: AsyncSession, run_id: str, version: int | None) -> Che
     return row
 
 
+def check_retained(row: Checkpoint) -> Checkpoint:
+    """The row, if its files are still kept; else 410 gone (``server.retention``)."""
+    if row.files_deleted_at is not None:
+        raise Gone(
+            f"checkpoint version {row.version} of run {row.run_id}: its files were deleted on "
+            f"{row.files_deleted_at.isoformat()} by the run's retention policy ([retention] "
+            "keep_last, milestone_every); its hashes stay. Download a version still kept: "
+            f"{API}/runs/{row.run_id}/storage lists how many are, and the latest always is",
+            version=row.version,
+        )
+    return row
+
+
 async def with_deltas(
     *, session: AsyncSession, run_id: str, after: int, through: int
 ) -> list[Checkpoint]:
-    """The versions ``after`` < v ≤ ``through`` that have a delta, in order."""
+    """The versions ``after`` < v ≤ ``through`` that have a delta still kept (retention
+    has not deleted it), in order."""
     query = (
         select(Checkpoint)
         .where(Checkpoint.run_id == run_id)
         .where(Checkpoint.version > after, Checkpoint.version <= through)
-        .where(Checkpoint.delta_key.is_not(None))
+        .where(Checkpoint.delta_key.is_not(None), Checkpoint.files_deleted_at.is_(None))
         .order_by(Checkpoint.version)
     )
     return list(await session.scalars(query))

@@ -142,6 +142,10 @@ class Contribution(Base):
     # what the round's step made of it (diloco.robust.Share), set when the step is published
     cosine: Mapped[float | None] = mapped_column(Float, default=None)  # to the aggregate
     clip_factor: Mapped[float | None] = mapped_column(Float, default=None)
+    # retention (server.retention) deleted the blob once its round was closed and the run's
+    # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
+    # the blob goes
+    blob_deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class UploadRejection(Base):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -10,12 +11,22 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from diloco.config import ConfigError, parse_config
+from server import retention
 from server.auth import AdminAuth, ContributorAuth
 from server.db import SessionDep
 from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
 from server.inputs import RunId, check_text
-from server.runs import service
-from server.runs.schemas import Invite, Member, MemberIn, RunList, RunOut
+from server.rounds import service as rounds_service
+from server.runs import service, usage
+from server.runs.schemas import (
+    Invite,
+    KindUsage,
+    Member,
+    MemberIn,
+    RunList,
+    RunOut,
+    StorageUsage,
+)
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -99,6 +110,23 @@ async def get_run(run_id: RunId, request: Request, session: SessionDep) -> RunOu
     run = await service.get(session=session, run_id=run_id)
     return await service.view(
         session=session, settings=request.app.state.settings, run=run, now=datetime.now(UTC)
+    )
+
+
+@router.get("/{run_id}/storage")
+async def storage_usage(run_id: RunId, request: Request, session: SessionDep) -> StorageUsage:
+    """What the run holds in the store now, by kind (objects and bytes, from a listing of
+    its prefix), its retention policy, and how many versions and contribution blobs that
+    policy has deleted so far (their rows stay)."""
+    run = await service.get(session=session, run_id=run_id)
+    policy = rounds_service.run_config(run).retention
+    counted = await retention.counts(session, run_id)
+    kinds = await asyncio.to_thread(usage.usage, request.app.state.storage, run_id)
+    total = KindUsage(
+        objects=sum(k.objects for k in kinds.values()), bytes=sum(k.bytes for k in kinds.values())
+    )
+    return StorageUsage(
+        run_id=run_id, kinds=kinds, total=total, retention=policy.model_dump(), **counted
     )
 
 

@@ -83,3 +83,22 @@ class Member(BaseModel):
 
 class RunList(BaseModel):
     runs: list[RunOut]
+
+
+class KindUsage(BaseModel):
+    objects: int
+    bytes: int
+
+
+class StorageUsage(BaseModel):
+    """What a run holds in the store now, as a listing of its prefix finds it."""
+
+    run_id: str
+    # data, checkpoints, states, deltas, contributions, incoming, unfinished, other
+    kinds: dict[str, KindUsage]
+    total: KindUsage
+    retention: dict[str, Any]  # the run's [retention] policy (server.retention)
+    versions_kept: int  # checkpoint versions whose files are kept
+    versions_retired: int  # versions whose files retention deleted (their rows stay)
+    contributions_kept: int  # contributions whose blob is kept
+    contributions_retired: int  # contributions whose blob retention deleted

@@ -1,0 +1,42 @@
+"""What a run holds in the store, by kind: ``GET /runs/{id}/storage`` lists the run's
+prefix (``runs/<id>/``) and sorts each key by the layout ``server.storage`` describes."""
+
+from __future__ import annotations
+
+import re
+
+from server.runs.schemas import KindUsage
+from server.storage import Storage
+
+# every kind a run's key falls in, in the order the API answers them
+KINDS = (
+    "data",  # data/: the validation tokens and the training shards
+    "checkpoints",  # checkpoints/<v>.safetensors: a version's parameters
+    "states",  # checkpoints/<v>.state.safetensors: its outer momentum and residual
+    "deltas",  # checkpoints/<v>.delta.safetensors: the int8 delta from v - 1
+    "contributions",  # rounds/<index>/: accepted contribution blobs
+    "incoming",  # incoming/<index>/: direct uploads not yet committed
+    "unfinished",  # writes never committed nor aborted (a crash): the janitor's to remove
+    "other",  # anything else under the run's prefix (none is expected)
+)
+_CHECKPOINT = re.compile(r"^checkpoints/\d+(\.state|\.delta)?\.safetensors$")
+
+
+def kind_of(rest: str) -> str:
+    """The kind of a committed key, given without its ``runs/<id>/`` prefix."""
+    if m := _CHECKPOINT.match(rest):
+        return {None: "checkpoints", ".state": "states", ".delta": "deltas"}[m.group(1)]
+    top = rest.split("/", 1)[0]
+    return {"data": "data", "rounds": "contributions", "incoming": "incoming"}.get(top, "other")
+
+
+def usage(storage: Storage, run_id: str) -> dict[str, KindUsage]:
+    """Objects and bytes per kind under ``runs/<run_id>/`` (blocking: lists the store)."""
+    prefix = f"runs/{run_id}/"
+    found = {kind: KindUsage(objects=0, bytes=0) for kind in KINDS}
+    listed = [(kind_of(b.key.removeprefix(prefix)), b.nbytes) for b in storage.list_blobs(prefix)]
+    listed += [("unfinished", b.nbytes) for b in storage.list_unfinished(prefix)]
+    for kind, nbytes in listed:
+        found[kind].objects += 1
+        found[kind].bytes += nbytes
+    return found
