@@ -10,6 +10,9 @@ that, it removes:
   and files in ``<data_dir>/tmp`` (run data being received; a killed server leaves them);
 - ``orphan_blob``: contribution blobs under ``runs/<id>/rounds/<index>/`` that no
   ``contributions.blob_key`` references (a crash between the blob's commit and its row);
+- ``stale_upload``: a direct upload (``runs/<id>/incoming/<index>/``) never committed: its
+  commit deletes it, so one this old was abandoned (the volunteer died between its PUT and
+  its commit, or PUT again after);
 - ``orphan_run``: a ``runs/<id>/`` folder with no ``runs`` row (a run creation that crashed
   before its transaction committed). Only folders that hold no more than a creation writes
   (``data/`` and checkpoint 0) are removed: trained checkpoints or contributions without a
@@ -146,6 +149,16 @@ def plan(
         if run_id_of(info.key) not in orphans and info.modified <= cutoff:
             reason = f"an unfinished write, last written {_ago(now - info.modified)} ago"
             removals.append(Removal("temp_file", info.key, reason))
+    for info in scan.blobs:
+        parts = info.key.split("/")
+        if (
+            len(parts) == 5
+            and parts[2] == "incoming"
+            and run_id_of(info.key) not in orphans
+            and info.modified <= cutoff
+        ):
+            reason = f"a direct upload never committed, put {_ago(now - info.modified)} ago"
+            removals.append(Removal("stale_upload", info.key, reason))
     for key in old_round_blobs(scan.blobs, known_runs=known_runs, cutoff=cutoff):
         if key not in referenced:
             reason = "no contribution references it (a crash between its commit and its row)"

@@ -66,6 +66,7 @@ JANITOR_KINDS = (
     "temp_file",
     "orphan_blob",
     "orphan_run",
+    "stale_upload",
     "retired_checkpoint",
     "retired_contribution",
     "retired_leftover",

@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     # a CDN (or public bucket) base URL serving the store's keys: checkpoints, deltas and
     # shards are then handed out as <base>/<key>, unsigned and cacheable; empty: signed URLs
     public_read_url: str = ""
+    # GET /runs/{id}/storage answers a listing at most this old (listing costs the store)
+    storage_usage_max_age_s: float = Field(30.0, ge=0, le=86400)
 
     # rounds (the bounds keep every deadline and expiry a representable date)
     # how often the sweeper asks decide_close

@@ -126,3 +126,15 @@ def test_a_removal_says_why_and_how_old():
         "no run gone in the database, last written 2.0 h ago (a run creation that failed or "
         "crashed)",
     )
+
+
+def test_a_direct_upload_never_committed_is_removed_once_old():
+    removed, _ = decide(
+        blobs=[
+            blob("runs/r1/incoming/2/c1.bin", OLD),  # PUT, then the volunteer vanished
+            blob("runs/r1/incoming/3/c2.bin", YOUNG),  # its commit may be on its way
+        ],
+        known_runs={"r1"},
+    )
+
+    assert removed == {"runs/r1/incoming/2/c1.bin": "stale_upload"}

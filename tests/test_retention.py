@@ -213,6 +213,7 @@ def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
             wait_for(settled, timeout=60, what=f"retention to settle: {listing()}")
             keys = listing()
             answer = http.get(f"{API}/runs/{run_id}/storage")
+            ledger = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()
             gone = http.get(f"{API}/runs/{run_id}/checkpoints/2")
             gone_delta = http.get(f"{API}/runs/{run_id}/checkpoints/4/delta")
             kept = http.get(f"{API}/runs/{run_id}/checkpoints/3", follow_redirects=False)
@@ -243,6 +244,13 @@ def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
         assert r["blob_deleted_at"] is not None
         assert re.fullmatch(r"[0-9a-f]{64}", r["sha256"]) and r["nbytes"] > 0
         assert r["blob_key"].removeprefix(prefix) not in keys
+    # the API's round view says so, and still shows what was recorded
+    (shown,) = ledger["contributions"]
+    assert shown["blob_retained"] is False
+    assert (shown["sha256"], shown["nbytes"]) == (
+        contributions[0]["sha256"],
+        contributions[0]["nbytes"],
+    )
 
     # a retired version answers 410 gone, a kept one is served; catch-up never offers a
     # retired delta (v4's), and still offers kept ones

@@ -163,8 +163,8 @@ def test_a_run_whose_close_keeps_failing_never_holds_up_another_run(server):
     assert current["state"] == "closing" and version(http, run_a) == 0
     error = current["error"]
     assert error["code"] == "close_failed" and error["attempts"] >= 2
-    assert error["detail"].startswith("attempt ") and "CheckpointError" in error["detail"]
-    assert "No such file or directory" in error["detail"] and error["retry_at"] is not None
+    assert error["detail"].startswith("attempt ") and "BlobMissing" in error["detail"]
+    assert "0.state.safetensors" in error["detail"] and error["retry_at"] is not None
     assert current["reason"].startswith("closing")
     listed = http.get(f"{API}/runs/{run_a}/rounds").json()["rounds"]
     assert listed[0]["error"]["code"] == "close_failed"

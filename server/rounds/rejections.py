@@ -112,6 +112,9 @@ async def round_contributions(
                 else f"{c.excluded_code}: {c.excluded_reason}",
                 weight=c.tokens if c.weight is None else c.weight,
                 norm=c.norm,
+                sha256=c.sha256,
+                nbytes=c.nbytes,
+                blob_retained=c.blob_deleted_at is None,
                 cosine=c.cosine,
                 clip=c.clip_factor,
             )

@@ -79,6 +79,9 @@ class RoundContribution(BaseModel):
     norm: float | None  # ‖Δ‖ of its decoded tensors
     cosine: float | None  # to the round's aggregate, once the step is published
     clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)
+    sha256: str  # of the accepted body: the ledger's record, kept when the blob is not
+    nbytes: int
+    blob_retained: bool  # False: retention deleted the blob (server.retention); row kept
 
 
 class RoundRejection(BaseModel):

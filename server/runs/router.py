@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import tempfile
@@ -121,12 +120,20 @@ async def storage_usage(run_id: RunId, request: Request, session: SessionDep) ->
     run = await service.get(session=session, run_id=run_id)
     policy = rounds_service.run_config(run).retention
     counted = await retention.counts(session, run_id)
-    kinds = await asyncio.to_thread(usage.usage, request.app.state.storage, run_id)
+    settings = request.app.state.settings
+    listed_at, kinds = await usage.listed(
+        request.app.state.storage, run_id, max_age_s=settings.storage_usage_max_age_s
+    )
     total = KindUsage(
         objects=sum(k.objects for k in kinds.values()), bytes=sum(k.bytes for k in kinds.values())
     )
     return StorageUsage(
-        run_id=run_id, kinds=kinds, total=total, retention=policy.model_dump(), **counted
+        run_id=run_id,
+        listed_at=listed_at,
+        kinds=kinds,
+        total=total,
+        retention=policy.model_dump(),
+        **counted,
     )
 
 

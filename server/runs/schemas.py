@@ -94,6 +94,7 @@ class StorageUsage(BaseModel):
     """What a run holds in the store now, as a listing of its prefix finds it."""
 
     run_id: str
+    listed_at: datetime  # when the store was listed (a listing serves for a while)
     # data, checkpoints, states, deltas, contributions, incoming, unfinished, other
     kinds: dict[str, KindUsage]
     total: KindUsage

@@ -3,7 +3,10 @@ prefix (``runs/<id>/``) and sorts each key by the layout ``server.storage`` desc
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
+from datetime import UTC, datetime
 
 from server.runs.schemas import KindUsage
 from server.storage import Storage
@@ -40,3 +43,26 @@ def usage(storage: Storage, run_id: str) -> dict[str, KindUsage]:
         found[kind].objects += 1
         found[kind].bytes += nbytes
     return found
+
+
+# the latest listing of each run's prefix: (store, run) -> (time.monotonic(), when, kinds).
+# Anyone may ask, and a listing costs the store one LIST request per 1000 keys: within
+# max_age_s the answer is the previous one, and one listing runs at a time
+_LISTED: dict[tuple[str, str], tuple[float, datetime, dict[str, KindUsage]]] = {}
+_LISTING = asyncio.Lock()
+
+
+async def listed(
+    storage: Storage, run_id: str, *, max_age_s: float
+) -> tuple[datetime, dict[str, KindUsage]]:
+    """``usage`` as of at most ``max_age_s`` ago, and when it was listed."""
+    key = (storage.url, run_id)
+    async with _LISTING:
+        hit = _LISTED.get(key)
+        if hit is not None and time.monotonic() - hit[0] < max_age_s:
+            return hit[1], hit[2]
+        kinds = await asyncio.to_thread(usage, storage, run_id)
+        if len(_LISTED) >= 1024:
+            _LISTED.clear()
+        _LISTED[key] = (time.monotonic(), datetime.now(UTC), kinds)
+        return _LISTED[key][1], kinds
