@@ -27,10 +27,11 @@ sent and received over HTTP and the redirects it answered.
 
 Where direct costs the server *more*: the commit reads the whole object back from the
 bucket to check it (the same checks as a proxied PUT, fed from a GET instead of the
-request body), then copies it inside the bucket; the close fetches the base version and
-the K uploads from the bucket into a scratch folder and puts the new version's three files
-back (server.staging), where on local storage it reads and writes the files in place; and
-the eval fetches the new checkpoint again. Every one of those bytes goes through boto3 in
+request body), then copies it inside the bucket; the close fetches the K uploads (and the base version,
+unless this worker kept it: server.staging.FileCache) from the bucket into a scratch folder
+and puts the new version's three files back, where on local storage it reads and writes
+the files in place. The bench's one round starts from version 0, which the worker created
+and so kept; the eval's checkpoint is the one the close just put, kept too. Every one of those bytes goes through boto3 in
 the server's Python process (and, to an ``http://`` endpoint as here, botocore SHA-256
 signs each PUT body: over https with a checksum it does not, but TLS costs instead). Those
 costs are printed per stage. The S3 server shares this machine's cores with the server, so
@@ -260,9 +261,10 @@ WHY = {
     "join + download": "signing two URLs per lease",
     "upload, in all": "the commit GETs each body back from the bucket, checks it as a "
     "proxied PUT is checked, and copies it inside the bucket",
-    "close": "the base version and the uploads are fetched from the bucket into a scratch "
-    "folder and the new version's three files are put back (server.staging)",
-    "eval": "the new checkpoint is fetched from the bucket again",
+    "close": "the uploads (and the base version, unless this worker kept it) are fetched "
+    "from the bucket into a scratch folder and the new version's three files are put back "
+    "(server.staging)",
+    "eval": "the new checkpoint is fetched from the bucket again (unless this worker kept it)",
 }
 
 
@@ -301,6 +303,16 @@ def report(label: str, k: int, proxied: Round, direct: Round) -> None:
           f"{dt + st:.2f} s ({ratio(dt + st, pt)} of proxied)")  # fmt: skip
     for line in slower:
         print(f"direct costs the server MORE CPU in {line}")
+    # what grows with the volunteers (joins, downloads, uploads) and what does not
+    stages = ("join + download", "upload: PUT body", "upload: commit")
+    fixed = ("close", "eval")
+    per = [(summed(m.cpu, stages) or 0.0) / k for m in (p, d)]
+    once = [summed(m.cpu, fixed) or 0.0 for m in (p, d)]
+    print(
+        f"per volunteer: proxied {per[0]:.3f} s, direct {per[1]:.3f} s of server CPU "
+        f"({ratio(per[1], per[0])}); per round, whatever the volunteers: proxied "
+        f"{once[0]:.2f} s, direct {once[1]:.2f} s (close + eval, {ratio(once[1], once[0])})"
+    )
     print(
         "(the close stage ends when version 1 is seen published, polled every 0.1 s: "
         "the eval, which starts at publishing, may begin inside it)"

@@ -150,5 +150,6 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
     for stage in ("join + download", "upload, in all", "close", "eval", "**whole round**"):
         assert f"| {stage}" in out, (stage, out)
     assert "ratio: direct / proxied server CPU-seconds per round = " in out
+    assert "per volunteer: proxied " in out and "per round, whatever the volunteers" in out
     assert 'diloco_served_bytes_total{kind="checkpoint"}' in out
     assert "diloco_direct_upload_bytes_total" in out
