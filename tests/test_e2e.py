@@ -87,6 +87,12 @@ class Volunteers:
         self.procs[name] = proc
         return proc
 
+    def wait_all_done(self, timeout: float = 60) -> None:
+        """Every volunteer exits (the run ended), each with status 0."""
+        for proc in self.procs.values():
+            wait_for(lambda p=proc: not p.alive(), timeout=timeout, what="volunteers to exit")
+            assert proc.popen.returncode == 0, proc.output()[-2000:]
+
     def stop_all(self) -> None:
         for proc in self.procs.values():
             proc.stop()
@@ -137,9 +143,7 @@ def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
         what="the run to complete",
         every=1.0,
     )
-    for proc in volunteers.procs.values():
-        wait_for(lambda p=proc: not p.alive(), timeout=60, what="volunteers to exit")
-        assert proc.popen.returncode == 0, proc.output()[-2000:]
+    volunteers.wait_all_done()
 
     # Assert: rounds, quorum, loss (each version's eval loss is measured after it is
     # published: the last one's may still be pending), versions, bytes per parameter

@@ -152,6 +152,17 @@ def rows(url: str, query: str, *args: object) -> list[asyncpg.Record]:
     return asyncio.run(_rows(url, query, *args))
 
 
+def retired_versions(database_url: str, run_id: str) -> list[tuple[int, bool]]:
+    """(version, whether retention deleted its files) for each checkpoint row."""
+    found = rows(
+        database_url,
+        "SELECT version, files_deleted_at IS NOT NULL AS gone FROM checkpoints "
+        "WHERE run_id = $1 ORDER BY version",
+        run_id,
+    )
+    return [(r["version"], r["gone"]) for r in found]
+
+
 def metric(text: str, kind: str) -> float:
     m = re.search(rf'^diloco_janitor_removed_total\{{kind="{kind}"\}} (\S+)$', text, re.M)
     assert m, kind
@@ -226,13 +237,7 @@ def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
     # Assert: the store holds the data, the kept versions' files and nothing else
     assert [k for k in keys if not k.startswith("data/")] == EXPECTED
     assert any(k.startswith("data/") for k in keys)
-    checkpoints = rows(
-        database_url,
-        "SELECT version, files_deleted_at IS NOT NULL AS gone FROM checkpoints "
-        "WHERE run_id = $1 ORDER BY version",
-        run_id,
-    )
-    assert [(r["version"], r["gone"]) for r in checkpoints] == RETIRED
+    assert retired_versions(database_url, run_id) == RETIRED
     contributions = rows(
         database_url,
         "SELECT round_index, sha256, nbytes, blob_key, blob_deleted_at FROM contributions "
@@ -345,10 +350,4 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
     assert removed("retired_checkpoint") - before["retired_checkpoint"] == 2  # 2 and 4
     assert 3 <= removed("retired_leftover") - before["retired_leftover"] <= 6  # v1's three
     assert removed("retired_contribution") - before["retired_contribution"] == 6
-    checkpoints = rows(
-        database_url,
-        "SELECT version, files_deleted_at IS NOT NULL AS gone FROM checkpoints "
-        "WHERE run_id = $1 ORDER BY version",
-        run_id,
-    )
-    assert [(r["version"], r["gone"]) for r in checkpoints] == RETIRED
+    assert retired_versions(database_url, run_id) == RETIRED
