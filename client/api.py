@@ -18,14 +18,13 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
-from client.credentials import normalize_server_url
 from client.download import Fetched, fetch_once
 from client.http import (
     CHUNK,
@@ -37,9 +36,9 @@ from client.http import (
     backoff_delay,
     error_from,
     json_object,
-    with_retries,
 )
 from client.lease import Lease, ProtocolError, parse, parse_lease, require
+from client.session import ApiSession
 from diloco.protocol.messages import CatchUpPlan, Receipt, UploadTarget
 
 __all__ = [
@@ -56,14 +55,12 @@ __all__ = [
     "backoff_delay",
 ]
 
-API_PREFIX = "/api/v1"
 # the object store refused a direct upload's PUT (its signed URL expired, say): the round's
 # upload is lost, as when the round moves on; the next lease brings a fresh URL
 UPLOAD_TARGET_REFUSED = "upload_target_refused"
 # the object store refused a download's signed URL (it expired during a long download, say):
 # a new lease brings fresh URLs, and the part file already fetched is resumed
 DOWNLOAD_URL_REFUSED = "download_url_refused"
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,98 +69,8 @@ class UploadReceipt:
     repeated: bool  # 200: the server already held this very body (an idempotent retry)
 
 
-class ServerAPI:
-    """One server, one token, one ``aiohttp.ClientSession`` (opened on first use)."""
-
-    def __init__(
-        self,
-        server_url: str,
-        *,
-        token: str | None = None,
-        retry: RetryPolicy | None = None,
-        timeouts: Timeouts | None = None,
-    ) -> None:
-        self.server_url = normalize_server_url(server_url)
-        self.token = token
-        self.retry = retry or RetryPolicy()
-        self.timeouts = timeouts or Timeouts()
-        self._session: aiohttp.ClientSession | None = None
-        t = self.timeouts
-        self._call_timeout = aiohttp.ClientTimeout(total=t.call_s, sock_connect=t.connect_s)
-        self._transfer_timeout = aiohttp.ClientTimeout(
-            total=t.transfer_s, sock_connect=t.connect_s, sock_read=t.transfer_read_s
-        )
-
-    async def __aenter__(self) -> ServerAPI:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def url(self, path: str) -> str:
-        """An absolute URL for an API path (``/runs``) or a server path from a lease."""
-        if path.startswith(("http://", "https://")):
-            return path
-        if not path.startswith(API_PREFIX):
-            path = API_PREFIX + path
-        return self.server_url + path
-
-    # ---------------------------------------------------------------- plumbing
-
-    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        return headers | dict(extra or {})
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(raise_for_status=False)
-        return self._session
-
-    async def _with_retries(
-        self,
-        what: str,
-        attempt_once: Callable[[], Awaitable[T]],
-        *,
-        idempotent: bool = True,
-        retry: RetryPolicy | None = None,
-    ) -> T:
-        return await with_retries(
-            what,
-            attempt_once,
-            policy=retry or self.retry,
-            server_url=self.server_url,
-            idempotent=idempotent,
-        )
-
-    async def _json(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Mapping[str, Any] | None = None,
-        idempotent: bool = True,
-        retry: RetryPolicy | None = None,
-    ) -> dict[str, Any]:
-        url = self.url(path)
-
-        async def once() -> dict[str, Any]:
-            async with self._http().request(
-                method, url, json=body, headers=self._headers(), timeout=self._call_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                return await json_object(resp)
-
-        return await self._with_retries(
-            f"{method} {path}", once, idempotent=idempotent, retry=retry
-        )
+class ServerAPI(ApiSession):
+    """The server's API, call by call (the plumbing is ``client.session.ApiSession``)."""
 
     # ---------------------------------------------------------------- contributors
 
