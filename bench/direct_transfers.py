@@ -27,15 +27,16 @@ sent and received over HTTP and the redirects it answered.
 
 Where direct costs the server *more*: the commit reads the whole object back from the
 bucket to check it (the same checks as a proxied PUT, fed from a GET instead of the
-request body), then copies it inside the bucket; the close fetches the K uploads (and the base version,
-unless this worker kept it: server.staging.FileCache) from the bucket into a scratch folder
-and puts the new version's three files back, where on local storage it reads and writes
-the files in place. The bench's one round starts from version 0, which the worker created
-and so kept; the eval's checkpoint is the one the close just put, kept too. Every one of those bytes goes through boto3 in
-the server's Python process (and, to an ``http://`` endpoint as here, botocore SHA-256
-signs each PUT body: over https with a checksum it does not, but TLS costs instead). Those
-costs are printed per stage. The S3 server shares this machine's cores with the server, so
-direct wall times here include waiting for it; a real bucket is elsewhere.
+request body), then copies it inside the bucket; the close fetches the K uploads (and the
+base version, unless this worker kept it: server.staging.FileCache) from the bucket into a
+scratch folder and puts the new version's three files back, where on local storage it
+reads and writes the files in place. The bench's one round starts from version 0, which
+the worker created and so kept; the eval's checkpoint is the one the close just put, kept
+too. Every one of those bytes goes through boto3 in the server's Python process (and, to
+an ``http://`` endpoint as here, botocore SHA-256 signs each PUT body: over https with a
+checksum it does not, but TLS costs instead). Those costs are printed per stage. The S3
+server shares this machine's cores with the server, so direct wall times here include
+waiting for it; a real bucket is elsewhere.
 
     python bench/direct_transfers.py [--size 50M --contributions 8]
 """
