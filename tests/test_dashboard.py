@@ -327,7 +327,7 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
     # Execute + Assert: run A's live round says its close failed and when it retries
     open_page(pg, f"#/runs/{failing['id']}")
     expect(pg.locator("#round-error")).to_contain_text("failed (close_failed)", timeout=20_000)
-    assert "CheckpointError" in (pg.text_content("#round-error") or "")
+    assert "BlobMissing" in (pg.text_content("#round-error") or "")  # its base state is gone
     # run B's round 1 lists the damaged upload as left out, with why
     open_page(pg, f"#/runs/{leaving['id']}")
     pg.get_by_role("button", name="Contributions of round 1").click()
