@@ -53,6 +53,7 @@ def hub(s3_server, pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) 
             data_dir=tmp_path_factory.mktemp("direct"),
             database_url=url,
             storage=f"s3://{s3_server.bucket}/{prefix}",
+            scratch_dir=tmp_path_factory.mktemp("scratch"),  # not the system's temp dir
         )
         try:
             yield Hub(proc.wait_ready(), s3_server.client(), s3_server.bucket, prefix)

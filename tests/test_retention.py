@@ -202,6 +202,7 @@ def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
         request.getfixturevalue("s3_env")
         bucket = request.getfixturevalue("s3_server").bucket
         settings["storage"] = f"s3://{bucket}/retention-{secrets.token_hex(4)}"
+        settings["scratch_dir"] = tmp_path / "scratch"  # not the system's temp dir
     server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url, **settings)
     store: Storage = open_storage(str(settings.get("storage", "")), tmp_path / "srv" / "blobs")
     config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
