@@ -142,13 +142,6 @@ async def commit(
             f"no upload of yours is in the store for round {index}: PUT the body to the "
             "lease's upload.url first, then commit"
         ) from None
-    landing: _CopyLanding | None = None
-
-    def land(key: str) -> _CopyLanding:
-        nonlocal landing
-        landing = _CopyLanding(storage, source, key, stored.etag)
-        return landing
-
     try:
         accepted = await ingest.receive(
             sessions=sessions,
@@ -159,7 +152,7 @@ async def commit(
             contributor_id=contributor_id,
             content_length=str(stored.nbytes),
             stream=_read(storage, source, stored.etag),
-            landing=land,
+            landing=lambda key: _CopyLanding(storage, source, key, stored.etag),
         )
     finally:  # accepted (copied), a retry or refused: the incoming object has served
         await asyncio.to_thread(storage.delete, source)
