@@ -104,6 +104,8 @@ def create(
         cfg = load_config(config)  # fail fast, naming the key, before anything is sent
     except ConfigError as err:
         fail(str(err), ExitStatus.USAGE)
+    if cfg.data.path is None:
+        fail("data.dataset: this client cannot upload a prepared dataset yet", ExitStatus.USAGE)
     data_path = Path(cfg.data.path)
     if not data_path.is_file():
         fail(f"data file {data_path} (data.path in {config}) does not exist", ExitStatus.DATA)

@@ -36,14 +36,31 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+BYTE_VOCAB = 256  # a text-file run's vocabulary: one token per byte
+
+
 class ModelSection(_Section):
     # bounds keep shapes within what torch and safetensors index; the largest allowed model
     # is still far more than a server here can hold: run creation is admin-only
+    arch: Literal["gpt", "llama"] = "gpt"  # gpt: the byte-level toy; llama: Llama family
     n_layer: int = Field(4, ge=1, le=96)
     n_head: int = Field(4, ge=1, le=128)
     n_embd: int = Field(128, ge=8, le=16384)
     block_size: int = Field(128, ge=8, le=16384)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # llama only (None: the default named; a value given for gpt is refused)
+    n_kv_head: int | None = Field(None, ge=1, le=128)  # grouped-query attention; n_head
+    intermediate_size: int | None = Field(None, ge=8, le=1 << 17)  # SwiGLU width
+    rope_theta: float | None = Field(None, gt=0.0, le=1e9)  # 10,000
+    tie_embeddings: bool | None = None  # false (gpt always ties)
+    norm_eps: float | None = Field(None, gt=0.0, le=1e-2)  # RMSNorm epsilon: 1e-5
+    # the vocabulary comes from the data: 256 for a text file, the tokenizer's for a prepared
+    # dataset; the server records it here at creation (a value that disagrees is refused)
+    vocab_size: int | None = Field(None, ge=2, le=1 << 24)
+    # start from these weights instead of random ones: our safetensors checkpoint or a
+    # Hugging Face model directory of the same architecture and shapes (relative paths
+    # resolve against the config file); the server records the file name it was given
+    init: str | None = Field(None, min_length=1, max_length=4096, pattern=NO_CONTROL_CHARS)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelSection:
@@ -51,7 +68,32 @@ class ModelSection(_Section):
             raise ValueError(
                 f"n_head: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})"
             )
+        if self.arch == "gpt":
+            for key in ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f'{key}: only for arch = "llama"')
+            if self.tie_embeddings is False:
+                raise ValueError('tie_embeddings: arch = "gpt" always ties its embeddings')
+            return self
+        if self.n_head % self.kv_heads:
+            raise ValueError(
+                f"n_kv_head: n_head ({self.n_head}) must be a multiple of n_kv_head "
+                f"({self.kv_heads})"
+            )
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                "n_head: RoPE needs an even head size, "
+                f"n_embd / n_head = {self.n_embd // self.n_head}"
+            )
         return self
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_size if self.vocab_size is not None else BYTE_VOCAB
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -60,17 +102,32 @@ class ModelSection(_Section):
             n_embd=self.n_embd,
             block_size=self.block_size,
             dropout=self.dropout,
+            vocab_size=self.vocab,
         )
 
 
 class DataSection(_Section):
-    # text file; relative paths resolve against the config file (4096: Linux's PATH_MAX)
-    path: str = Field(min_length=1, max_length=4096, pattern=NO_CONTROL_CHARS)
+    # exactly one of: a text file (byte-level, split by the server at creation), or a
+    # prepared dataset (``diloco data prepare``): a local folder in a config file, which
+    # ``diloco run create`` uploads and replaces by its id (``ds_...``) in the request.
+    # Relative paths resolve against the config file (4096: Linux's PATH_MAX)
+    path: str | None = Field(None, min_length=1, max_length=4096, pattern=NO_CONTROL_CHARS)
+    dataset: str | None = Field(None, min_length=1, max_length=4096, pattern=NO_CONTROL_CHARS)
+    # text files only:
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     # bytes per chunk dealt round-robin to the shards (i.i.d.-like shards);
     # 0: one contiguous block per shard (each worker sees one part of the corpus).
     # At most 1 GiB: the chunk length is stored as a Postgres integer
     chunk_size: int = Field(8192, ge=0, le=1 << 30)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSection:
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError(
+                "path: give exactly one of data.path (a text file) and data.dataset "
+                "(a folder made by `diloco data prepare`)"
+            )
+        return self
 
 
 class InnerSection(_Section):
@@ -260,7 +317,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
 
 
 def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a TOML run config; ``data.path`` is resolved against its folder."""
+    """Read and validate a TOML run config; its paths are resolved against its folder."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -269,8 +326,23 @@ def load_config(path: str | Path) -> RunConfig:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
     cfg = parse_config(raw)
-    data_path = Path(cfg.data.path)
-    if not data_path.is_absolute():
-        data_path = (path.parent / data_path).resolve()
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": str(data_path)})})
-    return cfg
+    return resolve_paths(cfg, path.parent)
+
+
+def resolve_paths(cfg: RunConfig, folder: Path) -> RunConfig:
+    """``data.path``, ``data.dataset`` (a folder) and ``model.init``, made absolute against
+    ``folder``; a dataset id (``ds_...``) or an absolute path stays as it is."""
+    data: dict[str, str] = {}
+    for key in ("path", "dataset"):
+        value = getattr(cfg.data, key)
+        if value is not None and not value.startswith("ds_") and not Path(value).is_absolute():
+            data[key] = str((folder / value).resolve())
+    model: dict[str, str] = {}
+    if cfg.model.init is not None and not Path(cfg.model.init).is_absolute():
+        model["init"] = str((folder / cfg.model.init).resolve())
+    return cfg.model_copy(
+        update={
+            "data": cfg.data.model_copy(update=data),
+            "model": cfg.model.model_copy(update=model),
+        }
+    )

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from diloco.attacks import Attack
-from diloco.config import RunConfig
+from diloco.config import ConfigError, RunConfig
 from diloco.data import Dataset, load_tokens, random_batch, split_tokens
 from diloco.exchange import encode_delta
 from diloco.model import GPT
@@ -292,6 +292,8 @@ def simulate(
         if opts.mode == "single" and opts.single_data == "all":
             n_shards = 1
     device = torch.device(opts.device)
+    if cfg.data.path is None:
+        raise ConfigError("data.dataset: the simulator reads a text file (data.path) only")
     data = split_tokens(
         load_tokens(cfg.data.path),
         val_fraction=cfg.data.val_fraction,
