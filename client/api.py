@@ -323,6 +323,30 @@ class ServerAPI(ApiSession):
         """Join a private run's members with its invite code (a public run: nothing to do)."""
         return await self._json("POST", f"/runs/{run_id}/members", body={"invite": invite})
 
+    async def checkpoint_etag(self, run_id: str, version: int | str) -> tuple[int, str]:
+        """The version number and sha256 of a run's checkpoint (``latest`` or a number),
+        from the headers of a one-byte read (the body is never fetched; on object storage
+        the redirect carries them)."""
+        url = self.url(f"/runs/{run_id}/checkpoints/{version}")
+
+        async def once() -> tuple[int, str]:
+            headers = self._headers({"Range": "bytes=0-0", "Accept": "*/*"})
+            async with self._http().get(
+                url, headers=headers, allow_redirects=False, timeout=self._call_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                etag = resp.headers.get("ETag", "").strip('"')
+                number = resp.headers.get("X-Checkpoint-Version", "")
+                if len(etag) != 64 or not number.isdigit():
+                    raise ProtocolError(
+                        f"the checkpoint answer for {version!r} lacks its sha256 ETag or "
+                        "X-Checkpoint-Version header; is this a DiLoCo Hub server?"
+                    )
+                return int(number), etag
+
+        return await self._with_retries("checkpoint lookup", once)
+
     async def list_rounds(self, run_id: str) -> list[dict[str, Any]]:
         """The run's rounds, oldest first."""
         data = await self._json("GET", f"/runs/{run_id}/rounds")

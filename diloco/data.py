@@ -75,6 +75,19 @@ def split_tokens(
             f"block_size + 1 = {block_size + 1}; use a larger file or val_fraction"
         )
     train, val = tokens[: n - n_val], tokens[n - n_val :]
+    return Dataset(
+        val=val,
+        shards=deal_shards(train, n_shards=n_shards, block_size=block_size, chunk_size=chunk_size),
+    )
+
+
+def deal_shards(
+    train: torch.Tensor, *, n_shards: int, block_size: int, chunk_size: int
+) -> tuple[torch.Tensor, ...]:
+    """``n_shards`` disjoint training shards of whole chunks of ``train`` (see
+    ``split_tokens``); a remainder too small to share evenly is dropped."""
+    if n_shards < 1:
+        raise DataError(f"n_shards must be >= 1, got {n_shards}")
     # a corpus too small for whole chunks falls back to one contiguous block per shard
     chunk = min(chunk_size or train.numel(), train.numel() // n_shards)
     if chunk < block_size + 1:
@@ -84,8 +97,36 @@ def split_tokens(
         )
     per_shard = train.numel() // (chunk * n_shards)
     chunks = train[: per_shard * n_shards * chunk].view(per_shard, n_shards, chunk)
-    shards = tuple(chunks[:, i].contiguous() for i in range(n_shards))  # (per_shard, chunk)
-    return Dataset(val=val, shards=shards)
+    return tuple(chunks[:, i].contiguous() for i in range(n_shards))  # (per_shard, chunk)
+
+
+# the simulator holds a prepared dataset's tokens in memory (int32): an experiment tool for
+# corpora that fit, never the server's or a volunteer's path (they read shard by shard)
+MAX_SIMULATED_TOKENS = 1 << 28
+
+
+def load_prepared(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prepared dataset's training tokens (its shards in order) and validation tokens,
+    int32, for the simulator; each file is checked against the manifest's size."""
+    from diloco.manifest import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest.train_tokens > MAX_SIMULATED_TOKENS:
+        raise DataError(
+            f"{folder}: {manifest.train_tokens:,} training tokens are more than the simulator "
+            f"holds in memory ({MAX_SIMULATED_TOKENS:,}); simulate on a smaller dataset"
+        )
+
+    def read(name: str, tokens: int) -> torch.Tensor:
+        path = folder / name
+        array = np.fromfile(path, dtype=np.dtype(manifest.dtype).newbyteorder("<"))
+        if array.size != tokens:
+            raise DataError(f"{path} holds {array.size} tokens, the manifest says {tokens}")
+        return torch.from_numpy(array.astype(np.int32))
+
+    train = torch.cat([read(s.file, s.tokens) for s in manifest.shards])
+    return train, read(manifest.val.file, manifest.val.tokens)
 
 
 def random_batch(

@@ -39,9 +39,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from diloco.attacks import Attack
-from diloco.config import ConfigError, RunConfig
-from diloco.data import Dataset, load_tokens, random_batch, split_tokens
+from diloco.config import RunConfig
+from diloco.data import (
+    DataError,
+    Dataset,
+    deal_shards,
+    load_prepared,
+    load_tokens,
+    random_batch,
+    split_tokens,
+)
 from diloco.exchange import encode_delta
+from diloco.manifest import ManifestError
 from diloco.model import GPT
 from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
@@ -252,6 +261,29 @@ class Trained:
 Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
 
 
+def simulated_data(cfg: RunConfig, n_shards: int) -> Dataset:
+    """The run's data as the simulator's workers get it: a text file split as the server
+    splits it, or a prepared dataset's validation file and its training tokens dealt into
+    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens)."""
+    if cfg.data.path is not None:
+        return split_tokens(
+            load_tokens(cfg.data.path),
+            val_fraction=cfg.data.val_fraction,
+            n_shards=n_shards,
+            block_size=cfg.model.block_size,
+            chunk_size=cfg.data.chunk_size,
+        )
+    assert cfg.data.dataset is not None  # the config holds exactly one of them
+    try:
+        train, val = load_prepared(cfg.data.dataset)
+    except ManifestError as err:
+        raise DataError(f"data.dataset: {err}") from None
+    shards = deal_shards(
+        train, n_shards=n_shards, block_size=cfg.model.block_size, chunk_size=cfg.data.chunk_size
+    )
+    return Dataset(val=val, shards=shards)
+
+
 def simulate(
     cfg: RunConfig,
     opts: SimOptions,
@@ -292,15 +324,7 @@ def simulate(
         if opts.mode == "single" and opts.single_data == "all":
             n_shards = 1
     device = torch.device(opts.device)
-    if cfg.data.path is None:
-        raise ConfigError("data.dataset: the simulator reads a text file (data.path) only")
-    data = split_tokens(
-        load_tokens(cfg.data.path),
-        val_fraction=cfg.data.val_fraction,
-        n_shards=n_shards,
-        block_size=cfg.model.block_size,
-        chunk_size=cfg.data.chunk_size,
-    )
+    data = simulated_data(cfg, n_shards)
     torch.manual_seed(opts.seed)  # the initial global model
     model = GPT(cfg.model.gpt_config())
     started = time.perf_counter()
