@@ -2,10 +2,17 @@
 
 Runs single / ddp / DiLoCo (fp32, int8, int8 with 30% of contributions dropped) at
 several H, two seeds each, through ``diloco simulate`` subprocesses (one CPU thread
-each, ``--jobs`` at a time), then writes docs/benchmarks.md and docs/convergence.png.
+each, ``--jobs`` at a time), then writes its section of docs/benchmarks.md and
+docs/convergence.png.
 
     python bench/convergence.py                 # the full table (~40 min on 2 cores)
     python bench/convergence.py --quick         # a smoke run of the pipeline (~1 min)
+
+``--arch llama`` runs the real path instead: a Llama (RoPE, RMSNorm, SwiGLU, grouped-query
+attention) on the corpus tokenized by ``diloco data prepare`` with a BPE tokenizer trained
+on it (``--vocab``), single / ddp / DiLoCo int8 at each H, three seeds, in its own section:
+
+    python bench/convergence.py --arch llama    # ~25 min on 2 cores
 
 Finished arms are kept under --work-dir and reused; pass --fresh to recompute.
 """
@@ -24,6 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_sections import replace_section
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -39,10 +49,17 @@ class Arm:
     single_data: str = "shard"
 
 
-def arms_for(hs: list[int], *, full: bool) -> list[Arm]:
+def arms_for(hs: list[int], *, full: bool, arch: str = "gpt") -> list[Arm]:
     """Baselines, the three DiLoCo variants at the first H, and int8 at the other Hs
-    (all three there too with ``full``)."""
+    (all three there too with ``full``); for the llama path: single, ddp and int8 at
+    every H."""
     h0 = hs[0]  # the baselines are evaluated every h0 steps, like DiLoCo at h0
+    if arch == "llama":
+        return [
+            Arm("single", "single (worker 0 alone on its shard)", "single", h0),
+            Arm("ddp", "ddp (4x batch, all-reduce each step)", "ddp", h0),
+            *(Arm(f"diloco_h{h}_int8", f"DiLoCo H={h} int8", "diloco", h, "int8") for h in hs),
+        ]
     arms = [
         Arm("single", "single (worker 0 alone on its shard)", "single", h0),
         Arm("single_all", "single on the whole training split", "single", h0, single_data="all"),
@@ -66,18 +83,20 @@ def arms_for(hs: list[int], *, full: bool) -> list[Arm]:
 
 
 def write_config(path: Path, args: argparse.Namespace) -> None:
+    if args.arch == "llama":
+        model = f'arch = "llama"\nn_kv_head = {args.n_kv_head}\n'
+        data = f'dataset = "{args.dataset}"\nchunk_size = 4096\n'
+    else:
+        model, data = "", f'path = "{args.data}"\nval_fraction = 0.05\nchunk_size = 8192\n'
     path.write_text(
         f"""name = "convergence-bench"
 [model]
-n_layer = {args.n_layer}
+{model}n_layer = {args.n_layer}
 n_head = 4
 n_embd = {args.n_embd}
 block_size = {args.block_size}
 [data]
-path = "{args.data}"
-val_fraction = 0.05
-chunk_size = 8192
-[inner]
+{data}[inner]
 steps = 10
 batch_size = {args.batch_size}
 lr = {args.inner_lr}
@@ -152,26 +171,10 @@ def render(
     gap = single - ddp
     n_params = results["ddp"][0]["n_params"]
     lines = [
-        "# Benchmarks",
+        *describe(args, n_params),
         "",
-        "## Convergence: DiLoCo against data-parallel and single-worker training",
-        "",
-        f"Byte-level GPT ({args.n_layer} layers, width {args.n_embd}, context "
-        f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare (5% held out), "
-        f"K = {args.workers} workers on disjoint shards (8 KiB chunks of the text dealt "
-        f"round-robin, so each shard spans the corpus), {args.batch_size} sequences per "
-        f"worker per step, {args.steps} inner steps per worker, AdamW lr {args.inner_lr} "
-        f"(betas 0.9/0.95, weight decay 0.1, warmup {args.warmup}, cosine to 10%, clip 1.0), "
-        "outer Nesterov SGD lr 0.7 momentum 0.9. "
-        f"`ddp` takes the same {args.steps} steps with {args.workers}x the batch (one slice "
-        f"from every shard); `single` is worker 0 alone: {args.steps} steps, 1x the batch, "
-        "its own shard, no communication, so single → ddp is exactly what pooling the K "
-        "workers buys. `single on the whole training split` is a stronger reference on this "
-        "finite corpus (it sees 4x more distinct text than one worker) and is shown for "
-        f"transparency. Seeds: {', '.join(map(str, args.seeds))}; "
-        "each figure is the mean ± half the spread over seeds.",
-        "",
-        "Regenerate (about 40 minutes on 2 CPU cores; finished arms are reused):",
+        f"Regenerate (about {'25' if args.arch == 'llama' else '40'} minutes on 2 CPU cores; "
+        "finished arms are reused):",
         "",
         "```",
         command,
@@ -197,8 +200,13 @@ def render(
         "",
         "- *gap recovered*: (single − arm) / (single − ddp), the share of what pooling 4 "
         "workers (4x the data per step in ddp) buys that the arm gets; `single` is worker 0 "
-        "alone. Against `single on the whole training split` instead: "
-        f"{gap_vs(loss, 'single_all', args)}.",
+        "alone."
+        + (
+            f" Against `single on the whole training split` instead: "
+            f"{gap_vs(loss, 'single_all', args)}."
+            if "single_all" in loss
+            else ""
+        ),
         "- *bytes*: DiLoCo uploads are the real encoded contribution bodies (wire format, "
         "int8 or fp32); its download is the fp32 safetensors checkpoint every round. ddp is "
         "counted as a ring all-reduce of fp32 gradients every step: each worker sends and "
@@ -209,6 +217,43 @@ def render(
     ]
     lines += checks(arms, loss, results, args)
     return "\n".join(lines) + "\n"
+
+
+def describe(args: argparse.Namespace, n_params: int) -> list[str]:
+    """The section's heading and what was run."""
+    common = (
+        f"K = {args.workers} workers on disjoint shards, {args.batch_size} sequences per "
+        f"worker per step, {args.steps} inner steps per worker, AdamW lr {args.inner_lr} "
+        f"(betas 0.9/0.95, weight decay 0.1, warmup {args.warmup}, cosine to 10%, clip 1.0), "
+        "outer Nesterov SGD lr 0.7 momentum 0.9"
+    )
+    seeds = f"Seeds: {', '.join(map(str, args.seeds))}; each figure is the mean ± half the "
+    seeds += "spread over seeds."
+    if args.arch == "llama":
+        return [
+            "## Convergence on the real path: Llama + BPE",
+            "",
+            f"Llama ({args.n_layer} layers, width {args.n_embd}, 4 heads sharing "
+            f"{args.n_kv_head} key/value heads, RoPE, RMSNorm, SwiGLU, context "
+            f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare tokenized by "
+            f"`diloco data prepare` with a byte-level BPE of {args.vocab} tokens trained on "
+            f"it (its own held-out validation file), {common}, with the outer step's default "
+            f"start (`[outer]` as `diloco.config` has it). `ddp` takes the same steps with "
+            f"{args.workers}x the batch; `single` is worker 0 alone on its shard. {seeds}",
+        ]
+    return [
+        "## Convergence: DiLoCo against data-parallel and single-worker training",
+        "",
+        f"Byte-level GPT ({args.n_layer} layers, width {args.n_embd}, context "
+        f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare (5% held out), "
+        f"{common}; 8 KiB chunks of the text dealt round-robin, so each shard spans the "
+        f"corpus. `ddp` takes the same {args.steps} steps with {args.workers}x the batch (one "
+        f"slice from every shard); `single` is worker 0 alone: {args.steps} steps, 1x the "
+        "batch, its own shard, no communication, so single → ddp is exactly what pooling the "
+        "K workers buys. `single on the whole training split` is a stronger reference on this "
+        "finite corpus (it sees 4x more distinct text than one worker) and is shown for "
+        f"transparency. {seeds}",
+    ]
 
 
 def gap_vs(loss: dict, reference: str, args: argparse.Namespace) -> str:
@@ -228,12 +273,14 @@ def checks(arms: list[Arm], loss: dict, results: dict, args: argparse.Namespace)
     """The issue's acceptance bounds on the seed means, with each seed's value beside them."""
     h = args.hs[0]
     single, ddp = loss["single"][0], loss["ddp"][0]
-    fp32, int8 = loss[f"diloco_h{h}_fp32"][0], loss[f"diloco_h{h}_int8"][0]
+    int8 = loss[f"diloco_h{h}_int8"][0]
+    has_fp32 = f"diloco_h{h}_fp32" in loss
+    fp32 = loss[f"diloco_h{h}_fp32"][0] if has_fp32 else float("nan")
     seeds = zip(
         per_seed(results, "single"),
         per_seed(results, "ddp"),
         per_seed(results, f"diloco_h{h}_int8"),
-        per_seed(results, f"diloco_h{h}_fp32"),
+        per_seed(results, f"diloco_h{h}_fp32") if has_fp32 else [float("nan")] * len(args.seeds),
         strict=True,
     )
     recovered, above, int8_vs_fp32 = [], [], []
@@ -254,12 +301,14 @@ def checks(arms: list[Arm], loss: dict, results: dict, args: argparse.Namespace)
         (f"upload bytes per worker >= H x 4 = {4 * h}x fewer than ddp", ddp_up / up, [],
          ">=", 4 * h),
     ]  # fmt: skip
+    if not has_fp32:  # the llama path runs no fp32 arm
+        rows = [r for r in rows if "fp32" not in r[0]]
 
     def meets(v: float, op: str, limit: float) -> bool:  # NaN meets nothing
         return v >= limit if op == ">=" else v <= limit
 
     out = [
-        "## Acceptance checks (computed by the script)",
+        "### Acceptance checks (computed by the script)",
         "",
         "On the means over seeds; each seed's own value beside it.",
         "",
@@ -285,7 +334,10 @@ def checks(arms: list[Arm], loss: dict, results: dict, args: argparse.Namespace)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--vocab", type=int, default=1024, help="llama: the BPE's vocabulary")
+    p.add_argument("--n-kv-head", type=int, default=2, help="llama: key/value heads")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="gpt: 0 1; llama: 0 1 2")
     p.add_argument("--hs", type=int, nargs="+", default=[10, 25])
     p.add_argument("--steps", type=int, default=400, help="inner steps per worker")
     p.add_argument("--workers", type=int, default=4)
@@ -297,7 +349,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-windows", type=int, default=256)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "convergence")
+    p.add_argument("--work-dir", type=Path, default=None, help="bench/out/convergence[-llama]")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument(
         "--full", action="store_true", help="fp32 and 30%%-drop arms at every H, not only the first"
@@ -305,19 +357,25 @@ def main() -> None:
     p.add_argument("--fresh", action="store_true", help="recompute finished arms")
     p.add_argument("--quick", action="store_true", help="tiny smoke run; writes under --work-dir")
     args = p.parse_args()
+    llama = args.arch == "llama"
+    args.seeds = args.seeds or ([0, 1, 2] if llama else [0, 1])
+    suffix = "-llama" if llama else ""
+    args.work_dir = args.work_dir or REPO / "bench" / "out" / f"convergence{suffix}"
     if args.quick:
         args.steps, args.hs, args.n_layer, args.n_embd, args.block_size = 20, [5], 1, 32, 32
         args.batch_size, args.warmup, args.eval_windows = 4, 2, 16
-        args.doc = args.work_dir / "benchmarks.md"
+        args.doc, args.vocab = args.work_dir / "benchmarks.md", 300
     if not args.data.exists():
         sys.exit(f"data file not found: {args.data} (pass --data)")
     if any(args.steps % h for h in args.hs):
         sys.exit(f"--steps {args.steps} must be a multiple of every H in {args.hs}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if llama:
+        args.dataset = prepare_dataset(args)
     config = args.work_dir / "config.toml"
     write_config(config, args)
 
-    arms = arms_for(args.hs, full=args.full)
+    arms = arms_for(args.hs, full=args.full, arch=args.arch)
     # the runs the acceptance checks need first, so a partial run already tells
     first = {"ddp": 0, f"diloco_h{args.hs[0]}_int8": 1, "single": 2}
     jobs = sorted(
@@ -332,16 +390,30 @@ def main() -> None:
 
     from diloco.plot import plot_results
 
-    plot_path = args.doc.parent / ("convergence.png" if not args.quick else "convergence-quick.png")
+    stem = f"convergence{suffix}" + ("-quick" if args.quick else "")
+    plot_path = args.doc.parent / f"{stem}.png"
     plot_results(
         [{**results[a.key][0], "label": a.label} for a in arms],
         plot_path,
-        title=f"tinyshakespeare, K={args.workers}: eval loss (seed {args.seeds[0]})",
+        title=f"tinyshakespeare, {args.arch}, K={args.workers}: eval loss (seed {args.seeds[0]})",
     )
-    command = "python bench/convergence.py" + (" --quick" if args.quick else "")
-    args.doc.parent.mkdir(parents=True, exist_ok=True)
-    args.doc.write_text(render(arms, results, args, command, plot_path.name), encoding="utf-8")
-    print(args.doc.read_text())
+    command = "python bench/convergence.py" + (" --arch llama" if llama else "")
+    command += " --quick" if args.quick else ""
+    section = render(arms, results, args, command, plot_path.name)
+    key = f"convergence-{args.arch}"
+    replace_section(args.doc, key, section, after="convergence-gpt" if llama else None)
+    print(section)
+
+
+def prepare_dataset(args: argparse.Namespace) -> Path:
+    """The corpus tokenized with a BPE trained on it (``diloco data prepare``), once."""
+    out = args.work_dir / f"dataset-bpe{args.vocab}"
+    if (out / "manifest.json").exists() and not args.fresh:
+        return out
+    cmd = [sys.executable, "-m", "client.cli", "data", "prepare", str(args.data), "--out",
+           str(out), "--tokenizer", f"train:{args.vocab}", "--force", "--quiet"]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return out
 
 
 if __name__ == "__main__":

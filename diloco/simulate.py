@@ -50,7 +50,7 @@ from diloco.data import (
     split_tokens,
 )
 from diloco.exchange import encode_delta
-from diloco.manifest import ManifestError
+from diloco.manifest import ManifestError, read_manifest
 from diloco.model import GPT
 from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
@@ -261,12 +261,13 @@ class Trained:
 Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
 
 
-def simulated_data(cfg: RunConfig, n_shards: int) -> Dataset:
+def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
     """The run's data as the simulator's workers get it: a text file split as the server
     splits it, or a prepared dataset's validation file and its training tokens dealt into
-    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens)."""
+    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens); and the config with
+    the vocabulary recorded, as the server records it at creation."""
     if cfg.data.path is not None:
-        return split_tokens(
+        return cfg, split_tokens(
             load_tokens(cfg.data.path),
             val_fraction=cfg.data.val_fraction,
             n_shards=n_shards,
@@ -275,13 +276,19 @@ def simulated_data(cfg: RunConfig, n_shards: int) -> Dataset:
         )
     assert cfg.data.dataset is not None  # the config holds exactly one of them
     try:
+        vocab = read_manifest(cfg.data.dataset).tokenizer.vocab_size
         train, val = load_prepared(cfg.data.dataset)
     except ManifestError as err:
         raise DataError(f"data.dataset: {err}") from None
+    if cfg.model.vocab_size not in (None, vocab):
+        raise DataError(
+            f"model.vocab_size: {cfg.model.vocab_size} is not the dataset's vocabulary ({vocab})"
+        )
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab})})
     shards = deal_shards(
         train, n_shards=n_shards, block_size=cfg.model.block_size, chunk_size=cfg.data.chunk_size
     )
-    return Dataset(val=val, shards=shards)
+    return cfg, Dataset(val=val, shards=shards)
 
 
 def simulate(
@@ -324,7 +331,7 @@ def simulate(
         if opts.mode == "single" and opts.single_data == "all":
             n_shards = 1
     device = torch.device(opts.device)
-    data = simulated_data(cfg, n_shards)
+    cfg, data = simulated_data(cfg, n_shards)
     torch.manual_seed(opts.seed)  # the initial global model
     model = GPT(cfg.model.gpt_config())
     started = time.perf_counter()
