@@ -310,15 +310,15 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
     the run's shapes) encoded with the run's codec, as a volunteer's client would send."""
     import torch
 
+    from diloco.architectures import build_model
     from diloco.config import parse_config
     from diloco.exchange import encode_delta
-    from diloco.model import GPT
     from diloco.train import parameters_of
     from diloco.wire import ContributionMeta, encode_contribution
 
     cfg = parse_config(lease["config"])
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in parameters_of(GPT(cfg.model.gpt_config())).items()}
+        shapes = {n: p.shape for n, p in parameters_of(build_model(cfg.model)).items()}
     tokens = cfg.inner.batch_size * cfg.model.block_size * lease["inner_steps"]
     bodies = []
     for i in range(k):

@@ -27,8 +27,8 @@ from client.api import ApiError, ServerAPI, ServerUnreachable
 from client.hardware import client_version, describe
 from client.http import RetryPolicy
 from client.training import DeviceError, resolve_device
+from diloco.architectures import build_model
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.model import GPT, VOCAB_SIZE
 from diloco.train import InnerTrainer
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -129,13 +129,13 @@ class DryRun:
 def dry_run(cfg: RunConfig, device: torch.device, *, steps: int = 3) -> DryRun:
     """One warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
     random tokens (no data needed)."""
-    model = GPT(cfg.model.gpt_config())
+    model = build_model(cfg.model)
     trainer = InnerTrainer(model, cfg.inner, total_steps=max(steps + 1, 2), device=device)
     shape = (cfg.inner.batch_size, cfg.model.block_size)
     gen = torch.Generator().manual_seed(0)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, VOCAB_SIZE, (shape[0], shape[1] + 1), generator=gen)
+        tokens = torch.randint(0, cfg.model.vocab, (shape[0], shape[1] + 1), generator=gen)
         return tokens[:, :-1], tokens[:, 1:]
 
     if device.type == "cuda":

@@ -23,12 +23,12 @@ import torch
 
 from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
+from diloco.architectures import build_model
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.codec import EncodedTensor
 from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.data import random_batch
 from diloco.exchange import encode_delta
-from diloco.model import GPT
 from diloco.outer import pseudo_gradient
 from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
 from diloco.wire import ContributionMeta, contribution_nbytes
@@ -126,7 +126,7 @@ class LocalTrainer:
                 f"the run's config from the server does not validate here ({err}); "
                 "upgrade the client (pip install -U diloco-hub)"
             ) from None
-        model = GPT(cfg.model.gpt_config())
+        model = build_model(cfg.model)
         self.trainer = InnerTrainer(
             model, cfg.inner, total_steps=cfg.total_inner_steps, device=self.device
         )

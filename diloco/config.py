@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
-from diloco.model import GPTConfig, parameter_shapes
+from diloco.model import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -268,17 +268,21 @@ def close_memory_bytes(cfg: RunConfig, *, val_bytes: int = 0) -> int:
     computed from shapes alone (nothing of the model's size is allocated):
 
         2 x 4P                                  model copies (CLOSE_MODEL_COPIES, fp32)
-      + 4 x 32 x block_size x (12 C + 3 V)      the eval forward (no grad): a block's
-                                                activations (x, ln, qkv, attention out, MLP
-                                                4C twice), and the logits in float (x3)
+      + 4 x 32 x block_size x (4 C + 2 F + 3 V) the eval forward (no grad): a block's
+                                                activations (x, norm, attention in and out:
+                                                ~4 C; the MLP's hidden width F twice), and
+                                                the logits in float (x3)
       + 2 x val_bytes                           the validation tokens, read and copied
       + 160 MiB                                 chunk buffers, slack
 
-    with P the parameter count, C the width and V the vocabulary (256 bytes)."""
-    gpt = cfg.model.gpt_config()
-    sizes = [math.prod(shape) for shape in parameter_shapes(gpt).values()]  # meta device
-    params = sum(sizes)
-    activations = EVAL_BATCH * gpt.block_size * (12 * gpt.n_embd + 3 * gpt.vocab_size)
+    with P the parameter count, C the width, F the MLP's width (4 C for gpt, the SwiGLU
+    width for llama) and V the vocabulary."""
+    from diloco.architectures import mlp_width, parameter_shapes  # it imports this module
+
+    m = cfg.model
+    params = sum(math.prod(shape) for shape in parameter_shapes(m).values())  # meta device
+    per_token = 4 * m.n_embd + 2 * mlp_width(m) + 3 * m.vocab
+    activations = EVAL_BATCH * m.block_size * per_token
     return CLOSE_MODEL_COPIES * 4 * params + 4 * activations + 2 * val_bytes + CLOSE_OVERHEAD_BYTES
 
 

@@ -8,7 +8,6 @@ same code on a volunteer's GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -27,6 +26,18 @@ class GPTConfig:
     block_size: int = 128  # longest context the positional table covers
     dropout: float = 0.0
     vocab_size: int = VOCAB_SIZE
+
+
+class LanguageModel(nn.Module):
+    """What every architecture offers (``diloco.architectures.build_model``)."""
+
+    def tie_weights(self) -> None:
+        """Share the tensors the architecture ties (again after ``to_empty``, which gives
+        every parameter its own memory) and rebuild non-parameter buffers."""
+        raise NotImplementedError
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,7 +85,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(LanguageModel):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -104,9 +115,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab), or the mean cross-entropy when ``targets`` is given."""
         T = idx.shape[1]
@@ -120,16 +128,3 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-@functools.lru_cache(maxsize=64)
-def _shapes(cfg: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
-
-
-def parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The model's parameter names and shapes, in order (built on the meta device: no
-    memory), e.g. what an upload's tensors must be."""
-    return dict(_shapes(cfg))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from diloco.architectures import build_model
 from diloco.attacks import Attack
 from diloco.config import RunConfig
 from diloco.data import (
@@ -51,7 +52,7 @@ from diloco.data import (
 )
 from diloco.exchange import encode_delta
 from diloco.manifest import ManifestError, read_manifest
-from diloco.model import GPT
+from diloco.model import LanguageModel
 from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
 from diloco.simulate_delta import DeltaReport
@@ -210,7 +211,7 @@ class Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
-    def evaluator(self, scratch: GPT) -> Callable[[Mapping[str, torch.Tensor]], float]:
+    def evaluator(self, scratch: LanguageModel) -> Callable[[Mapping[str, torch.Tensor]], float]:
         """Eval loss of a parameter set (the guard's judge), in ``scratch`` on the same
         validation windows as the round records."""
 
@@ -227,7 +228,7 @@ class Recorder:
         return evaluate_params
 
     def close_round(
-        self, model: GPT, record_type: type[RoundRecord] = RoundRecord, **fields: Any
+        self, model: LanguageModel, record_type: type[RoundRecord] = RoundRecord, **fields: Any
     ) -> None:
         eval_loss = evaluate(
             model,
@@ -258,7 +259,9 @@ class Trained:
     outer_params: dict[str, torch.Tensor] | None = None  # delta downloads: x
 
 
-Runner = Callable[[RunConfig, SimOptions, Dataset, GPT, torch.device, Progress | None], Trained]
+Runner = Callable[
+    [RunConfig, SimOptions, Dataset, LanguageModel, torch.device, Progress | None], Trained
+]
 
 
 def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
@@ -333,12 +336,12 @@ def simulate(
     device = torch.device(opts.device)
     cfg, data = simulated_data(cfg, n_shards)
     torch.manual_seed(opts.seed)  # the initial global model
-    model = GPT(cfg.model.gpt_config())
+    model = build_model(cfg.model)
     started = time.perf_counter()
     trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
     if trained.delta is not None and trained.outer_params is not None:  # x's, for information
-        exact = GPT(cfg.model.gpt_config())
+        exact = build_model(cfg.model)
         load_parameters(exact, trained.outer_params)
         trained.delta.final_eval_loss_outer = evaluate(
             exact, data.val, block_size=cfg.model.block_size, device=device
@@ -369,7 +372,7 @@ def _run_baseline(
     cfg: RunConfig,
     opts: SimOptions,
     data: Dataset,
-    model: GPT,
+    model: LanguageModel,
     device: torch.device,
     progress: Progress | None,
 ) -> Trained:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save as safetensors_save
 
+from diloco.architectures import build_model
 from diloco.attacks import hostile_body
 from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.data import Dataset
-from diloco.model import GPT
+from diloco.model import LanguageModel
 from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import assign_lease
 from diloco.simulate import (
@@ -40,7 +41,7 @@ def run_diloco(
     cfg: RunConfig,
     opts: SimOptions,
     data: Dataset,
-    model: GPT,
+    model: LanguageModel,
     device: torch.device,
     progress: Progress | None,
 ) -> Trained:
@@ -65,14 +66,14 @@ def run_diloco(
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
     trainers, streams = [], []
     for i in range(K):
-        worker_model = GPT(cfg.model.gpt_config())
+        worker_model = build_model(cfg.model)
         trainers.append(
             InnerTrainer(worker_model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
         )
         streams.append(batch_source(data.shards[i], cfg, stream_generator(opts.seed, i)))
     drops = stream_generator(opts.seed, 10_000)
     recorder = Recorder(cfg, opts, data, device, progress)
-    evaluate_params = recorder.evaluator(GPT(cfg.model.gpt_config()))
+    evaluate_params = recorder.evaluator(build_model(cfg.model))
     base_loss = evaluate_params(outer.params)
     history: list[float] = []  # norms of aggregated contributions: the clipping's reference
     earlier: dict[int, dict[str, torch.Tensor]] = {}  # each worker's Δ of the round before

@@ -32,9 +32,10 @@ from datetime import UTC, datetime, timedelta
 
 import torch
 
+from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.data import Dataset
-from diloco.model import GPT
+from diloco.model import LanguageModel
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import Action, Refusal, RunStatus, UploadClaim
 from diloco.simulate import (
@@ -94,7 +95,7 @@ def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, i
         cfg: RunConfig,
         opts: SimOptions,
         data: Dataset,
-        model: GPT,
+        model: LanguageModel,
         device: torch.device,
         progress: Progress | None,
     ) -> Trained:
@@ -110,7 +111,7 @@ class _ProtocolRun:
         opts: SimOptions,
         proto: ProtocolOptions,
         data: Dataset,
-        model: GPT,
+        model: LanguageModel,
         device: torch.device,
         progress: Progress | None,
     ) -> None:
@@ -123,7 +124,7 @@ class _ProtocolRun:
             opts=opts,
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
-            evaluate=Recorder(cfg, opts, data, device, None).evaluator(GPT(cfg.model.gpt_config())),
+            evaluate=Recorder(cfg, opts, data, device, None).evaluator(build_model(cfg.model)),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
         self.heartbeat_every = timedelta(
@@ -140,7 +141,7 @@ class _ProtocolRun:
                 name=f"v{i}",
                 step=timedelta(seconds=proto.step_s / speed),
                 trainer=InnerTrainer(
-                    GPT(cfg.model.gpt_config()),
+                    build_model(cfg.model),
                     cfg.inner,
                     total_steps=cfg.total_inner_steps,
                     device=device,

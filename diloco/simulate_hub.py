@@ -37,7 +37,7 @@ from safetensors.torch import save as safetensors_save
 
 from diloco.codec import Int8Codec
 from diloco.config import RunConfig
-from diloco.model import GPT
+from diloco.model import LanguageModel
 from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import (
     admit_claim,
@@ -169,7 +169,7 @@ class Hub:
         cfg: RunConfig,
         settings: HubSettings,
         *,
-        model: GPT,
+        model: LanguageModel,
         opts: SimOptions,
         n_shards: int,
         now: datetime,

@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 
 import torch
 
+from diloco.architectures import parameter_shapes
 from diloco.codec import make_codec
 from diloco.config import RunConfig
 from diloco.guard import Stepped, guarded_step
-from diloco.model import parameter_shapes
 from diloco.outer import OuterOptimizer
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
@@ -117,5 +117,5 @@ def open_round(cfg: RunConfig, index: int) -> RoundDesk:
 
 
 def _model(cfg: RunConfig) -> tuple[dict[str, tuple[int, ...]], dict]:
-    shapes = parameter_shapes(cfg.model.gpt_config())
+    shapes = parameter_shapes(cfg.model)
     return shapes, make_codec(cfg.compression.kind, cfg.compression.block_size).describe()

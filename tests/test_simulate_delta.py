@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
+from diloco.architectures import parameter_shapes
 from diloco.codec import Int8Codec
 from diloco.delta import apply_delta, read_delta, write_delta
-from diloco.model import GPT, parameter_shapes
+from diloco.model import GPT
 from diloco.simulate import SimOptions, simulate
 from diloco.simulate_delta import Ledger, Publisher, delta_nbytes
 from diloco.simulate_server import SIM_RUN_ID
@@ -58,7 +59,7 @@ def test_theta_is_theta0_plus_the_deltas_read_back_from_their_files(tmp_path):
     torch.manual_seed(0)
     cfg = tiny_config(tmp_path / "unused.txt")
     x0 = snapshot(GPT(cfg.model.gpt_config()))
-    shapes = parameter_shapes(cfg.model.gpt_config())
+    shapes = parameter_shapes(cfg.model)
     codec = Int8Codec(256)
     publisher = Publisher(x0, codec)
 
@@ -167,7 +168,7 @@ def test_delta_mode_final_theta_is_theta0_plus_every_rounds_delta_file(cfg, tmp_
     # Prepare: θ_0 is the seed's initial model, as simulate builds it
     torch.manual_seed(2)
     theta = snapshot(GPT(cfg.model.gpt_config()))
-    shapes = parameter_shapes(cfg.model.gpt_config())
+    shapes = parameter_shapes(cfg.model)
 
     # Execute
     result = simulate(cfg, SimOptions(workers=2, seed=2, downloads="delta", delta_dir=tmp_path))
@@ -227,7 +228,7 @@ def test_protocol_mode_with_delta_downloads_is_deterministic_and_counts_deltas(c
     assert full.bytes_down_per_worker == R * report.checkpoint_bytes
     assert first.bytes_down_per_worker == report.checkpoint_bytes + (R - 1) * report.delta_bytes
     # and θ is θ_0 with every version's delta file applied in order
-    shapes = parameter_shapes(cfg.model.gpt_config())
+    shapes = parameter_shapes(cfg.model)
     for path in sorted(tmp_path.glob("delta-*.safetensors")):
         apply_delta(theta, read_delta(path, shapes))
     for name, tensor in first.final_params.items():

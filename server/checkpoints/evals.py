@@ -23,9 +23,9 @@ import torch
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.model import GPT
 from diloco.tensorfile import TensorFileReader
 from diloco.train import evaluate, parameters_of
 from server.checkpoints.models import Checkpoint
@@ -49,7 +49,7 @@ def evaluate_file(
     """The eval loss of the parameters in ``params_path``, read straight into the model's
     own memory (one copy of the model)."""
     with torch.device("meta"):
-        model = GPT(cfg.model.gpt_config())
+        model = build_model(cfg.model)
     model.to_empty(device="cpu")
     model.tie_weights()
     with TensorFileReader(params_path) as f:

@@ -16,8 +16,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.architectures import parameter_shapes
 from diloco.config import RunConfig, parse_config
-from diloco.model import parameter_shapes
 from diloco.protocol.rules import decide_close
 from diloco.protocol.state import (
     ClosePolicy,
@@ -57,7 +57,7 @@ def view_of(rnd: Round) -> RoundView:
 
 def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of the run's model (built on the meta device: no memory)."""
-    return parameter_shapes(cfg.model.gpt_config())
+    return parameter_shapes(cfg.model)
 
 
 def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:

@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.architectures import build_model, parameter_shapes
 from diloco.config import RunConfig, close_memory_bytes
-from diloco.model import GPT, parameter_shapes
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
@@ -54,7 +54,7 @@ def check_memory(cfg: RunConfig, *, settings: Settings, data_bytes: int) -> None
     need = close_memory_bytes(cfg, val_bytes=int(data_bytes * cfg.data.val_fraction))
     share = settings.close_memory_share
     if need > share:
-        n_params = sum(math.prod(s) for s in parameter_shapes(cfg.model.gpt_config()).values())
+        n_params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
         raise ModelTooLarge(
             f"model: a round close of this model ({n_params:,} parameters) needs about "
             f"{need / GIB:.1f} GiB, over the {share / GIB:.1f} GiB one close may use on this "
@@ -75,7 +75,7 @@ def _prepare_files(
             storage, run_id=run_id, cfg=cfg, source=source, n_shards=n_shards
         )
         torch.manual_seed(seed)
-        model = GPT(cfg.model.gpt_config())
+        model = build_model(cfg.model)
         params = parameters_of(model)
         hparams = {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum}
         files = checkpoints_service.write_initial(
