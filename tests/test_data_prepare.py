@@ -182,7 +182,7 @@ def test_a_parquet_without_a_text_column_lists_its_columns(tmp_path):
 
 def test_a_corpus_too_small_for_training_tokens_and_a_full_out_dir_are_refused(tmp_path):
     (tiny := tmp_path / "t.txt").write_text("abc", encoding="utf-8")
-    with pytest.raises(PrepareError, match="is all validation.*pass a smaller --val-block"):
+    with pytest.raises(PrepareError, match=r"is all validation.*pass a smaller --val-block"):
         prepare([tiny], tmp_path / "ds", SMALL)  # 4 tokens: one block, held out
     (big := tmp_path / "b.txt").write_text("abc" * 100, encoding="utf-8")
     (full := tmp_path / "full").mkdir()
