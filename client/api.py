@@ -15,6 +15,7 @@ opened, or the server answered 503 ``unavailable``, 408 or 429.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -283,15 +284,23 @@ class ServerAPI(ApiSession):
 
     # ---------------------------------------------------------------- runs (admin for writes)
 
-    async def create_run(self, config: Mapping[str, Any], data_path: Path) -> dict[str, Any]:
-        """POST /runs as multipart: ``config`` (JSON text) and ``data`` (the file, streamed)."""
-        url, data_path = self.url("/runs"), Path(data_path)
+    async def create_run(
+        self, config: Mapping[str, Any], data_path: Path | None, init_path: Path | None = None
+    ) -> dict[str, Any]:
+        """POST /runs as multipart: ``config`` (JSON text), ``data`` (a text run's file,
+        streamed; none for a dataset run) and ``init`` (starting weights, safetensors)."""
+        url = self.url("/runs")
 
         async def once() -> dict[str, Any]:
-            with open(data_path, "rb") as f:
+            with contextlib.ExitStack() as files:
                 form = aiohttp.FormData()
                 form.add_field("config", json.dumps(config), content_type="application/json")
-                form.add_field("data", f, filename=data_path.name, content_type="text/plain")
+                parts = [("data", data_path, "text/plain")]
+                parts.append(("init", init_path, "application/octet-stream"))
+                for field, path, kind in parts:
+                    if path is not None:
+                        f = files.enter_context(open(path, "rb"))
+                        form.add_field(field, f, filename=Path(path).name, content_type=kind)
                 async with self._http().post(
                     url, data=form, headers=self._headers(), timeout=self._transfer_timeout
                 ) as resp:
@@ -300,6 +309,52 @@ class ServerAPI(ApiSession):
                     return await json_object(resp)
 
         return await self._with_retries("create run", once, idempotent=False)
+
+    # ---------------------------------------------------------------- datasets (admin)
+
+    async def register_dataset(self, manifest: bytes) -> dict[str, Any]:
+        """POST /datasets with the manifest: the dataset's id and its files' states."""
+        url = self.url("/datasets")
+
+        async def once() -> dict[str, Any]:
+            headers = self._headers({"Content-Type": "application/json"})
+            async with self._http().post(
+                url, data=manifest, headers=headers, timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                return await json_object(resp)
+
+        return await self._with_retries("dataset registration", once)
+
+    async def dataset(self, dataset_id: str) -> dict[str, Any]:
+        return await self._json("GET", f"/datasets/{dataset_id}")
+
+    async def upload_dataset_file(
+        self, dataset_id: str, name: str, path: Path, on_bytes: Callable[[int], None]
+    ) -> bool:
+        """PUT one file of a dataset, streamed; False when the server had it already.
+        A retry after a cut starts the file again (the server kept nothing of it)."""
+        url, size = self.url(f"/datasets/{dataset_id}/files/{name}"), path.stat().st_size
+
+        async def body() -> AsyncIterator[bytes]:
+            with open(path, "rb") as f:
+                while block := f.read(CHUNK):
+                    on_bytes(len(block))
+                    yield block
+
+        async def once() -> bool:
+            headers = self._headers(
+                {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+            )
+            async with self._http().put(
+                url, data=body(), headers=headers, timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                return resp.status == 201
+
+        return await self._with_retries(f"upload of {name}", once)
 
     async def list_runs(self) -> list[dict[str, Any]]:
         """Every run, newest first."""

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from client import account_cli, simulate_cli, volunteer_cli
+from client import account_cli, export_cli, sample_cli, simulate_cli, volunteer_cli
 from client.account_cli import Device
 from client.cli_support import ExitStatus, exit_status_for, fail
+from client.data_cli import data_app
 from client.run_cli import run_app
 
 if TYPE_CHECKING:  # imported where used: they load torch
@@ -30,13 +31,16 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+run_app.command("export")(export_cli.export)
 app.add_typer(run_app, name="run")
+app.add_typer(data_app, name="data")
 app.command()(account_cli.register)
 app.command("rotate-token")(account_cli.rotate_token)
 app.command()(volunteer_cli.doctor)
 app.command()(volunteer_cli.me)
 app.command()(simulate_cli.simulate)
 app.command("plot")(simulate_cli.plot_cmd)
+app.command()(sample_cli.sample)
 
 
 @app.command()

@@ -27,7 +27,7 @@ from rich.progress import (
 from client.cli_support import ExitStatus, fail
 
 data_app = typer.Typer(
-    help="Prepare tokenized datasets for runs (`[data] dataset = DIR`).", no_args_is_help=True
+    help="Prepare tokenized datasets for runs (a run config's data.dataset).", no_args_is_help=True
 )
 Report = Callable[[str, int], None]  # (stage, bytes done)
 Quiet = Annotated[

@@ -16,7 +16,9 @@ from rich.table import Table
 
 from client.api import ServerAPI
 from client.cli_support import ExitStatus, fail, run_api
+from client.dataset_upload import upload_dataset
 from diloco.config import ConfigError, load_config
+from diloco.manifest import ManifestError, read_manifest
 
 run_app = typer.Typer(
     help="Create and manage training runs on a server (writes need the admin token).",
@@ -99,20 +101,30 @@ def create(
     admin_token: AdminToken = None,
     as_json: AsJson = False,
 ) -> None:
-    """Create a run from a TOML config; the data file it names is uploaded with it."""
+    """Create a run from a TOML config; the data file or prepared dataset it names is
+    uploaded with it (a dataset: only the files the server lacks, resumable)."""
     try:
         cfg = load_config(config)  # fail fast, naming the key, before anything is sent
     except ConfigError as err:
         fail(str(err), ExitStatus.USAGE)
-    if cfg.data.path is None:
-        fail("data.dataset: this client cannot upload a prepared dataset yet", ExitStatus.USAGE)
-    data_path = Path(cfg.data.path)
-    if not data_path.is_file():
-        fail(f"data file {data_path} (data.path in {config}) does not exist", ExitStatus.DATA)
     raw = tomllib.loads(config.read_text(encoding="utf-8"))
-    raw["data"]["path"] = data_path.name  # the server keeps the original file name
+    data_path: Path | None = None
+    dataset: Path | None = None
+    if cfg.data.path is not None:
+        data_path = Path(cfg.data.path)
+        if not data_path.is_file():
+            fail(f"data file {data_path} (data.path in {config}) does not exist", ExitStatus.DATA)
+        raw["data"]["path"] = data_path.name  # the server keeps the original file name
+    elif cfg.data.dataset is not None and not cfg.data.dataset.startswith("ds_"):
+        dataset = Path(cfg.data.dataset)
+        try:
+            read_manifest(dataset)
+        except ManifestError as err:
+            fail(f"data.dataset: {err}", ExitStatus.DATA)
 
     async def call(api: ServerAPI) -> dict[str, Any]:
+        if dataset is not None:
+            raw["data"]["dataset"] = await upload_dataset(api, dataset, quiet=as_json)
         return await api.create_run(raw, data_path)
 
     run = run_api(server, admin_token, call)

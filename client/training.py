@@ -27,7 +27,7 @@ from diloco.architectures import build_model
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.codec import EncodedTensor
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.data import random_batch
+from diloco.data import random_batch, range_batches, range_windows
 from diloco.exchange import encode_delta
 from diloco.outer import pseudo_gradient
 from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
@@ -72,18 +72,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:
-    """The shard file as uint8 tokens ``(nbytes / chunk_len, chunk_len)``."""
+    """A text run's shard as uint8 tokens ``(nbytes / chunk_len, chunk_len)``; a dataset
+    run's lease range (``lease.data_range``) as a 1-D int64 tensor, read from the shard file
+    by offset (the rest of the shard is never loaded)."""
     ref = lease.shard
-    if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len:
+    dtype = np.dtype(ref.dtype).newbyteorder("<")
+    if path.stat().st_size != ref.nbytes:
+        raise ProtocolError(
+            f"shard {path} holds {path.stat().st_size} bytes, the lease says {ref.nbytes}"
+        )
+    rng = lease.data_range
+    if rng is not None:
+        total = ref.nbytes // dtype.itemsize
+        if rng.start < 0 or rng.tokens < block_size + 1 or rng.start + rng.tokens > total:
+            raise ProtocolError(
+                f"shard {ref.index}: the lease's range [{rng.start}, {rng.start + rng.tokens}) "
+                f"is not inside its {total} tokens or holds no window; tell the run's operator"
+            )
+        part = np.fromfile(path, dtype=dtype, count=rng.tokens, offset=rng.start * dtype.itemsize)
+        return torch.from_numpy(part.astype(np.int64))
+    if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len or ref.dtype != "uint8":
         raise ProtocolError(
             f"shard {ref.index}: chunk_len {ref.chunk_len} must exceed block_size {block_size} "
-            f"and divide nbytes {ref.nbytes}; tell the run's operator"
+            f"and divide nbytes {ref.nbytes} (uint8 tokens); tell the run's operator"
         )
     tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
-    if tokens.numel() != ref.nbytes:
-        raise ProtocolError(
-            f"shard {path} holds {tokens.numel()} bytes, the lease says {ref.nbytes}"
-        )
     return tokens.view(ref.nbytes // ref.chunk_len, ref.chunk_len)  # (n_chunks, chunk_len)
 
 
@@ -192,7 +205,21 @@ class LocalTrainer:
         tokens_per_step = cfg.inner.batch_size * cfg.model.block_size
         steps = lease.inner_steps
 
+        if lease.data_range is not None:  # each window of the range once, in a seeded order
+            batches = range_batches(
+                shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
+                generator=gen,
+            )  # fmt: skip
+            available = range_windows(int(shard.numel()), cfg.model.block_size)
+            if available // cfg.inner.batch_size < steps:
+                raise ProtocolError(
+                    f"the lease's range holds {available} windows, fewer than {steps} steps of "
+                    f"{cfg.inner.batch_size}; tell the run's operator"
+                )
+
         def next_batch() -> tuple[torch.Tensor, torch.Tensor]:  # (B, T), (B, T)
+            if lease.data_range is not None:
+                return next(batches)
             return random_batch(
                 shard,
                 batch_size=cfg.inner.batch_size,

@@ -143,6 +143,27 @@ def random_batch(
     return windows[:, :-1], windows[:, 1:]
 
 
+def range_windows(n_tokens: int, block_size: int) -> int:
+    """How many non-overlapping windows of block_size + 1 tokens (sharing their edge token)
+    a range of ``n_tokens`` holds."""
+    return max(0, (n_tokens - 1) // block_size)
+
+
+def range_batches(
+    tokens: torch.Tensor, *, batch_size: int, block_size: int, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A dataset lease's batches: the range's windows (window i = tokens[i·T : i·T + T + 1])
+    in an order permuted by ``generator``, ``batch_size`` at a time, each window exactly
+    once; a last partial batch is dropped. Inputs (B, T) and targets (B, T), int64."""
+    n = range_windows(int(tokens.numel()), block_size)
+    order = torch.randperm(n, generator=generator)
+    offsets = torch.arange(block_size + 1)
+    for first in range(0, n - batch_size + 1, batch_size):
+        starts = order[first : first + batch_size] * block_size
+        windows = tokens[starts[:, None] + offsets].long()  # (B, T + 1)
+        yield windows[:, :-1], windows[:, 1:]
+
+
 def eval_batches(
     val: torch.Tensor, *, batch_size: int, block_size: int, max_windows: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

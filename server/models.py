@@ -2,6 +2,7 @@
 
 from server.checkpoints.models import Checkpoint
 from server.contributors.models import Contributor
+from server.datasets.models import Dataset, DataUnit
 from server.rounds.models import Contribution, Lease, Round, UploadRejection
 from server.runs.models import Run, RunMember
 
@@ -9,6 +10,8 @@ __all__ = [
     "Checkpoint",
     "Contribution",
     "Contributor",
+    "DataUnit",
+    "Dataset",
     "Lease",
     "Round",
     "Run",

@@ -105,7 +105,20 @@ class CheckpointRef(FileRef):
 
 class ShardRef(FileRef):
     index: int
-    chunk_len: int  # the shard is uint8 tokens, row-major (nbytes / chunk_len, chunk_len)
+    # a text run's shard: uint8 tokens, row-major (nbytes / chunk_len, chunk_len); a
+    # dataset run's: ``dtype`` tokens, little-endian, one row (chunk_len = its tokens)
+    chunk_len: int
+    dtype: Literal["uint8", "uint16", "uint32"] = "uint8"
+
+
+class DataRange(_Message):
+    """The tokens of the shard a dataset run's lease trains on: ``[start, start + tokens)``,
+    read as (tokens − 1) / block_size windows of block_size + 1 tokens, each exactly once
+    (``diloco.data.range_batches``). ``unit`` is its id in the run's coverage."""
+
+    unit: int
+    start: int
+    tokens: int
 
 
 class UploadTarget(_Message):
@@ -138,6 +151,7 @@ class Lease(_Message):
     heartbeat_interval_s: float
     max_upload_bytes: int
     upload: UploadTarget | None = None  # None: PUT the body to the server (local storage)
+    data_range: DataRange | None = None  # None: a text run's random windows of the shard
 
 
 class HeartbeatIn(_Message):

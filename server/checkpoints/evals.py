@@ -55,7 +55,7 @@ def evaluate_file(
     with TensorFileReader(params_path) as f:
         for name, p in parameters_of(model).items():
             f.read_into(name, 0, p.data.view(-1))
-    val = run_data.load_val(storage, run_id)
+    val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
     return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)
 
 

@@ -155,13 +155,14 @@ def _delta_ref(
 async def shard(
     run_id: RunId, index: ShardIndex, request: Request, session: SessionDep
 ) -> Response:
-    """A training shard: uint8 tokens, row-major (nbytes / chunk_len, chunk_len)."""
+    """A training shard: a text run's uint8 tokens, row-major (nbytes / chunk_len,
+    chunk_len), or a dataset run's shard file (its dtype: ``data.token_dtype``)."""
     run = await runs_service.get(session=session, run_id=run_id)
     if not 0 <= index < run.n_shards:
         raise NotFound(f"run {run_id} has shards 0..{run.n_shards - 1}, not {index}")
     return serve_blob(
         request,
-        run_data.shard_key(run_id, index),
+        run_data.shard_object(run_id, run.dataset_id, index),
         etag=run.shards[index]["sha256"],
         media_type="application/octet-stream",
         headers={"X-Chunk-Len": str(run.chunk_len)},

@@ -61,6 +61,7 @@ from server.errors import (
 from server.rounds import notify
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Lease, Round
+from server.runs import coverage
 from server.runs import service as runs_service
 from server.runs.models import Run
 from server.settings import Settings
@@ -261,6 +262,7 @@ async def receive(
                 return _retry_answer(raced, sha)
             assert lease_id is not None
             row_id = f"con_{secrets.token_hex(8)}"
+            weight = upload_weight(meta.tokens, cfg.lease_tokens)
             inserted = await session.scalar(
                 insert(Contribution)
                 .values(
@@ -277,7 +279,7 @@ async def receive(
                     sha256=sha,
                     blob_key=key,
                     created_at=datetime.now(UTC),
-                    weight=upload_weight(meta.tokens, cfg.lease_tokens),
+                    weight=weight,
                     norm=inspection.norm,
                     payload_sha256=inspection.payload_sha256,
                 )
@@ -300,6 +302,8 @@ async def receive(
                     raise DuplicateContribution("a concurrent upload conflicted; retry")
                 storage.delete(key)
                 return _retry_answer(raced, sha)
+            # what it trained on is covered (a dataset run's unit; nothing for a text run)
+            await coverage.record(session, lease_id=lease_id, tokens=weight)
             await notify.rounds_changed(session, run_id)
     except BaseException:
         storage.delete(key)

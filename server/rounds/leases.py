@@ -25,7 +25,7 @@ from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import parse_config
-from diloco.protocol.messages import CheckpointRef, HeartbeatOut, Lease, ShardRef
+from diloco.protocol.messages import CheckpointRef, DataRange, HeartbeatOut, Lease, ShardRef
 from diloco.protocol.rules import admit_heartbeat, admit_join, assign_lease
 from diloco.protocol.state import (
     HeartbeatFacts,
@@ -41,6 +41,7 @@ from server.auth import UNKNOWN_TOKEN, banned, hash_token
 from server.checkpoints.service import version_keys
 from server.errors import (
     HubError,
+    Internal,
     LeaseNotFound,
     NotInvited,
     RunNotFound,
@@ -51,7 +52,8 @@ from server.files import read_url
 from server.rounds import service as rounds_service
 from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
-from server.runs.data import shard_key
+from server.runs import coverage
+from server.runs.data import shard_object
 from server.settings import Settings
 from server.storage import Storage
 
@@ -88,8 +90,9 @@ WITH {_ME},
 cur AS (SELECT max(index) AS index FROM rounds WHERE run_id = $3 AND state <> 'closed')
 SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, run.n_shards,
        run.chunk_len, run.shards::text AS shards, run.config::text AS config,
+       run.dataset_id, run.token_dtype,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
-       l.id AS lease_id, l.shard, l.seed, l.last_heartbeat, l.expires_at,
+       l.id AS lease_id, l.shard, l.unit, l.seed, l.last_heartbeat, l.expires_at,
        c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
        EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
                AND m.contributor_id = me.id) AS member,
@@ -109,15 +112,15 @@ RETURNING leases_issued - 1
 """
 NEW_LEASE = """
 INSERT INTO leases (id, run_id, round_index, contributor_id, shard, seed, issued_at,
-                    last_heartbeat, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)
+                    last_heartbeat, expires_at, unit)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9)
 ON CONFLICT ON CONSTRAINT uq_leases_run_id_round_index_contributor_id
 DO UPDATE SET last_heartbeat = EXCLUDED.last_heartbeat, expires_at = EXCLUDED.expires_at
-RETURNING id, shard, seed, expires_at
+RETURNING id, shard, unit, seed, expires_at
 """
 RENEW_LEASE = """
 UPDATE leases SET last_heartbeat = $2, expires_at = $3 WHERE id = $1
-RETURNING id, shard, seed, expires_at
+RETURNING id, shard, unit, seed, expires_at
 """
 BAN = "SELECT banned_at, ban_reason FROM contributors WHERE token_hash = $1"
 
@@ -199,20 +202,30 @@ async def join(
             work = assign_lease(
                 ordinal, round=view.index, run_seed=row["run_seed"], n_shards=row["n_shards"]
             )
+            shard, unit = work.shard, None
+            if row["dataset_id"] is not None:  # the data least trained on (server.runs.coverage)
+                unit = await conn.fetchrow(coverage.PICK_UNIT, run_id, now)
+                if unit is None:
+                    raise Internal(f"run {run_id} has no data units; it cannot hand out leases")
+                shard = unit["shard"]
             lease = await conn.fetchrow(
                 NEW_LEASE,
                 f"lease_{secrets.token_hex(8)}",
                 run_id,
                 view.index,
                 row["contributor_id"],
-                work.shard,
+                shard,
                 work.seed,
                 now,
                 grant.expires_at,
+                None if unit is None else unit["unit"],
             )
         else:
             lease = await conn.fetchrow(RENEW_LEASE, row["lease_id"], now, grant.expires_at)
-    return _lease_answer(settings, storage, run_id, view, row, lease, now)
+        unit = None
+        if lease["unit"] is not None:
+            unit = await conn.fetchrow(coverage.UNIT_OF, run_id, lease["unit"])
+    return _lease_answer(settings, storage, run_id, view, row, lease, unit, now)
 
 
 def _lease_answer(
@@ -222,12 +235,14 @@ def _lease_answer(
     rnd: RoundView,
     row: asyncpg.Record,
     lease: asyncpg.Record,
+    unit: asyncpg.Record | None,
     now: datetime,
 ) -> Lease:
     config, shards = _static(row["config"], row["shards"])
     cfg = parse_config(config)
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
+    dataset = row["dataset_id"]
     checkpoint_key = version_keys(run_id, version).params
     return Lease(
         lease_id=lease["id"],
@@ -245,12 +260,19 @@ def _lease_answer(
         shard=ShardRef(
             index=index,
             url=read_url(
-                settings, storage, shard_key(run_id, index), f"{API}/runs/{run_id}/shards/{index}"
+                settings,
+                storage,
+                shard_object(run_id, dataset, index),
+                f"{API}/runs/{run_id}/shards/{index}",
             ),
             sha256=shard["sha256"],
             nbytes=shard["nbytes"],
-            chunk_len=row["chunk_len"],
+            chunk_len=row["chunk_len"] if dataset is None else shard["tokens"],
+            dtype=row["token_dtype"],
         ),
+        data_range=None
+        if unit is None
+        else DataRange(unit=unit["unit"], start=unit["start"], tokens=unit["tokens"]),
         config=config,
         inner_steps=cfg.inner.steps,
         start_step=rnd.base_version * cfg.inner.steps,

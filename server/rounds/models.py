@@ -83,6 +83,7 @@ class Lease(Base):
         String(32), ForeignKey("contributors.id", ondelete="CASCADE"), index=True
     )
     shard: Mapped[int] = mapped_column(Integer)
+    unit: Mapped[int | None] = mapped_column(Integer, default=None)  # data_units.unit (datasets)
     seed: Mapped[int] = mapped_column(BigInteger)
     issued_at: Mapped[datetime] = mapped_column(server_default=func.now())
     last_heartbeat: Mapped[datetime] = mapped_column()

@@ -11,6 +11,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.data import DataError, load_tokens, split_tokens
+from diloco.manifest import VAL, token_dtype
 from server.errors import InvalidData
 from server.storage import Storage
 
@@ -57,6 +58,29 @@ def split_and_store(
     }
 
 
-def load_val(storage: Storage, run_id: str) -> torch.Tensor:
-    raw = storage.read_bytes(val_key(run_id))
-    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+def dataset_file_key(dataset_id: str, name: str) -> str:
+    return f"datasets/{dataset_id}/{name}"
+
+
+def shard_object(run_id: str, dataset_id: str | None, index: int) -> str:
+    """Where a run's training shard ``index`` is: the dataset's file, or the run's own."""
+    if dataset_id is None:
+        return shard_key(run_id, index)
+    return dataset_file_key(dataset_id, f"shard-{index:05d}.bin")
+
+
+def load_val(storage: Storage, run_id: str, cfg: RunConfig, *, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` validation tokens (all of a shorter file) as int64: a text
+    run's uint8 tail, or a dataset's val.bin in its dtype. Only that prefix is read."""
+    if cfg.data.dataset is None:
+        key, dtype = val_key(run_id), np.dtype(np.uint8)
+    else:
+        key = dataset_file_key(cfg.data.dataset, VAL)
+        dtype = np.dtype(token_dtype(cfg.model.vocab)).newbyteorder("<")
+    want, raw = tokens * dtype.itemsize, bytearray()
+    for chunk in storage.read_chunks(key):
+        raw += chunk
+        if len(raw) >= want:
+            break
+    usable = min(len(raw), want) // dtype.itemsize * dtype.itemsize
+    return torch.from_numpy(np.frombuffer(bytes(raw[:usable]), dtype=dtype).astype(np.int64))

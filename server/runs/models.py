@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, func
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -39,6 +39,14 @@ class Run(Base):
     # sha256 of the invite code: while set, the run is private (joining needs membership,
     # RunMember, which the code grants); None: anyone may join
     invite_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    # a run on a prepared dataset: its id (files under datasets/<id>/) and token dtype; a
+    # text-file run keeps its own uint8 shards under runs/<id>/data/
+    dataset_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("datasets.id", ondelete="RESTRICT"), default=None
+    )
+    token_dtype: Mapped[str] = mapped_column(
+        String(8), default="uint8", server_default=text("'uint8'")
+    )
 
 
 class RunMember(Base):

@@ -9,15 +9,16 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
-from diloco.config import ConfigError, parse_config
+from diloco.config import ConfigError, RunConfig, parse_config
 from server import retention
 from server.auth import AdminAuth, ContributorAuth
 from server.db import SessionDep
 from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
 from server.inputs import RunId, check_text
 from server.rounds import service as rounds_service
-from server.runs import service, usage
+from server.runs import coverage, service, usage
 from server.runs.schemas import (
+    Coverage,
     Invite,
     KindUsage,
     Member,
@@ -50,7 +51,8 @@ CREATE_BODY = {
 
 @router.post("", status_code=201, openapi_extra=CREATE_BODY)
 async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
-    """Create a run from a config (JSON) and its data file (multipart)."""
+    """Create a run from a config (JSON) and its data: a text file (multipart ``data``), or
+    a prepared dataset already uploaded (``data.dataset`` = its id, no file part)."""
     settings = request.app.state.settings
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > settings.max_data_bytes:
@@ -59,20 +61,22 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
         raw, data = form.get("config"), form.get("data")
         if not isinstance(raw, str):
             raise InvalidRequest("config: a multipart field with the run config as JSON is needed")
+        cfg = _parse_config(raw)
+        if cfg.data.dataset is not None:
+            if data is not None:
+                raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")
+            run = await service.create_on_dataset(
+                session=session, storage=request.app.state.storage, settings=settings, cfg=cfg
+            )
+            return await service.view(
+                session=session, settings=settings, run=run, now=datetime.now(UTC)
+            )
         if not isinstance(data, UploadFile):
             raise InvalidRequest("data: a multipart file part with the training text is needed")
-        try:
-            parsed = json.loads(raw)
-        except (ValueError, RecursionError) as err:  # also: huge integers, deep nesting
-            raise InvalidConfig(f"config: not valid JSON: {err}") from None
-        if not isinstance(parsed, dict):
-            raise InvalidConfig("config: must be a JSON object")
-        try:
-            cfg = parse_config(parsed)
-        except ConfigError as err:
-            raise InvalidConfig(str(err)) from None
         # before anything of the model's size exists: can this server close its rounds?
-        service.check_memory(cfg, settings=settings, data_bytes=data.size or 0)
+        service.check_memory(
+            cfg, settings=settings, val_bytes=int((data.size or 0) * cfg.data.val_fraction)
+        )
         tmp_dir = Path(settings.data_dir) / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:
@@ -93,6 +97,27 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
                 ),
             )
     return await service.view(session=session, settings=settings, run=run, now=datetime.now(UTC))
+
+
+def _parse_config(raw: str) -> RunConfig:
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # also: huge integers, deep nesting
+        raise InvalidConfig(f"config: not valid JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidConfig("config: must be a JSON object")
+    try:
+        return parse_config(parsed)
+    except ConfigError as err:
+        raise InvalidConfig(str(err)) from None
+
+
+@router.get("/{run_id}/coverage")
+async def run_coverage(run_id: RunId, session: SessionDep) -> Coverage:
+    """What the run has trained on: tokens and epochs; for a dataset run, its units (a
+    lease's tokens of one shard) handed out and covered, and per shard."""
+    run = await service.get(session=session, run_id=run_id)
+    return await coverage.view(session, run)
 
 
 @router.get("")

@@ -48,6 +48,34 @@ class DataInfo(BaseModel):
     val_tokens: int
     n_shards: int
     chunk_len: int
+    dataset_id: str | None = None  # a run on a prepared dataset (None: a text file)
+    token_dtype: str = "uint8"
+    tokens_trained: int = 0  # the accepted contributions' weights, in tokens
+    epochs: float = 0.0  # tokens_trained / train_tokens
+
+
+class ShardCoverage(BaseModel):
+    index: int
+    units: int
+    units_trained: int  # covered by at least one accepted contribution
+    tokens_trained: int
+
+
+class Coverage(BaseModel):
+    """``GET /runs/{id}/coverage``: what the run has trained on. Units (a lease's tokens of
+    one shard) exist for dataset runs only; a text-file run has the totals alone."""
+
+    run_id: str
+    train_tokens: int
+    tokens_trained: int
+    epochs: float
+    units: int = 0
+    units_issued: int = 0  # handed out at least once
+    units_trained: int = 0  # covered at least once
+    min_passes: int = 0  # the fewest times any unit was trained on
+    max_passes: int = 0
+    unit_tokens: int = 0  # training tokens inside units (a shard's tail shorter is not)
+    shards: list[ShardCoverage] = Field(default_factory=list)
 
 
 class RunOut(BaseModel):

@@ -21,7 +21,10 @@ from diloco.config import RunConfig, close_memory_bytes
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
+from server.datasets import service as datasets_service
 from server.errors import (
+    InvalidConfig,
+    InvalidData,
     InvalidInvite,
     InvalidTransition,
     ModelTooLarge,
@@ -29,6 +32,7 @@ from server.errors import (
     StorageFailed,
 )
 from server.rounds import service as rounds_service
+from server.runs import coverage
 from server.runs import data as run_data
 from server.runs.models import Run, RunMember, RunStatus
 from server.runs.schemas import DataInfo, LatestMetrics, Member, RunOut
@@ -47,11 +51,11 @@ TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
 }
 
 
-def check_memory(cfg: RunConfig, *, settings: Settings, data_bytes: int) -> None:
+def check_memory(cfg: RunConfig, *, settings: Settings, val_bytes: int) -> None:
     """Refuse a model whose round close would need more memory than one close may use
     here (``diloco.config.close_memory_bytes`` against ``close_memory_share``). Shapes
     only: nothing of the model's size is allocated."""
-    need = close_memory_bytes(cfg, val_bytes=int(data_bytes * cfg.data.val_fraction))
+    need = close_memory_bytes(cfg, val_bytes=val_bytes)
     share = settings.close_memory_share
     if need > share:
         n_params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
@@ -69,27 +73,41 @@ def check_memory(cfg: RunConfig, *, settings: Settings, data_bytes: int) -> None
 def _prepare_files(
     storage: Storage, *, run_id: str, cfg: RunConfig, source: Path, n_shards: int, seed: int
 ) -> tuple[dict[str, Any], checkpoints_service.VersionFiles, int]:
-    """The CPU and disk part of creating a run (runs in a worker thread)."""
+    """The CPU and disk part of creating a text-file run (runs in a worker thread)."""
     try:
         data = run_data.split_and_store(
             storage, run_id=run_id, cfg=cfg, source=source, n_shards=n_shards
         )
+    except OSError as err:
+        raise _storage_failed(err) from err
+    files, n_params = _write_version_zero(storage, run_id=run_id, cfg=cfg, seed=seed)
+    return data, files, n_params
+
+
+def _storage_failed(err: OSError) -> StorageFailed:
+    return StorageFailed(
+        f"the server could not write the run's files ({err.strerror or err}); the operator "
+        "should check the free space and permissions of its data dir"
+    )
+
+
+def _write_version_zero(
+    storage: Storage, *, run_id: str, cfg: RunConfig, seed: int
+) -> tuple[checkpoints_service.VersionFiles, int]:
+    """Checkpoint version 0: the model the config says, initialised under ``seed``."""
+    try:
         torch.manual_seed(seed)
         model = build_model(cfg.model)
-        params = parameters_of(model)
         hparams = {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum}
         files = checkpoints_service.write_initial(
             storage,
             run_id=run_id,
-            params=params,
+            params=parameters_of(model),
             hparams=hparams | {"nesterov": cfg.outer.nesterov},
         )
     except OSError as err:
-        raise StorageFailed(
-            f"the server could not write the run's files ({err.strerror or err}); the operator "
-            "should check the free space and permissions of its data dir"
-        ) from err
-    return data, files, model.num_parameters()
+        raise _storage_failed(err) from err
+    return files, model.num_parameters()
 
 
 async def create(
@@ -138,6 +156,89 @@ async def create(
         _discard_files(storage, run_id)
         raise
     return run
+
+
+async def create_on_dataset(
+    *, session: AsyncSession, storage: Storage, settings: Settings, cfg: RunConfig
+) -> Run:
+    """A run on a prepared dataset already in storage (``server.datasets``): check it fits
+    the config, record its vocabulary in the config, write version 0, plan the data units
+    and open round 1. Nothing of the dataset is read but its manifest."""
+    assert cfg.data.dataset is not None
+    row = await datasets_service.get(session, cfg.data.dataset)
+    state = await datasets_service.view(session, storage, row)
+    if not state.complete:
+        raise InvalidData(
+            f"data.dataset: {row.id} is missing {len(state.missing)} file(s) "
+            f"({', '.join(state.missing[:5])}); upload them first (diloco run create resumes)"
+        )
+    manifest = datasets_service.manifest_of(row)
+    vocab = manifest.tokenizer.vocab_size
+    if cfg.model.vocab_size not in (None, vocab):
+        raise InvalidConfig(
+            f"model.vocab_size: {cfg.model.vocab_size} is not the dataset's vocabulary ({vocab})"
+        )
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab})})
+    block = cfg.model.block_size
+    if manifest.val.tokens < block + 1:
+        raise InvalidData(
+            f"data.dataset: its validation file has {manifest.val.tokens} tokens, fewer than "
+            f"one window of block_size + 1 = {block + 1}"
+        )
+    unit_tokens = cfg.lease_tokens + 1
+    units = coverage.plan_units([s.tokens for s in manifest.shards], unit_tokens)
+    if not units:
+        raise InvalidConfig(
+            f"inner.steps: a lease trains on steps x batch_size x block_size + 1 = "
+            f"{unit_tokens:,} consecutive tokens of one shard, and no shard of this dataset "
+            f"holds that many (largest {max(s.tokens for s in manifest.shards):,}); lower "
+            "inner.steps or inner.batch_size, or prepare with a larger --shard-tokens"
+        )
+    itemsize = manifest.val.nbytes // manifest.val.tokens
+    check_memory(cfg, settings=settings, val_bytes=eval_val_bytes(cfg, settings, itemsize))
+    run_id = f"run_{secrets.token_hex(6)}"
+    seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
+    try:
+        files, n_params = await asyncio.to_thread(
+            _write_version_zero, storage, run_id=run_id, cfg=cfg, seed=seed
+        )
+        run = Run(
+            id=run_id,
+            name=cfg.name,
+            status=RunStatus.ACTIVE,
+            config=cfg.model_dump(mode="json") | {"seed": seed},
+            seed=seed,
+            n_params=n_params,
+            checkpoint_version=0,
+            created_at=datetime.now(UTC),
+            n_shards=len(manifest.shards),
+            chunk_len=manifest.shard_tokens,
+            train_tokens=manifest.train_tokens,
+            val_tokens=manifest.val.tokens,
+            shards=[
+                {"sha256": s.sha256, "nbytes": s.nbytes, "tokens": s.tokens}
+                for s in manifest.shards
+            ],
+            dataset_id=row.id,
+            token_dtype=manifest.dtype,
+        )
+        session.add(run)
+        await session.flush()
+        await coverage.create_units(
+            session, run_id=run_id, units=units, tokens=unit_tokens, seed=seed
+        )
+        session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
+        await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
+        await session.flush()
+    except BaseException:
+        _discard_files(storage, run_id)
+        raise
+    return run
+
+
+def eval_val_bytes(cfg: RunConfig, settings: Settings, itemsize: int) -> int:
+    """The validation tokens an eval reads (its windows), in bytes as read from storage."""
+    return (settings.eval_windows * cfg.model.block_size + 1) * itemsize
 
 
 def _discard_files(storage: Storage, run_id: str) -> None:
@@ -228,6 +329,7 @@ async def admit(
 
 
 async def view(*, session: AsyncSession, settings: Settings, run: Run, now: datetime) -> RunOut:
+    trained = await coverage.view_totals(session, run)
     current = await rounds_service.current_view(
         session=session, settings=settings, run=run, now=now
     )
@@ -251,6 +353,10 @@ async def view(*, session: AsyncSession, settings: Settings, run: Run, now: date
             val_tokens=run.val_tokens,
             n_shards=run.n_shards,
             chunk_len=run.chunk_len,
+            dataset_id=run.dataset_id,
+            token_dtype=run.token_dtype,
+            tokens_trained=trained.tokens_trained,
+            epochs=trained.epochs,
         ),
         current_round=current,
         latest=latest,

@@ -1,0 +1,146 @@
+"""Which data a dataset run has trained on: its units (``server.datasets.models.DataUnit``),
+how leases take them, what accepted contributions covered, and the coverage figures.
+
+A unit is ``inner.steps x batch_size x block_size + 1`` consecutive tokens of one shard: the
+windows of one lease's H steps, each read once (``diloco.data.range_batches``). Units never
+straddle shards; a shard's tail shorter than a unit waits for a later pass of the run
+(it is counted as not covered). At creation the units get a position in an order shuffled
+by the run seed, so the first pass visits the dataset spread out, reproducibly.
+
+A new lease takes the unit least trained on, then least handed out, then first by position
+(``PICK_UNIT``, in the join's fast path): no unit is handed out a second time before every
+unit was handed out once, including leases given back or expired, and a unit whose lease
+came to nothing is the first to go again once the pass is through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.datasets.models import DataUnit
+from server.rounds.models import Contribution
+from server.runs.models import Run
+from server.runs.schemas import Coverage, ShardCoverage
+
+PICK_UNIT = """
+UPDATE data_units SET issued = issued + 1, last_issued_at = $2
+WHERE run_id = $1 AND unit = (
+    SELECT unit FROM data_units WHERE run_id = $1
+    ORDER BY trained, issued, position LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING unit, shard, start, tokens
+"""
+UNIT_OF = "SELECT unit, shard, start, tokens FROM data_units WHERE run_id = $1 AND unit = $2"
+INSERT_BATCH = 50_000
+
+
+def plan_units(shard_tokens: Sequence[int], unit_tokens: int) -> list[tuple[int, int]]:
+    """(shard, start) of every unit: consecutive units share their boundary token (a unit's
+    last token is only the target of its last window)."""
+    step = unit_tokens - 1
+    return [
+        (shard, k * step)
+        for shard, tokens in enumerate(shard_tokens)
+        for k in range(max(0, (tokens - 1) // step))
+    ]
+
+
+async def create_units(
+    session: AsyncSession, *, run_id: str, units: list[tuple[int, int]], tokens: int, seed: int
+) -> None:
+    """Insert the run's units with positions shuffled by ``seed`` (arrays, in batches)."""
+    positions = np.random.default_rng(seed).permutation(len(units)).tolist()
+    for first in range(0, len(units), INSERT_BATCH):
+        part = units[first : first + INSERT_BATCH]
+        await session.execute(
+            text(
+                "INSERT INTO data_units (run_id, unit, shard, start, tokens, position) "
+                "SELECT :run, u, s, st, :tokens, p FROM unnest("
+                "CAST(:units AS integer[]), CAST(:shards AS integer[]), "
+                "CAST(:starts AS bigint[]), CAST(:positions AS integer[])) AS t(u, s, st, p)"
+            ),
+            {
+                "run": run_id,
+                "tokens": tokens,
+                "units": list(range(first, first + len(part))),
+                "shards": [s for s, _ in part],
+                "starts": [st for _, st in part],
+                "positions": positions[first : first + len(part)],
+            },
+        )
+
+
+async def record(session: AsyncSession, *, lease_id: str, tokens: int) -> None:
+    """An accepted contribution covered its lease's unit (if the run has units)."""
+    await session.execute(
+        text(
+            "UPDATE data_units u SET trained = u.trained + 1, "
+            "tokens_trained = u.tokens_trained + :tokens "
+            "FROM leases l WHERE l.id = :lease AND u.run_id = l.run_id AND u.unit = l.unit"
+        ),
+        {"lease": lease_id, "tokens": tokens},
+    )
+
+
+async def view_totals(session: AsyncSession, run: Run) -> Coverage:
+    """Tokens trained (the accepted contributions' weights) and epochs, for any run."""
+    trained = int(
+        await session.scalar(
+            select(func.coalesce(func.sum(Contribution.weight), 0)).where(
+                Contribution.run_id == run.id
+            )
+        )
+        or 0
+    )
+    epochs = trained / run.train_tokens if run.train_tokens else 0.0
+    return Coverage(
+        run_id=run.id, train_tokens=run.train_tokens, tokens_trained=trained, epochs=epochs
+    )
+
+
+async def view(session: AsyncSession, run: Run) -> Coverage:
+    """The totals, and for a dataset run its units and shards."""
+    base = await view_totals(session, run)
+    if run.dataset_id is None:
+        return base
+    u = DataUnit
+    totals = (
+        await session.execute(
+            select(
+                func.count(),
+                func.count().filter(u.issued > 0),
+                func.count().filter(u.trained > 0),
+                func.coalesce(func.min(u.trained), 0),
+                func.coalesce(func.max(u.trained), 0),
+                func.coalesce(func.sum(u.tokens - 1), 0),
+            ).where(u.run_id == run.id)
+        )
+    ).one()
+    rows = await session.execute(
+        select(
+            u.shard,
+            func.count(),
+            func.count().filter(u.trained > 0),
+            func.coalesce(func.sum(u.tokens_trained), 0),
+        )
+        .where(u.run_id == run.id)
+        .group_by(u.shard)
+        .order_by(u.shard)
+    )
+    return base.model_copy(
+        update={
+            "units": totals[0],
+            "units_issued": totals[1],
+            "units_trained": totals[2],
+            "min_passes": totals[3],
+            "max_passes": totals[4],
+            "unit_tokens": totals[5],
+            "shards": [
+                ShardCoverage(index=s, units=n, units_trained=t, tokens_trained=int(k))
+                for s, n, t, k in rows
+            ],
+        }
+    )
