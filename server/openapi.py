@@ -47,12 +47,26 @@ UPLOAD: Errors = {
 ERRORS: dict[str, Errors] = {
     "POST /api/v1/runs": {
         **ADMIN,
+        404: ("not_found",),  # data.dataset names no registered dataset
         413: ("upload_too_large",),
         422: ("invalid_config", "invalid_data", "model_too_large"),
     },
     "GET /api/v1/runs": {},
     "GET /api/v1/runs/{run_id}": RUN,
     "GET /api/v1/runs/{run_id}/storage": RUN,
+    "GET /api/v1/runs/{run_id}/coverage": RUN,
+    "POST /api/v1/datasets": {**ADMIN, 413: ("body_too_large",), 422: ("invalid_data",)},
+    "GET /api/v1/datasets/{dataset_id}": {404: ("not_found",)},
+    "PUT /api/v1/datasets/{dataset_id}/files/{name}": {
+        **ADMIN,
+        404: ("not_found",),
+        422: ("invalid_data",),
+        507: ("storage_failed",),
+    },
+    "GET /api/v1/datasets/{dataset_id}/files/{name}": {
+        404: ("not_found",),
+        416: ("range_not_satisfiable",),
+    },
     "POST /api/v1/runs/{run_id}/pause": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "POST /api/v1/runs/{run_id}/resume": {**ADMIN, **RUN, 409: ("invalid_transition",)},
     "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
@@ -140,10 +154,12 @@ FILES = {
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": "safetensors: the model's parameters",
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": "safetensors: the int8 delta "
     "from version − 1 (diloco.delta)",
-    "GET /api/v1/runs/{run_id}/shards/{index}": "uint8 tokens, row-major (nbytes / chunk_len, "
-    "chunk_len)",
+    "GET /api/v1/runs/{run_id}/shards/{index}": "a text run's uint8 tokens, row-major "
+    "(nbytes / chunk_len, chunk_len); a dataset run's shard file (data.token_dtype)",
     "GET /downloads/{filename}": "the client wheel (or, for NAME.sha256, `<hex>  NAME` as "
     "text/plain)",
+    "GET /api/v1/datasets/{dataset_id}/files/{name}": "a file of a prepared dataset "
+    "(tokenizer.json, val.bin, shard-NNNNN.bin: docs/api.md, Datasets)",
 }
 # operations whose 200 is not JSON: operation -> (media type, schema)
 CONTENT: dict[str, tuple[str, dict[str, Any]]] = {
@@ -157,6 +173,16 @@ BODIES: dict[str, dict[str, Any]] = {
         "required": True,
         "description": "the upload of docs/protocol.md, with a Content-Length",
         "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
+    },
+    "PUT /api/v1/datasets/{dataset_id}/files/{name}": {
+        "required": True,
+        "description": "the file's bytes, exactly as its manifest entry (Content-Length, sha256)",
+        "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
+    },
+    "POST /api/v1/datasets": {
+        "required": True,
+        "description": "the dataset's manifest.json (diloco.manifest), at most 64 MiB",
+        "content": {"application/json": {"schema": {"type": "object"}}},
     },
     "POST /api/v1/speedtest": {
         "required": False,
