@@ -59,6 +59,7 @@ async def upload_dataset(api: ServerAPI, folder: Path, *, quiet: bool = False) -
         sent = sum(sizes[n][0] for n in missing)
         console.print(
             f"dataset {state['id']}: {len(missing)} file(s) sent ({sent / 1e6:,.1f} MB), "
-            f"{len(sizes) - len(missing)} already on the server"
+            f"{len(sizes) - len(missing)} already on the server",
+            soft_wrap=True,
         )
     return str(state["id"])

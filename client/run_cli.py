@@ -6,6 +6,8 @@ Exit codes are those of ``client.cli_support.ExitStatus``.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +19,7 @@ from rich.table import Table
 from client.api import ServerAPI
 from client.cli_support import ExitStatus, fail, run_api
 from client.dataset_upload import upload_dataset
-from diloco.config import ConfigError, load_config
+from diloco.config import ConfigError, RunConfig, load_config
 from diloco.manifest import ManifestError, read_manifest
 
 run_app = typer.Typer(
@@ -122,16 +124,46 @@ def create(
         except ManifestError as err:
             fail(f"data.dataset: {err}", ExitStatus.DATA)
 
+    init = None
+    if cfg.model.init is not None:  # checked here against the run's shapes, sent as ours
+        init = _starting_weights(cfg, dataset, Path(tempfile.mkdtemp(prefix="diloco-init-")))
+        raw["model"]["init"] = Path(cfg.model.init).name
+
     async def call(api: ServerAPI) -> dict[str, Any]:
         if dataset is not None:
             raw["data"]["dataset"] = await upload_dataset(api, dataset, quiet=as_json)
-        return await api.create_run(raw, data_path)
+        return await api.create_run(raw, data_path, init)
 
-    run = run_api(server, admin_token, call)
+    try:
+        run = run_api(server, admin_token, call)
+    finally:
+        if init is not None:
+            shutil.rmtree(init.parent, ignore_errors=True)
     if as_json:
         _print_json(run)
     else:
         typer.echo(run["id"])
+
+
+def _starting_weights(cfg: RunConfig, dataset: Path | None, scratch: Path) -> Path:
+    """``model.init`` (our safetensors or a Hugging Face directory) checked against the
+    run's model and written as our fp32 safetensors for the upload."""
+    from safetensors.torch import save_file
+
+    from diloco.hf import HFError, load_initial
+
+    assert cfg.model.init is not None
+    section = cfg.model
+    if dataset is not None and section.vocab_size is None:
+        vocab = read_manifest(dataset).tokenizer.vocab_size
+        section = section.model_copy(update={"vocab_size": vocab})
+    try:
+        params = load_initial(Path(cfg.model.init), section)
+    except HFError as err:
+        fail(str(err), ExitStatus.DATA)
+    out = scratch / Path(cfg.model.init).name  # the name the server records
+    save_file(params, str(out))
+    return out
 
 
 @run_app.command("list")

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # data and uploads
     n_shards: int = Field(8, ge=1, le=4096)  # training shards a run's data is split into
     max_data_bytes: int = Field(1 << 30, gt=0)  # the data file uploaded with a run
+    # starting weights uploaded with a run (model.init): at most this, and at most the
+    # run's own model in fp32 (plus a header); 16 GiB is a 4B-parameter model
+    max_init_bytes: int = Field(16 << 30, gt=0)
     upload_slack_bytes: int = Field(1 << 16, ge=0)  # header room above the exact body size
     eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
     # torch's intra-op threads in the server. 1 by default: the server's threads (requests,

@@ -108,3 +108,39 @@ def test_eval_batches_cover_non_overlapping_windows_in_order():
     assert starts == [0, 10, 20, 30, 40, 50, 60, 70, 80]
     first_x, _ = next(eval_batches(val, batch_size=4, block_size=10, max_windows=2))
     assert first_x.shape == (2, 10)
+
+
+def test_range_batches_read_every_window_of_the_range_exactly_once():
+    from diloco.data import range_batches, range_windows
+
+    T, B = 8, 4
+    tokens = torch.arange(3 * B * T + 1)  # 12 windows of T + 1 tokens sharing their edges
+    gen = torch.Generator().manual_seed(5)
+
+    batches = list(range_batches(tokens, batch_size=B, block_size=T, generator=gen))
+
+    assert range_windows(tokens.numel(), T) == 12 and len(batches) == 3
+    starts = sorted(int(x[i, 0]) for x, _ in batches for i in range(B))
+    assert starts == [k * T for k in range(12)]
+    for x, y in batches:
+        assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    again = list(range_batches(tokens, batch_size=B, block_size=T,
+                               generator=torch.Generator().manual_seed(5)))  # fmt: skip
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
+
+
+def test_a_prepared_dataset_is_dealt_into_the_simulators_shards(tmp_path):
+    from diloco.config import parse_config
+    from diloco.simulate import simulated_data
+    from tests.support.datasets import make_dataset
+
+    manifest = make_dataset(tmp_path / "ds")
+    cfg = parse_config({"name": "x", "data": {"dataset": str(tmp_path / "ds"), "chunk_size": 512},
+                        "model": {"block_size": 32}})  # fmt: skip
+
+    recorded, data = simulated_data(cfg, 4)
+
+    assert recorded.model.vocab_size == 257 and len(data.shards) == 4
+    assert data.val.numel() == manifest.val.tokens
+    assert sum(int(s.numel()) for s in data.shards) <= manifest.train_tokens
+    assert data.shards[0].shape[1] == 512 and data.shards[0].dtype == torch.int32

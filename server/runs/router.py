@@ -1,14 +1,18 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import shutil
 import tempfile
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
+from diloco.architectures import parameter_shapes
 from diloco.config import ConfigError, RunConfig, parse_config
 from server import retention
 from server.auth import AdminAuth, ContributorAuth
@@ -17,6 +21,7 @@ from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
 from server.inputs import RunId, check_text
 from server.rounds import service as rounds_service
 from server.runs import coverage, service, usage
+from server.runs.models import Run
 from server.runs.schemas import (
     Coverage,
     Invite,
@@ -27,6 +32,7 @@ from server.runs.schemas import (
     RunOut,
     StorageUsage,
 )
+from server.settings import Settings
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -55,48 +61,95 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
     a prepared dataset already uploaded (``data.dataset`` = its id, no file part)."""
     settings = request.app.state.settings
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > settings.max_data_bytes:
-        raise UploadTooLarge(f"the data file is over the {settings.max_data_bytes}-byte limit")
-    async with request.form(max_files=1, max_fields=1, max_part_size=1 << 20) as form:
-        raw, data = form.get("config"), form.get("data")
+    limit = settings.max_data_bytes + settings.max_init_bytes  # each part is checked below
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise UploadTooLarge(
+            f"the request is over the {limit}-byte limit of a data file and weights"
+        )
+    async with request.form(max_files=2, max_fields=1, max_part_size=1 << 20) as form:
+        raw, data, init = form.get("config"), form.get("data"), form.get("init")
         if not isinstance(raw, str):
             raise InvalidRequest("config: a multipart field with the run config as JSON is needed")
         cfg = _parse_config(raw)
-        if cfg.data.dataset is not None:
-            if data is not None:
-                raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")
-            run = await service.create_on_dataset(
-                session=session, storage=request.app.state.storage, settings=settings, cfg=cfg
-            )
-            return await service.view(
-                session=session, settings=settings, run=run, now=datetime.now(UTC)
-            )
-        if not isinstance(data, UploadFile):
-            raise InvalidRequest("data: a multipart file part with the training text is needed")
-        # before anything of the model's size exists: can this server close its rounds?
-        service.check_memory(
-            cfg, settings=settings, val_bytes=int((data.size or 0) * cfg.data.val_fraction)
-        )
-        tmp_dir = Path(settings.data_dir) / "tmp"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:
-            shutil.copyfileobj(data.file, tmp, 1 << 20)
-            tmp.flush()
-            if tmp.tell() > settings.max_data_bytes:
-                raise UploadTooLarge(
-                    f"the data file is over the {settings.max_data_bytes}-byte limit"
+        with _init_file(cfg, init, settings) as init_file:
+            if init_file is not None:  # the config records the name the weights came under
+                assert isinstance(init, UploadFile)
+                name = check_text(
+                    Path(init.filename or "init").name, what="init (file name)", max_length=255
                 )
-            run = await service.create(
-                session=session,
-                storage=request.app.state.storage,
-                settings=settings,
-                cfg=cfg,
-                data_file=Path(tmp.name),
-                data_name=check_text(
-                    Path(data.filename or "data.txt").name, what="data (file name)", max_length=255
-                ),
-            )
+                model = cfg.model.model_copy(update={"init": name})
+                cfg = cfg.model_copy(update={"model": model})
+            run = await _create(request, session, cfg, data, init_file)
     return await service.view(session=session, settings=settings, run=run, now=datetime.now(UTC))
+
+
+INIT_HEADER_BYTES = 16 << 20  # a safetensors header and alignment, generously
+
+
+@contextlib.contextmanager
+def _init_file(cfg: RunConfig, init: object, settings: Settings) -> Iterator[Path | None]:
+    """The starting weights' part (``model.init``) copied to a temp file, or None."""
+    if init is None and cfg.model.init is None:
+        yield None
+        return
+    if not isinstance(init, UploadFile):
+        raise InvalidRequest(
+            "init: model.init names starting weights: send them as a multipart file part `init`"
+        )
+    if cfg.model.init is None:
+        raise InvalidRequest("init: a weights file part needs model.init in the config")
+    tmp_dir = Path(settings.data_dir) / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    limit = settings.max_init_bytes
+    if cfg.data.path is not None or cfg.model.vocab_size is not None:  # the shapes are known
+        params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
+        limit = min(limit, 4 * params + INIT_HEADER_BYTES)
+    with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".safetensors") as tmp:
+        while block := init.file.read(1 << 20):
+            tmp.write(block)
+            if tmp.tell() > limit:
+                raise UploadTooLarge(
+                    f"init: over {limit} bytes, more than this run's model in fp32 needs"
+                )
+        tmp.flush()
+        yield Path(tmp.name)
+
+
+async def _create(
+    request: Request, session: SessionDep, cfg: RunConfig, data: object, init: Path | None
+) -> Run:
+    settings = request.app.state.settings
+    storage = request.app.state.storage
+    if cfg.data.dataset is not None:
+        if data is not None:
+            raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")
+        return await service.create_on_dataset(
+            session=session, storage=storage, settings=settings, cfg=cfg, init_file=init
+        )
+    if not isinstance(data, UploadFile):
+        raise InvalidRequest("data: a multipart file part with the training text is needed")
+    # before anything of the model's size exists: can this server close its rounds?
+    service.check_memory(
+        cfg, settings=settings, val_bytes=int((data.size or 0) * cfg.data.val_fraction)
+    )
+    tmp_dir = Path(settings.data_dir) / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:
+        shutil.copyfileobj(data.file, tmp, 1 << 20)
+        tmp.flush()
+        if tmp.tell() > settings.max_data_bytes:
+            raise UploadTooLarge(f"the data file is over the {settings.max_data_bytes}-byte limit")
+        return await service.create(
+            session=session,
+            storage=storage,
+            settings=settings,
+            cfg=cfg,
+            data_file=Path(tmp.name),
+            data_name=check_text(
+                Path(data.filename or "data.txt").name, what="data (file name)", max_length=255
+            ),
+            init_file=init,
+        )
 
 
 def _parse_config(raw: str) -> RunConfig:

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import build_model, parameter_shapes
 from diloco.config import RunConfig, close_memory_bytes
+from diloco.hf import HFError, load_initial
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
@@ -71,7 +72,14 @@ def check_memory(cfg: RunConfig, *, settings: Settings, val_bytes: int) -> None:
 
 
 def _prepare_files(
-    storage: Storage, *, run_id: str, cfg: RunConfig, source: Path, n_shards: int, seed: int
+    storage: Storage,
+    *,
+    run_id: str,
+    cfg: RunConfig,
+    source: Path,
+    n_shards: int,
+    seed: int,
+    init: Path | None,
 ) -> tuple[dict[str, Any], checkpoints_service.VersionFiles, int]:
     """The CPU and disk part of creating a text-file run (runs in a worker thread)."""
     try:
@@ -80,7 +88,7 @@ def _prepare_files(
         )
     except OSError as err:
         raise _storage_failed(err) from err
-    files, n_params = _write_version_zero(storage, run_id=run_id, cfg=cfg, seed=seed)
+    files, n_params = _write_version_zero(storage, run_id=run_id, cfg=cfg, seed=seed, init=init)
     return data, files, n_params
 
 
@@ -91,23 +99,34 @@ def _storage_failed(err: OSError) -> StorageFailed:
     )
 
 
+def initial_params(cfg: RunConfig, *, seed: int, init: Path | None) -> dict[str, torch.Tensor]:
+    """Version 0's parameters: the given weights (``model.init``: our safetensors, checked
+    name by name, shape by shape, finite), or the model initialised under ``seed``."""
+    if init is not None:
+        try:
+            return load_initial(init, cfg.model)
+        except HFError as err:
+            raise InvalidConfig(str(err)) from None
+    torch.manual_seed(seed)
+    return parameters_of(build_model(cfg.model))
+
+
 def _write_version_zero(
-    storage: Storage, *, run_id: str, cfg: RunConfig, seed: int
+    storage: Storage, *, run_id: str, cfg: RunConfig, seed: int, init: Path | None
 ) -> tuple[checkpoints_service.VersionFiles, int]:
-    """Checkpoint version 0: the model the config says, initialised under ``seed``."""
+    """Checkpoint version 0 (``initial_params``) and the model's parameter count."""
+    params = initial_params(cfg, seed=seed, init=init)
     try:
-        torch.manual_seed(seed)
-        model = build_model(cfg.model)
         hparams = {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum}
         files = checkpoints_service.write_initial(
             storage,
             run_id=run_id,
-            params=parameters_of(model),
+            params=params,
             hparams=hparams | {"nesterov": cfg.outer.nesterov},
         )
     except OSError as err:
         raise _storage_failed(err) from err
-    return files, model.num_parameters()
+    return files, sum(p.numel() for p in params.values())
 
 
 async def create(
@@ -118,6 +137,7 @@ async def create(
     cfg: RunConfig,
     data_file: Path,
     data_name: str,
+    init_file: Path | None = None,
 ) -> Run:
     """Write the run's files, then its rows. On any error what was written under
     ``runs/<id>/`` is removed before the error answer goes out (a commit that fails after
@@ -133,6 +153,7 @@ async def create(
             source=data_file,
             n_shards=settings.n_shards,
             seed=seed,
+            init=init_file,
         )
         config = cfg.model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
         config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
@@ -159,7 +180,12 @@ async def create(
 
 
 async def create_on_dataset(
-    *, session: AsyncSession, storage: Storage, settings: Settings, cfg: RunConfig
+    *,
+    session: AsyncSession,
+    storage: Storage,
+    settings: Settings,
+    cfg: RunConfig,
+    init_file: Path | None = None,
 ) -> Run:
     """A run on a prepared dataset already in storage (``server.datasets``): check it fits
     the config, record its vocabulary in the config, write version 0, plan the data units
@@ -200,7 +226,7 @@ async def create_on_dataset(
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
     try:
         files, n_params = await asyncio.to_thread(
-            _write_version_zero, storage, run_id=run_id, cfg=cfg, seed=seed
+            _write_version_zero, storage, run_id=run_id, cfg=cfg, seed=seed, init=init_file
         )
         run = Run(
             id=run_id,
