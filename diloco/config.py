@@ -148,12 +148,28 @@ class OuterSection(_Section):
     lr: float = Field(0.7, gt=0.0, le=10.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     nesterov: bool = True
+    # the start of a run (``lr_at``): round t <= warmup_rounds steps with lr x t /
+    # warmup_rounds; and with first_round = "average" round 1 moves the model by exactly
+    # the averaged update (θ₁ = θ₀ − Δ₁: lr 1 / (1 + momentum) under Nesterov, whose first
+    # step is lr (1 + momentum) Δ). bench/first_round.py measured both (docs/benchmarks.md)
+    warmup_rounds: int = Field(0, ge=0, le=100_000)
+    first_round: Literal["nesterov", "average"] = "nesterov"
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterSection:
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov: Nesterov momentum needs momentum > 0; set nesterov = false")
         return self
+
+    def lr_at(self, round_index: int) -> float:
+        """The outer learning rate of round ``round_index`` (from 1): what its step applies."""
+        if round_index < 1:
+            raise ValueError(f"rounds are numbered from 1, got {round_index}")
+        if self.first_round == "average" and round_index == 1:
+            return 1.0 / (1.0 + self.momentum) if self.nesterov else 1.0
+        if self.warmup_rounds and round_index <= self.warmup_rounds:
+            return self.lr * round_index / self.warmup_rounds
+        return self.lr
 
 
 class RoundsSection(_Section):

@@ -55,17 +55,19 @@ def guarded_step(
     base_loss: float | None,
     max_loss_ratio: float,
     quorum: int,
+    lr: float | None = None,
     hit: Callable[[str], None] = lambda point: None,
 ) -> Stepped:
-    """The round's outer step, judged; ``start`` makes a fresh optimizer at the base version
-    (each try starts from it), ``hit`` passes the fault points of a close."""
+    """The round's outer step (at ``lr``, the round's), judged; ``start`` makes a fresh
+    optimizer at the base version (each try starts from it), ``hit`` passes the fault points
+    of a close."""
     left_out: dict[str, str] = {}
     while True:
         kept = [s for s in sources if s.id not in left_out]
         agg = aggregate(kept)
         hit("close.aggregate")
         outer = start()
-        update_norm = outer.step(agg.delta)
+        update_norm = outer.step(agg.delta, lr=lr)
         hit("close.step")
         ok = finite(outer)
         loss = evaluate(outer.params) if ok else None

@@ -92,8 +92,12 @@ class OuterOptimizer:
         )
 
     @torch.no_grad()
-    def step(self, delta: Params) -> float:
-        """Apply the outer step with ``delta`` as the gradient; return ‖θ_new − θ_old‖₂."""
+    def step(self, delta: Params, *, lr: float | None = None) -> float:
+        """Apply the outer step with ``delta`` as the gradient, at ``lr`` when given (the
+        round's, ``OuterSection.lr_at``; it stays for later steps); return ‖θ_new − θ_old‖₂."""
+        if lr is not None:
+            for group in self.sgd.param_groups:
+                group["lr"] = lr
         if delta.keys() != self.params.keys():
             raise AggregationError(
                 f"delta names differ: {sorted(delta.keys() ^ self.params.keys())}"

@@ -124,6 +124,8 @@ class SimResult:
     protocol: ProtocolTotals | None = None  # protocol mode: time, compute, goodput, refusals
     downloads: str = "full"  # what workers download: the fp32 checkpoint, or int8 deltas
     delta: DeltaReport | None = None  # delta downloads: bytes, x's final loss, ‖x − θ‖
+    # version 0's eval loss, on the windows each round is scored on
+    initial_eval_loss: float | None = None
     # the final global parameters, for tests and callers; not part of the JSON
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -337,6 +339,10 @@ def simulate(
     cfg, data = simulated_data(cfg, n_shards)
     torch.manual_seed(opts.seed)  # the initial global model
     model = build_model(cfg.model)
+    initial = evaluate(
+        model, data.val, block_size=cfg.model.block_size, max_windows=opts.eval_windows,
+        device=device,
+    )  # fmt: skip
     started = time.perf_counter()
     trained = run(cfg, opts, data, model, device, progress)
     final = evaluate(model, data.val, block_size=cfg.model.block_size, device=device)
@@ -356,6 +362,7 @@ def simulate(
         drop_prob=opts.drop_prob,
         n_params=model.num_parameters(),
         final_eval_loss=final,
+        initial_eval_loss=initial,
         bytes_up_per_worker=trained.bytes_up_per_worker,
         bytes_down_per_worker=trained.bytes_down_per_worker,
         wall_s=time.perf_counter() - started,

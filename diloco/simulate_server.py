@@ -108,6 +108,7 @@ class RoundDesk:
             base_loss=base_loss,
             max_loss_ratio=self.cfg.aggregation.max_loss_ratio,
             quorum=quorum,
+            lr=self.cfg.outer.lr_at(self.round.index),
         )
 
 

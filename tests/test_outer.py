@@ -120,3 +120,39 @@ def test_aggregating_nothing_is_an_error():
 def test_non_positive_weight_is_an_error():
     with pytest.raises(AggregationError, match="weight must be positive"):
         Aggregator({"w": (1,)}).add({"w": torch.zeros(1)}, weight=0)
+
+
+def test_the_outer_lr_schedule_of_a_runs_first_rounds():
+    from diloco.config import OuterSection
+
+    plain = OuterSection()
+    warm = OuterSection(warmup_rounds=4)
+    avg = OuterSection(first_round="average")
+    sgd = OuterSection(first_round="average", nesterov=False)
+
+    assert [plain.lr_at(t) for t in (1, 2, 50)] == [0.7, 0.7, 0.7]
+    assert [round(warm.lr_at(t), 6) for t in (1, 2, 4, 5)] == [0.175, 0.35, 0.7, 0.7]
+    assert avg.lr_at(1) == pytest.approx(1 / 1.9) and avg.lr_at(2) == 0.7
+    assert sgd.lr_at(1) == 1.0
+    with pytest.raises(ValueError, match="numbered from 1"):
+        plain.lr_at(0)
+
+
+def test_an_average_first_round_moves_the_model_by_exactly_the_averaged_update():
+    from diloco.config import OuterSection
+
+    torch.manual_seed(0)
+    theta = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    delta = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    cfg = OuterSection(first_round="average")
+    outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+
+    outer.step(delta, lr=cfg.lr_at(1))
+    first = {n: p.clone() for n, p in outer.params.items()}
+    outer.step(delta, lr=cfg.lr_at(2))
+
+    for n in theta:  # round 1: θ₀ − Δ (up to float rounding); round 2: Nesterov at lr 0.7
+        assert torch.allclose(first[n], theta[n] - delta[n], atol=1e-6)
+        buf = 0.9 * delta[n] + delta[n]  # the momentum seeded by round 1, then round 2's Δ
+        expected = first[n] - 0.7 * (delta[n] + 0.9 * buf)
+        assert torch.allclose(outer.params[n], expected, atol=1e-5)

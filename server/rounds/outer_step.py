@@ -164,7 +164,7 @@ def _open_base(stage: Stage, inputs: StepInputs) -> _Base:
         {n: params.entries[n].shape for n in names},
         make_codec(cfg.compression.kind, cfg.compression.block_size).describe(),
         Int8Codec(cfg.compression.block_size),
-        Hyper(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov),
+        Hyper(cfg.outer.lr_at(inputs.version), cfg.outer.momentum, cfg.outer.nesterov),
     )
 
 

@@ -1,0 +1,169 @@
+"""The first rounds of a run: does the first Nesterov outer step overshoot, and which start is
+better? (issue 14, item 7)
+
+The first outer step of Nesterov SGD moves the model by lr (1 + momentum) Δ = 1.33 Δ at
+DiLoCo's defaults, from a random model where Δ is at its largest. Three starts, the same
+runs otherwise (``diloco simulate``, K workers, one CPU thread each, ``--jobs`` at a time):
+
+- ``nesterov``: the plain outer optimizer from round 1;
+- ``warmup``: the outer lr ramps up linearly over the first ``--warmup`` rounds;
+- ``average``: round 1 moves the model by exactly the averaged update (θ₁ = θ₀ − Δ₁).
+
+Per configuration and seed: version 0's eval loss, each round's, the peak ratio (the
+highest eval loss of rounds 1..3 over version 0's: above 1 is a spike) and the final loss.
+Writes its section of docs/benchmarks.md.
+
+    python bench/first_round.py            # ~10 min on 2 cores
+    python bench/first_round.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_sections import replace_section
+
+REPO = Path(__file__).resolve().parents[1]
+EXCERPT = REPO / "examples" / "data" / "shakespeare-excerpt.txt"
+# name -> (config lines, workers, rounds)
+SETUPS = {
+    "demo": (  # examples/demo.toml: H = 10
+        "[model]\nn_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"
+        "[inner]\nsteps = 10\nbatch_size = 16\nlr = 2e-3\nwarmup_steps = 10\n",
+        2,
+    ),
+    "long-H": (  # the config's default H = 50, from a random model
+        "[model]\nn_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"
+        "[inner]\nsteps = 50\nbatch_size = 16\nlr = 1e-3\nwarmup_steps = 20\n",
+        4,
+    ),
+    "hot": (  # a high constant inner lr after a short warmup: the largest first Δ
+        "[model]\nn_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 64\n"
+        '[inner]\nsteps = 30\nbatch_size = 8\nlr = 3e-3\nwarmup_steps = 5\nschedule = "constant"\n',
+        4,
+    ),
+}
+
+
+def arms(warmup: int) -> dict[str, str]:
+    return {
+        "nesterov": 'first_round = "nesterov"\nwarmup_rounds = 0\n',
+        f"warmup {warmup}": f'first_round = "nesterov"\nwarmup_rounds = {warmup}\n',
+        "average": 'first_round = "average"\nwarmup_rounds = 0\n',
+    }
+
+
+def run_one(setup: str, arm: str, seed: int, args: argparse.Namespace) -> dict:
+    lines, workers = SETUPS[setup]
+    key = f"{setup}_{arm.replace(' ', '')}_seed{seed}"
+    out = args.work_dir / f"{key}.json"
+    if out.exists() and not args.fresh:
+        return dict(json.loads(out.read_text()))
+    config = args.work_dir / f"{key}.toml"
+    outer = arms(args.warmup)[arm]
+    config.write_text(
+        f'name = "first-round"\n{lines}[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
+        f"[outer]\nlr = 0.7\nmomentum = 0.9\nnesterov = true\n{outer}"
+    )
+    cmd = [sys.executable, "-m", "client.cli", "simulate", str(config), "--workers",
+           str(workers), "--mode", "diloco", "--seed", str(seed), "--rounds", str(args.rounds),
+           "--eval-windows", str(args.eval_windows), "--threads", "1", "--quiet", "--out",
+           str(out.with_suffix(".tmp"))]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    out.with_suffix(".tmp").rename(out)
+    return dict(json.loads(out.read_text()))
+
+
+def figures(result: dict) -> tuple[float, list[float], float, float]:
+    initial = result["initial_eval_loss"]
+    losses = [r["eval_loss"] for r in result["rounds"]]
+    return initial, losses, max(losses[:3]) / initial, result["final_eval_loss"]
+
+
+def render(results: dict, args: argparse.Namespace) -> str:
+    names = list(arms(args.warmup))
+    lines = [
+        "## First rounds: the outer step's start (`bench/first_round.py`, issue 14)",
+        "",
+        "The first Nesterov outer step moves the model by lr (1 + momentum) Δ = 1.33 Δ at "
+        "DiLoCo's defaults, from a random model where Δ is largest. Three starts, otherwise "
+        "the same simulated runs (int8, robust clipping, the guard): `nesterov` from round "
+        f"1; `warmup {args.warmup}`: the outer lr ramps linearly over the first "
+        f"{args.warmup} rounds; `average`: round 1 moves the model by exactly the averaged "
+        "update (θ₁ = θ₀ − Δ₁), Nesterov from round 2. Setups: `demo` = examples/demo.toml "
+        "(2 workers, H = 10); `long-H` = the demo's model at the config's default H = 50, 4 "
+        "workers; `hot` = a 2-layer model, inner lr 3e-3 constant after 5 warmup steps, "
+        f"H = 30, 4 workers. {args.rounds} rounds, on the Shakespeare excerpt, seeds "
+        f"{', '.join(map(str, args.seeds))}; eval on {args.eval_windows} validation windows. "
+        "*peak* = the highest eval loss of rounds 1-3 over version 0's (above 1: a spike).",
+        "",
+        "```",
+        "python bench/first_round.py" + (" --quick" if args.quick else ""),
+        "```",
+        "",
+        "| setup | start | version 0 | round 1 | round 2 | round 3 | peak | final |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setup in SETUPS:
+        for arm in names:
+            runs = [figures(r) for r in results[setup][arm]]
+            mean = statistics.fmean
+            r = [mean(x[1][i] for x in runs) for i in range(min(3, len(runs[0][1])))]
+            lines.append(
+                f"| {setup} | {arm} | {mean(x[0] for x in runs):.3f} | "
+                + " | ".join(f"{v:.3f}" for v in r)
+                + f" | {max(x[2] for x in runs):.3f} | {mean(x[3] for x in runs):.4f} "
+                f"± {(max(x[3] for x in runs) - min(x[3] for x in runs)) / 2:.4f} |"
+            )
+    lines += [
+        "",
+        "Means over seeds; *peak* is the worst seed's; *final* is mean ± half the spread.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", type=Path, default=EXCERPT)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "first-round")
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--fresh", action="store_true")
+    p.add_argument("--quick", action="store_true", help="one seed, 2 rounds, into --work-dir")
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.rounds, args.eval_windows = [0], 3, 8
+        args.doc = args.work_dir / "benchmarks.md"
+        for name, (lines, workers) in list(SETUPS.items()):
+            for h in ("steps = 50", "steps = 30", "steps = 10"):
+                lines = lines.replace(h, "steps = 3")
+            SETUPS[name] = (lines, workers)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(s, a, seed) for seed in args.seeds for s in SETUPS for a in arms(args.warmup)]
+    print(f"{len(jobs)} runs, {args.jobs} at a time", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = list(pool.map(lambda j: run_one(*j, args), jobs))
+    results: dict = {s: {a: [] for a in arms(args.warmup)} for s in SETUPS}
+    for (setup, arm, _), result in zip(jobs, done, strict=True):
+        results[setup][arm].append(result)
+    section = render(results, args)
+    replace_section(args.doc, "first-round", section, after="convergence-llama")
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
