@@ -224,6 +224,11 @@ def test_chart_has_one_point_per_closed_round(page, run, http):
     assert rounds == [r["index"] for r in closed]
     pg.get_by_role("button", name="By tokens").click()
     assert pg.locator("svg.chart g[data-series='eval'] circle[data-round]").count() == len(closed)
+    # coverage: the tokens the accepted contributions trained on, and epochs
+    data = http.get(f"{API}/runs/{run['id']}").json()["data"]
+    assert data["tokens_trained"] > 0
+    expect(pg.get_by_text(re.compile(r"tokens trained, \d+\.\d\d epochs"))).to_have_count(1)
+    assert f"{data['epochs']:.2f} epochs" in (pg.text_content("main") or "")
 
 
 def test_round_progress_changes_without_a_reload_when_a_contribution_is_accepted(page, run, server):

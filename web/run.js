@@ -102,12 +102,16 @@ export function runPage(main, runId) {
   // ------------------------------------------------------------ the run and its round
   function renderRun() {
     const run = state.run;
-    if (changed("head", [run.name, run.status, run.checkpoint_version])) {
+    const data = run.data;
+    if (changed("head", [run.name, run.status, run.checkpoint_version, data.tokens_trained])) {
       title.textContent = run.name;
       document.title = `${run.name} · DiLoCo Hub`;
       replace(document.getElementById("run-status"), statusBadge(run.status));
+      // coverage: what the accepted contributions trained on, in tokens and epochs
+      const source = data.dataset_id ? `dataset ${data.dataset_id}` : "text file";
       meta.textContent = `${run.id} · created ${when(run.created_at)} · ${si(run.n_params)} parameters · ` +
-        `checkpoint version ${run.checkpoint_version} · ${si(run.data.train_tokens)} training tokens`;
+        `checkpoint version ${run.checkpoint_version} · ${si(data.train_tokens)} training tokens (${source}) · ` +
+        `${si(data.tokens_trained)} tokens trained, ${data.epochs.toFixed(2)} epochs`;
       renderControls();
     }
     if (changed("config", run.config)) configBox.textContent = JSON.stringify(run.config, null, 2);
