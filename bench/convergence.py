@@ -237,9 +237,10 @@ def describe(args: argparse.Namespace, n_params: int) -> list[str]:
             f"{args.n_kv_head} key/value heads, RoPE, RMSNorm, SwiGLU, context "
             f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare tokenized by "
             f"`diloco data prepare` with a byte-level BPE of {args.vocab} tokens trained on "
-            f"it (every 20th block of 8,192 tokens held out, about 5%), {common}, with the outer step's default "
-            f"start (`[outer]` as `diloco.config` has it). `ddp` takes the same steps with "
-            f"{args.workers}x the batch; `single` is worker 0 alone on its shard. {seeds}",
+            f"it (every 20th block of 8,192 tokens held out, about 5%), {common}, with the "
+            "outer step's default start (`[outer]` as `diloco.config` has it). `ddp` takes the "
+            f"same steps with {args.workers}x the batch; `single` is worker 0 alone on its "
+            f"shard. {seeds}",
         ]
     return [
         "## Convergence: DiLoCo against data-parallel and single-worker training",

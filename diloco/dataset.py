@@ -36,7 +36,7 @@ from diloco.manifest import (
 )
 from diloco.tokenizer import TextTokenizer, resolve
 
-BATCH_BYTES = 4 << 20  # text tokenized at once (encode_batch runs on every core)
+BATCH_BYTES = 2 << 20  # text tokenized at once (encode_batch runs on every core)
 Progress = Callable[[str, int], None]  # (stage, input bytes consumed)
 
 

@@ -261,3 +261,30 @@ def test_simulate_delta_downloads_report_their_bytes(tmp_path, corpus):
     assert result["delta"]["delta_bytes"] < result["delta"]["checkpoint_bytes"] / 3
     assert elsewhere.returncode == 2 and "applies to --mode diloco and protocol" in elsewhere.stderr
     assert unknown.returncode == 2 and "--downloads must be full or delta" in unknown.stderr
+
+
+def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpus):
+    # the real run takes ~25 min: --quick prepares a BPE dataset and runs every arm on a toy
+    proc = subprocess.run(
+        [sys.executable, "bench/convergence.py", "--arch", "llama", "--quick", "--data",
+         str(corpus), "--work-dir", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    doc = (tmp_path / "bench" / "benchmarks.md").read_text()
+    assert "## Convergence on the real path: Llama + BPE" in doc and "| DiLoCo H=5 int8 |" in doc
+    assert len(list((tmp_path / "bench").glob("*_seed[012].json"))) == 3 * 3
+
+
+def test_first_round_bench_compares_the_three_starts_in_quick_mode(tmp_path, corpus):
+    proc = subprocess.run(
+        [sys.executable, "bench/first_round.py", "--quick", "--data", str(corpus),
+         "--work-dir", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    doc = (tmp_path / "bench" / "benchmarks.md").read_text()
+    for start in ("nesterov", "warmup 3", "average"):
+        assert f"| demo | {start} |" in doc and f"| hot | {start} |" in doc
