@@ -193,7 +193,8 @@ def reference_step(
     return outer_reference(
         base,
         aggregate.delta,
-        hyper=(cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov),
+        # the round's outer lr, as the server takes it (OuterSection.lr_at)
+        hyper=(cfg.outer.lr_at(works[0].lease["round"]), cfg.outer.momentum, cfg.outer.nesterov),
         codec=Int8Codec(cfg.compression.block_size),
         state=state,
     )
