@@ -18,6 +18,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
     TaskID,
     TextColumn,
     TimeRemainingColumn,
@@ -35,6 +36,17 @@ Quiet = Annotated[
 ]
 
 
+def byte_columns() -> tuple[ProgressColumn, ...]:
+    """A bar's columns for a transfer: what, bar, bytes, speed, time left."""
+    return (
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
 @contextlib.contextmanager
 def byte_progress(total: int, *, quiet: bool) -> Iterator[Report]:
     """A rich bar over input bytes, one task per stage; off with --quiet or off a TTY."""
@@ -42,15 +54,8 @@ def byte_progress(total: int, *, quiet: bool) -> Iterator[Report]:
     if quiet or not console.is_terminal:
         yield lambda stage, n: None
         return
-    columns = (
-        TextColumn("{task.description:<18}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
     tasks: dict[str, TaskID] = {}
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*byte_columns(), console=console, transient=False) as bar:
 
         def advance(stage: str, n: int) -> None:
             if stage not in tasks:

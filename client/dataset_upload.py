@@ -12,17 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress, TaskID
 
 from client.api import ServerAPI
+from client.data_cli import byte_columns
 from diloco.manifest import MANIFEST, read_manifest
 
 
@@ -41,9 +34,7 @@ async def upload_dataset(api: ServerAPI, folder: Path, *, quiet: bool = False) -
                 f"{path}: missing or not the size the manifest says; run `diloco data verify "
                 f"{folder}`"
             )
-    columns = (TextColumn("{task.description:<20}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=console, disable=not show) as bar:
+    with Progress(*byte_columns(), console=console, disable=not show) as bar:
         for name in missing:
             task = bar.add_task(name, total=sizes[name][0])
 

@@ -168,15 +168,31 @@ async def create(
             created_at=datetime.now(UTC),
             **data,
         )
-        session.add(run)
-        await session.flush()
-        session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
-        await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
-        await session.flush()
+        await _add_rows(session, run, files)
     except BaseException:
         _discard_files(storage, run_id)
         raise
     return run
+
+
+async def _add_rows(
+    session: AsyncSession,
+    run: Run,
+    files: checkpoints_service.VersionFiles,
+    *,
+    units: list[tuple[int, int]] | None = None,
+    unit_tokens: int = 0,
+) -> None:
+    """A new run's rows: the run, its data units (a dataset run), version 0, round 1."""
+    session.add(run)
+    await session.flush()
+    if units is not None:
+        await coverage.create_units(
+            session, run_id=run.id, units=units, tokens=unit_tokens, seed=run.seed
+        )
+    session.add(checkpoints_service.row_for(files, run_id=run.id, eval_loss=None))
+    await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
+    await session.flush()
 
 
 async def create_on_dataset(
@@ -248,14 +264,7 @@ async def create_on_dataset(
             dataset_id=row.id,
             token_dtype=manifest.dtype,
         )
-        session.add(run)
-        await session.flush()
-        await coverage.create_units(
-            session, run_id=run_id, units=units, tokens=unit_tokens, seed=seed
-        )
-        session.add(checkpoints_service.row_for(files, run_id=run_id, eval_loss=None))
-        await rounds_service.open_round(session=session, run=run, index=1, now=datetime.now(UTC))
-        await session.flush()
+        await _add_rows(session, run, files, units=units, unit_tokens=unit_tokens)
     except BaseException:
         _discard_files(storage, run_id)
         raise
