@@ -68,11 +68,16 @@ def _round_line(cur: dict[str, Any] | None) -> str:
 
 def show_run(run: dict[str, Any]) -> None:
     """Key lines of a run for a person."""
-    latest = run.get("latest") or {}
+    latest, data = run.get("latest") or {}, run.get("data") or {}
     rows = [
         ("run", f"{run.get('id')}  {run.get('name')}"),
         ("status", str(run.get("status"))),
         ("checkpoint version", str(run.get("checkpoint_version"))),
+        (
+            "data",
+            f"{data.get('dataset_id') or 'text file'}: {data.get('train_tokens', 0):,} tokens, "
+            f"{data.get('tokens_trained', 0):,} trained ({data.get('epochs', 0.0):.2f} epochs)",
+        ),
         ("current round", _round_line(run.get("current_round"))),
         (
             "latest eval loss",

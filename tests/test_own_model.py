@@ -173,6 +173,8 @@ def test_prepare_train_export_load_and_sample(server, volunteers, tmp_path):
     assert coverage["tokens_trained"] >= 2 * ROUNDS * 20 * 8 * BLOCK, coverage
     print(f"logits max abs diff {diff:.2e}; held-out loss {loss:.3f} trained vs {loss0:.3f} "
           f"untrained; coverage {coverage}")  # fmt: skip
+    shown = diloco("run", "show", run_id, "--server", server.url).stdout
+    assert f"{coverage['tokens_trained']:,} trained ({coverage['epochs']:.2f} epochs)" in shown
     # and it generates text, with our sampler
     out = diloco("sample", str(trained), "--prompt", "ROMEO:", "--max-new-tokens", "30")
     assert out.stdout.startswith("ROMEO:") and len(out.stdout.strip()) > len("ROMEO:") + 10
