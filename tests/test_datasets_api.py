@@ -244,3 +244,36 @@ def test_no_unit_is_handed_out_twice_before_every_unit_once_and_accepted_work_is
     # a shard served for a dataset run is the dataset's file
     shard0 = http.get(f"{API}/runs/{run_id}/shards/0")
     assert shard0.content == (folder / "shard-00000.bin").read_bytes()
+
+
+def test_units_of_expired_leases_wait_until_every_unit_was_handed_out_once(
+    database_url, dataset, tmp_path
+):
+    from tests.support.live import ServerProcess, wait_for
+
+    folder, manifest = dataset
+    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url,
+                           lease_ttl_s=2, heartbeat_interval_s=1)  # fmt: skip
+    try:
+        with server.wait_ready().client() as http:
+            ident = upload_all(http, folder, manifest)
+            run_id = create(http, dataset_config(ident)).json()["id"]
+            n_units = len(manifest.shards) - 1
+            tokens = [register(http, f"exp{i}") for i in range(n_units + 2)]
+            expired = [join(http, t, run_id)["data_range"]["unit"] for t in tokens[:2]]
+            # their heartbeats stop: the leases expire without a contribution
+            wait_for(
+                lambda: all(
+                    not lease["live"]
+                    for lease in http.get(f"{API}/runs/{run_id}").json()["current_round"]["leases"]
+                ),
+                timeout=30,
+                what="the two leases to expire",
+            )
+            rest = [join(http, t, run_id)["data_range"]["unit"] for t in tokens[2:n_units]]
+            again = [join(http, t, run_id)["data_range"]["unit"] for t in tokens[n_units:]]
+    finally:
+        server.stop()
+
+    assert sorted(expired + rest) == list(range(n_units))  # each once before any twice
+    assert sorted(again) == sorted(expired)  # then the ones whose leases came to nothing
