@@ -125,9 +125,9 @@ def test_non_positive_weight_is_an_error():
 def test_the_outer_lr_schedule_of_a_runs_first_rounds():
     from diloco.config import OuterSection
 
-    plain = OuterSection()
-    warm = OuterSection(warmup_rounds=4)
-    avg = OuterSection(first_round="average")
+    plain = OuterSection(first_round="nesterov")
+    warm = OuterSection(first_round="nesterov", warmup_rounds=4)
+    avg = OuterSection()  # the default start: round 1 is the plain average
     sgd = OuterSection(first_round="average", nesterov=False)
 
     assert [plain.lr_at(t) for t in (1, 2, 50)] == [0.7, 0.7, 0.7]
