@@ -103,3 +103,24 @@ def test_meta_built_model_is_whole_after_to_empty_and_tie_weights():
 def test_config_refuses_shapes_the_architecture_cannot_take(model, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"name": "x", "data": {"path": "a.txt"}, "model": model})
+
+
+def test_the_byte_level_gpt_exports_as_gpt2_with_the_same_logits(tmp_path):
+    from diloco.hf import write_hf_dir
+
+    torch.manual_seed(3)
+    sec = ModelSection(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    ours = build_model(sec).eval()
+    from diloco.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer(eod=False).to_json()  # what a text run exports: ids are bytes
+    write_hf_dir(tmp_path, sec, parameters_of(ours), tokenizer_json=tokenizer, eod_id=None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    idx = torch.randint(0, 256, (2, 16))
+
+    with torch.no_grad():
+        diff = (ours(idx) - hf.eval()(input_ids=idx).logits).abs().max().item()
+
+    assert type(hf).__name__ == "GPT2LMHeadModel" and diff <= 1e-4, diff
+    assert hf_tok("hé ROMEO")["input_ids"] == list("hé ROMEO".encode())
