@@ -274,7 +274,9 @@ def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpu
     assert proc.returncode == 0, proc.stderr
     doc = (tmp_path / "bench" / "benchmarks.md").read_text()
     assert "## Convergence on the real path: Llama + BPE" in doc and "| DiLoCo H=5 int8 |" in doc
-    assert len(list((tmp_path / "bench").glob("*_seed[012].json"))) == 3 * 3
+    assert "outer lr 1 without momentum (plain average)" in doc and "Reading it:" in doc
+    # single, ddp, DiLoCo int8 and the plain average, three seeds each
+    assert len(list((tmp_path / "bench").glob("*_seed[012].json"))) == 4 * 3
 
 
 def test_first_round_bench_compares_the_three_starts_in_quick_mode(tmp_path, corpus):
