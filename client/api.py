@@ -15,8 +15,6 @@ opened, or the server answered 503 ``unavailable``, 408 or 429.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -39,7 +37,7 @@ from client.http import (
     json_object,
 )
 from client.lease import Lease, ProtocolError, parse, parse_lease, require
-from client.session import ApiSession
+from client.runs_api import RunsAPI
 from diloco.protocol.messages import CatchUpPlan, Receipt, UploadTarget
 
 __all__ = [
@@ -70,7 +68,7 @@ class UploadReceipt:
     repeated: bool  # 200: the server already held this very body (an idempotent retry)
 
 
-class ServerAPI(ApiSession):
+class ServerAPI(RunsAPI):
     """The server's API, call by call (the plumbing is ``client.session.ApiSession``)."""
 
     # ---------------------------------------------------------------- contributors
@@ -281,131 +279,6 @@ class ServerAPI(ApiSession):
             )
 
         return await self._with_retries("upload speed test", once)
-
-    # ---------------------------------------------------------------- runs (admin for writes)
-
-    async def create_run(
-        self, config: Mapping[str, Any], data_path: Path | None, init_path: Path | None = None
-    ) -> dict[str, Any]:
-        """POST /runs as multipart: ``config`` (JSON text), ``data`` (a text run's file,
-        streamed; none for a dataset run) and ``init`` (starting weights, safetensors)."""
-        url = self.url("/runs")
-
-        async def once() -> dict[str, Any]:
-            with contextlib.ExitStack() as files:
-                form = aiohttp.FormData()
-                form.add_field("config", json.dumps(config), content_type="application/json")
-                parts = [("data", data_path, "text/plain")]
-                parts.append(("init", init_path, "application/octet-stream"))
-                for field, path, kind in parts:
-                    if path is not None:
-                        f = files.enter_context(open(path, "rb"))
-                        form.add_field(field, f, filename=Path(path).name, content_type=kind)
-                async with self._http().post(
-                    url, data=form, headers=self._headers(), timeout=self._transfer_timeout
-                ) as resp:
-                    if resp.status >= 400:
-                        raise await error_from(resp)
-                    return await json_object(resp)
-
-        return await self._with_retries("create run", once, idempotent=False)
-
-    # ---------------------------------------------------------------- datasets (admin)
-
-    async def register_dataset(self, manifest: bytes) -> dict[str, Any]:
-        """POST /datasets with the manifest: the dataset's id and its files' states."""
-        url = self.url("/datasets")
-
-        async def once() -> dict[str, Any]:
-            headers = self._headers({"Content-Type": "application/json"})
-            async with self._http().post(
-                url, data=manifest, headers=headers, timeout=self._transfer_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                return await json_object(resp)
-
-        return await self._with_retries("dataset registration", once)
-
-    async def dataset(self, dataset_id: str) -> dict[str, Any]:
-        return await self._json("GET", f"/datasets/{dataset_id}")
-
-    async def upload_dataset_file(
-        self, dataset_id: str, name: str, path: Path, on_bytes: Callable[[int], None]
-    ) -> bool:
-        """PUT one file of a dataset, streamed; False when the server had it already.
-        A retry after a cut starts the file again (the server kept nothing of it)."""
-        url, size = self.url(f"/datasets/{dataset_id}/files/{name}"), path.stat().st_size
-
-        async def body() -> AsyncIterator[bytes]:
-            with open(path, "rb") as f:
-                while block := f.read(CHUNK):
-                    on_bytes(len(block))
-                    yield block
-
-        async def once() -> bool:
-            headers = self._headers(
-                {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
-            )
-            async with self._http().put(
-                url, data=body(), headers=headers, timeout=self._transfer_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                return resp.status == 201
-
-        return await self._with_retries(f"upload of {name}", once)
-
-    async def list_runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first."""
-        return require(await self._json("GET", "/runs"), "runs", list, "the run list")
-
-    async def get_run(self, run_id: str) -> dict[str, Any]:
-        return await self._json("GET", f"/runs/{run_id}")
-
-    async def run_action(self, run_id: str, action: str) -> dict[str, Any]:
-        """``pause``, ``resume`` or ``cancel``; returns the run."""
-        if action not in ("pause", "resume", "cancel"):
-            raise ValueError(f"run action must be pause, resume or cancel, not {action!r}")
-        return await self._json("POST", f"/runs/{run_id}/{action}", idempotent=False)
-
-    async def new_invite(self, run_id: str) -> str:
-        """Make the run private with a new invite code (admin); the code."""
-        data = await self._json("POST", f"/runs/{run_id}/invite", idempotent=False)
-        return require(data, "invite", str, "the invite answer")
-
-    async def become_member(self, run_id: str, invite: str) -> dict[str, Any]:
-        """Join a private run's members with its invite code (a public run: nothing to do)."""
-        return await self._json("POST", f"/runs/{run_id}/members", body={"invite": invite})
-
-    async def checkpoint_etag(self, run_id: str, version: int | str) -> tuple[int, str]:
-        """The version number and sha256 of a run's checkpoint (``latest`` or a number),
-        from the headers of a one-byte read (the body is never fetched; on object storage
-        the redirect carries them)."""
-        url = self.url(f"/runs/{run_id}/checkpoints/{version}")
-
-        async def once() -> tuple[int, str]:
-            headers = self._headers({"Range": "bytes=0-0", "Accept": "*/*"})
-            async with self._http().get(
-                url, headers=headers, allow_redirects=False, timeout=self._call_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                etag = resp.headers.get("ETag", "").strip('"')
-                number = resp.headers.get("X-Checkpoint-Version", "")
-                if len(etag) != 64 or not number.isdigit():
-                    raise ProtocolError(
-                        f"the checkpoint answer for {version!r} lacks its sha256 ETag or "
-                        "X-Checkpoint-Version header; is this a DiLoCo Hub server?"
-                    )
-                return int(number), etag
-
-        return await self._with_retries("checkpoint lookup", once)
-
-    async def list_rounds(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's rounds, oldest first."""
-        data = await self._json("GET", f"/runs/{run_id}/rounds")
-        return require(data, "rounds", list, "the round list")
 
 
 async def _paced(chunks_factory: Callable[[], Iterable[bytes]]) -> AsyncIterator[bytes]:

@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diloco.config import RunConfig
+from diloco.manifest import ManifestError, read_manifest
+
 
 class DataError(ValueError):
     """The corpus cannot be split as asked (too small, empty, ...)."""
@@ -108,8 +111,6 @@ MAX_SIMULATED_TOKENS = 1 << 28
 def load_prepared(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """A prepared dataset's training tokens (its shards in order) and validation tokens,
     int32, for the simulator; each file is checked against the manifest's size."""
-    from diloco.manifest import read_manifest
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.train_tokens > MAX_SIMULATED_TOKENS:
@@ -175,3 +176,33 @@ def eval_batches(
         idx = torch.arange(first, min(first + batch_size, n_windows))
         windows = val[idx[:, None] * block_size + torch.arange(block_size + 1)].long()
         yield windows[:, :-1], windows[:, 1:]
+
+
+def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
+    """The run's data as the simulator's workers get it: a text file split as the server
+    splits it, or a prepared dataset's validation file and its training tokens dealt into
+    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens); and the config with
+    the vocabulary recorded, as the server records it at creation."""
+    if cfg.data.path is not None:
+        return cfg, split_tokens(
+            load_tokens(cfg.data.path),
+            val_fraction=cfg.data.val_fraction,
+            n_shards=n_shards,
+            block_size=cfg.model.block_size,
+            chunk_size=cfg.data.chunk_size,
+        )
+    assert cfg.data.dataset is not None  # the config holds exactly one of them
+    try:
+        vocab = read_manifest(cfg.data.dataset).tokenizer.vocab_size
+        train, val = load_prepared(cfg.data.dataset)
+    except ManifestError as err:
+        raise DataError(f"data.dataset: {err}") from None
+    if cfg.model.vocab_size not in (None, vocab):
+        raise DataError(
+            f"model.vocab_size: {cfg.model.vocab_size} is not the dataset's vocabulary ({vocab})"
+        )
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab})})
+    shards = deal_shards(
+        train, n_shards=n_shards, block_size=cfg.model.block_size, chunk_size=cfg.data.chunk_size
+    )
+    return cfg, Dataset(val=val, shards=shards)

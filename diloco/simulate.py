@@ -41,17 +41,8 @@ import torch
 from diloco.architectures import build_model
 from diloco.attacks import Attack
 from diloco.config import RunConfig
-from diloco.data import (
-    DataError,
-    Dataset,
-    deal_shards,
-    load_prepared,
-    load_tokens,
-    random_batch,
-    split_tokens,
-)
+from diloco.data import Dataset, random_batch, simulated_data
 from diloco.exchange import encode_delta
-from diloco.manifest import ManifestError, read_manifest
 from diloco.model import LanguageModel
 from diloco.outer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
@@ -264,36 +255,6 @@ class Trained:
 Runner = Callable[
     [RunConfig, SimOptions, Dataset, LanguageModel, torch.device, Progress | None], Trained
 ]
-
-
-def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
-    """The run's data as the simulator's workers get it: a text file split as the server
-    splits it, or a prepared dataset's validation file and its training tokens dealt into
-    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens); and the config with
-    the vocabulary recorded, as the server records it at creation."""
-    if cfg.data.path is not None:
-        return cfg, split_tokens(
-            load_tokens(cfg.data.path),
-            val_fraction=cfg.data.val_fraction,
-            n_shards=n_shards,
-            block_size=cfg.model.block_size,
-            chunk_size=cfg.data.chunk_size,
-        )
-    assert cfg.data.dataset is not None  # the config holds exactly one of them
-    try:
-        vocab = read_manifest(cfg.data.dataset).tokenizer.vocab_size
-        train, val = load_prepared(cfg.data.dataset)
-    except ManifestError as err:
-        raise DataError(f"data.dataset: {err}") from None
-    if cfg.model.vocab_size not in (None, vocab):
-        raise DataError(
-            f"model.vocab_size: {cfg.model.vocab_size} is not the dataset's vocabulary ({vocab})"
-        )
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab})})
-    shards = deal_shards(
-        train, n_shards=n_shards, block_size=cfg.model.block_size, chunk_size=cfg.data.chunk_size
-    )
-    return cfg, Dataset(val=val, shards=shards)
 
 
 def simulate(

@@ -131,7 +131,7 @@ def test_range_batches_read_every_window_of_the_range_exactly_once():
 
 def test_a_prepared_dataset_is_dealt_into_the_simulators_shards(tmp_path):
     from diloco.config import parse_config
-    from diloco.simulate import simulated_data
+    from diloco.data import simulated_data
     from tests.support.datasets import make_dataset
 
     manifest = make_dataset(tmp_path / "ds")
