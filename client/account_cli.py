@@ -33,6 +33,41 @@ class Device(StrEnum):  # client.config_file.DEVICES
     mps = "mps"
 
 
+class PrecisionChoice(StrEnum):  # diloco.precision.PRECISIONS
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+PrecisionOpt = Annotated[
+    PrecisionChoice,
+    typer.Option(
+        help="Autocast dtype (auto: bf16 on CUDA cards that have it, fp16 with loss scaling on "
+        "older ones, fp32 on the CPU and MPS).",
+        envvar="DILOCO_PRECISION",
+    ),
+]
+MicroBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Sequences per forward/backward pass; gradients accumulate to the run's batch "
+        "(default: the most that fits a CUDA card's memory, the whole batch elsewhere).",
+        envvar="DILOCO_MICRO_BATCH",
+    ),
+]
+
+GpuMemoryOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0.1,
+        help="Use at most this many GiB of the CUDA card (the rest stays free for other work); "
+        "the micro-batch is sized to it.",
+        envvar="DILOCO_GPU_MEMORY",
+    ),
+]
+
 NO_SERVER = (
     "no server given and none configured; pass SERVER_URL or run the installer / diloco register"
 )

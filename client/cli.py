@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from client import account_cli, export_cli, sample_cli, simulate_cli, volunteer_cli
-from client.account_cli import Device
+from client.account_cli import (
+    Device,
+    GpuMemoryOpt,
+    MicroBatchOpt,
+    PrecisionChoice,
+    PrecisionOpt,
+)
 from client.cli_support import ExitStatus, exit_status_for, fail
 from client.data_cli import data_app
 from client.run_cli import run_app
@@ -105,6 +111,9 @@ def join(
             envvar="DILOCO_MAX_HOURS",
         ),
     ] = None,
+    precision: PrecisionOpt = PrecisionChoice.auto,
+    micro_batch: MicroBatchOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch CPU threads.", envvar="DILOCO_THREADS")
     ] = None,
@@ -133,6 +142,9 @@ def join(
         token=token,
         invite=invite,
         device=device.value if device else defaults.device or Device.auto.value,
+        precision=precision.value,
+        micro_batch=micro_batch,
+        gpu_memory_gib=gpu_memory,
         max_rounds=max_rounds,
         max_hours=max_hours,
         threads=threads,

@@ -17,11 +17,13 @@ import typer
 
 from client.api import ApiError, DownloadError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.credentials import CredentialsError, ServerURLError
+from client.gpu import DoesNotFit, MemoryLimitError
 from client.lease import ProtocolError
 from client.training import DeviceError
 from diloco.checkpoint import CheckpointError
 from diloco.config import ConfigError
 from diloco.data import DataError
+from diloco.precision import PrecisionError
 
 T = TypeVar("T")
 
@@ -51,7 +53,16 @@ def exit_status_for(err: BaseException) -> ExitStatus | None:
         return ExitStatus.UNREACHABLE
     if isinstance(err, DataError | CheckpointError | DownloadError):
         return ExitStatus.DATA
-    if isinstance(err, ConfigError | CredentialsError | ServerURLError | DeviceError):
+    if isinstance(
+        err,
+        ConfigError
+        | CredentialsError
+        | ServerURLError
+        | DeviceError
+        | PrecisionError
+        | DoesNotFit
+        | MemoryLimitError,
+    ):
         return ExitStatus.USAGE
     if isinstance(err, ProtocolError):
         return ExitStatus.ERROR

@@ -24,11 +24,23 @@ from typing import Any, Literal
 import torch
 
 from client.api import ApiError, ServerAPI, ServerUnreachable
+from client.gpu import (
+    DoesNotFit,
+    Fit,
+    MemoryLimitError,
+    device_peak_flops,
+    fit_micro_batch,
+    flops_per_token,
+    limit_memory,
+    mfu,
+    random_batches,
+)
 from client.hardware import client_version, describe
 from client.http import RetryPolicy
 from client.training import DeviceError, resolve_device
 from diloco.architectures import build_model
 from diloco.config import ConfigError, RunConfig, parse_config
+from diloco.precision import Precision, PrecisionError, choose_precision
 from diloco.train import InnerTrainer
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -124,23 +136,43 @@ class DryRun:
     step_s: float
     tokens_per_s: float
     peak_bytes: int | None
+    precision: Precision
+    fit: Fit  # the micro-batch the steps ran at
+    mfu: float | None  # None: no peak figure for this device (CPU, MPS, an unknown card)
 
 
-def dry_run(cfg: RunConfig, device: torch.device, *, steps: int = 3) -> DryRun:
-    """One warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
-    random tokens (no data needed)."""
+def dry_run(
+    cfg: RunConfig,
+    device: torch.device,
+    *,
+    precision: Precision,
+    micro_batch: int | None = None,
+    memory_limit: int | None = None,
+    steps: int = 3,
+) -> DryRun:
+    """Size the micro-batch to the device (``client.gpu.fit_micro_batch``, unless given),
+    then one warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
+    random tokens (no data needed). DoesNotFit when one sequence does not fit."""
+    batch = cfg.inner.batch_size
+    fit = (
+        Fit.fixed(micro_batch, batch)
+        if micro_batch is not None
+        else fit_micro_batch(cfg, device, precision, memory_limit=memory_limit)
+    )
     model = build_model(cfg.model)
-    trainer = InnerTrainer(model, cfg.inner, total_steps=max(steps + 1, 2), device=device)
-    shape = (cfg.inner.batch_size, cfg.model.block_size)
-    gen = torch.Generator().manual_seed(0)
-
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, cfg.model.vocab, (shape[0], shape[1] + 1), generator=gen)
-        return tokens[:, :-1], tokens[:, 1:]
-
+    per_token = flops_per_token(cfg.model, sum(p.numel() for p in model.parameters()))
+    trainer = InnerTrainer(
+        model,
+        cfg.inner,
+        total_steps=max(steps + 1, 2),
+        device=device,
+        precision=precision,
+        micro_batch=fit.micro_batch,
+    )
+    next_batch = random_batches(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.run(1, start_step=0, next_batch=batch)  # warm-up: allocation, kernels
+    trainer.run(1, start_step=0, next_batch=next_batch)  # warm-up: allocation, kernels
     times: list[float] = []
 
     def timed(i: int, loss: float) -> None:
@@ -149,7 +181,7 @@ def dry_run(cfg: RunConfig, device: torch.device, *, steps: int = 3) -> DryRun:
         times.append(time.perf_counter())
 
     started = time.perf_counter()
-    trainer.run(steps, start_step=1, next_batch=batch, on_step=timed)
+    trainer.run(steps, start_step=1, next_batch=next_batch, on_step=timed)
     laps = [b - a for a, b in zip([started, *times[:-1]], times, strict=True)]
     step_s = statistics.median(laps)
     if device.type == "cuda":
@@ -157,15 +189,32 @@ def dry_run(cfg: RunConfig, device: torch.device, *, steps: int = 3) -> DryRun:
     else:  # the process's peak RSS (Linux reports KiB, macOS bytes)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = rss if sys.platform == "darwin" else rss * 1024
-    return DryRun(step_s, shape[0] * shape[1] / step_s, peak)
+    rate = batch * cfg.model.block_size / step_s
+    return DryRun(
+        step_s, rate, peak, precision, fit, mfu(rate, per_token, device_peak_flops(device))
+    )
 
 
 # ---------------------------------------------------------------- the checks
 
 
 class _Doctor:
-    def __init__(self, api: ServerAPI, run_id: str | None, device: str, probe_bytes: int):
+    def __init__(
+        self,
+        api: ServerAPI,
+        run_id: str | None,
+        device: str,
+        probe_bytes: int,
+        *,
+        precision: str = "auto",
+        micro_batch: int | None = None,
+        gpu_memory_gib: float | None = None,
+    ) -> None:
         self.api, self.run_id, self.device_name, self.probe = api, run_id, device, probe_bytes
+        self.asked_precision, self.micro_batch = precision, micro_batch
+        self.gpu_memory_gib = gpu_memory_gib
+        self.memory_limit: int | None = None
+        self.precision: Precision | None = None
         self.checks: list[Check] = []
         self.device: torch.device | None = None
         self.cfg: RunConfig | None = None
@@ -184,9 +233,21 @@ class _Doctor:
         except DeviceError as err:
             self.add("device", Verdict("fail", "use --device auto or --device cpu"), str(err))
             return
+        try:
+            self.precision = choose_precision(self.device, self.asked_precision)
+            self.memory_limit = limit_memory(self.device, self.gpu_memory_gib)
+        except PrecisionError as err:
+            self.precision = None
+            self.add("device", Verdict("fail", "use --precision auto"), str(err))
+            return
+        except MemoryLimitError as err:
+            self.precision = None
+            self.add("device", Verdict("fail", "leave --gpu-memory out"), str(err))
+            return
         hw = describe(self.device)
         verdict = assess_device(self.device, shutil.which("nvidia-smi") is not None)
-        self.add("device", verdict, hw.summary())
+        scaled = " with loss scaling" if self.precision == "fp16" else ""
+        self.add("device", verdict, f"{hw.summary()}; trains in {self.precision}{scaled}")
 
     async def check_server(self) -> None:
         started = time.perf_counter()
@@ -240,28 +301,48 @@ class _Doctor:
         )
 
     async def check_dry_run(self) -> None:
-        if self.cfg is None or self.device is None:
+        if self.cfg is None or self.device is None or self.precision is None:
             return self.skip("dry run", "needs a device and a run")
         cfg, device = self.cfg, self.device
         try:
-            res = await asyncio.to_thread(dry_run, cfg, device)
+            res = await asyncio.to_thread(
+                dry_run,
+                cfg,
+                device,
+                precision=self.precision,
+                micro_batch=self.micro_batch,
+                memory_limit=self.memory_limit,
+            )
+        except DoesNotFit as err:
+            advice = "use a card with more memory, or free it (close other jobs)"
+            return self.add("dry run", Verdict("fail", advice), f"does not fit: {err}")
         except RuntimeError as err:  # CUDA's OutOfMemoryError is one, and so is MPS's
             if "out of memory" not in str(err).lower():
                 raise
             advice = (
-                f"the model does not fit on {device}; free memory (close other jobs) or use "
-                "another device"
+                f"the model does not fit on {device}; free memory (close other jobs), try a "
+                "smaller --micro-batch, or use another device"
             )
             return self.add("dry run", Verdict("fail", advice), f"out of memory: {err}")
         verdict = assess_round_time(res.step_s, cfg.inner.steps, cfg.rounds.timeout_s)
-        peak = f", peak memory {res.peak_bytes / 2**20:,.0f} MiB" if res.peak_bytes else ""
+        fit, batch = res.fit, cfg.inner.batch_size
+        util = f", MFU {res.mfu:.1%}" if res.mfu is not None else ""
+        memory = f", peak memory {res.peak_bytes / 2**20:,.0f} MiB" if res.peak_bytes else ""
+        if fit.total_bytes:
+            memory += f" of {fit.total_bytes / 2**20:,.0f}"
         self.add(
             "dry run",
             verdict,
-            f"one inner step {res.step_s * 1000:,.0f} ms ({res.tokens_per_s:,.0f} tokens/s){peak}; "
+            f"fits at micro-batch {fit.micro_batch} of {batch} ({fit.accumulation} pass(es) a "
+            f"step, {res.precision}); one inner step {res.step_s * 1000:,.0f} ms "
+            f"({res.tokens_per_s:,.0f} tokens/s{util}){memory}; "
             f"a round of H={cfg.inner.steps} steps ≈ {res.step_s * cfg.inner.steps:,.0f} s",
             step_s=res.step_s,
             tokens_per_s=res.tokens_per_s,
+            micro_batch=fit.micro_batch,
+            accumulation=fit.accumulation,
+            **({"mfu": res.mfu} if res.mfu is not None else {}),
+            **({"peak_bytes": res.peak_bytes} if res.peak_bytes is not None else {}),
         )
 
     async def check_transfer(self, direction: str) -> None:
@@ -292,10 +373,25 @@ class _Doctor:
 
 
 async def run_doctor(
-    server_url: str, *, run_id: str | None, device: str, probe_bytes: int = PROBE_BYTES
+    server_url: str,
+    *,
+    run_id: str | None,
+    device: str,
+    probe_bytes: int = PROBE_BYTES,
+    precision: str = "auto",
+    micro_batch: int | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> list[Check]:
     async with ServerAPI(server_url, retry=DOCTOR_RETRY) as api:
-        doctor = _Doctor(api, run_id, device, probe_bytes)
+        doctor = _Doctor(
+            api,
+            run_id,
+            device,
+            probe_bytes,
+            precision=precision,
+            micro_batch=micro_batch,
+            gpu_memory_gib=gpu_memory_gib,
+        )
         doctor.check_device()
         await doctor.check_server()
         await doctor.check_run()

@@ -23,6 +23,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from client.gpu import mfu as model_flops_utilisation
+
 REFRESH_S = 0.25  # redraw the bar at most this often
 
 
@@ -60,6 +62,8 @@ class RoundBar:
         self.last_step: int | None = None  # 1-based, for heartbeats
         self.last_loss: float | None = None
         self._drawn = 0.0  # when the bar was last drawn
+        self.flops_per_token = 0.0  # set by count_flops: the bar then shows MFU
+        self.peak_flops: float | None = None
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         if reporter.bar:
@@ -67,13 +71,13 @@ class RoundBar:
                 TextColumn(f"round {round_index}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}  {task.fields[rate]} tok/s"),
+                TextColumn("loss {task.fields[loss]}  {task.fields[rate]} tok/s{task.fields[mfu]}"),
                 TimeElapsedColumn(),
                 console=reporter.console,
                 transient=True,
                 auto_refresh=False,  # no render thread competing with torch for the cores
             )
-            self._task = self._progress.add_task("train", total=steps, loss="-", rate="-")
+            self._task = self._progress.add_task("train", total=steps, loss="-", rate="-", mfu="")
 
     def __enter__(self) -> RoundBar:
         self.started = time.perf_counter()  # tokens/s counts training time only
@@ -90,6 +94,10 @@ class RoundBar:
         if self._progress is not None:
             self._progress.stop()
 
+    def count_flops(self, flops_per_token: float, peak_flops: float | None) -> None:
+        """Show MFU beside tokens/s: the model's FLOPs per token over the device's peak."""
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+
     def step(self, done: int, loss: float, tokens: int) -> None:
         """``done`` steps of ``steps`` are finished, ``tokens`` trained on so far."""
         with self._lock:
@@ -101,8 +109,14 @@ class RoundBar:
             return
         self._drawn = now
         rate = tokens / max(now - self.started, 1e-9)
+        mfu = model_flops_utilisation(rate, self.flops_per_token, self.peak_flops)
         self._progress.update(
-            self._task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:,.0f}", refresh=True
+            self._task,
+            completed=done,
+            loss=f"{loss:.4f}",
+            rate=f"{rate:,.0f}",
+            mfu="" if mfu is None else f"  MFU {mfu:.1%}",
+            refresh=True,
         )
 
     def latest(self) -> tuple[int | None, float | None]:

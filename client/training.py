@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from client.gpu import Fit, fit_micro_batch, flops_per_token, limit_memory
 from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
 from diloco.architectures import build_model
@@ -30,6 +31,7 @@ from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.data import random_batch, range_batches, range_windows
 from diloco.exchange import encode_delta
 from diloco.outer import pseudo_gradient
+from diloco.precision import Precision, choose_precision
 from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
 from diloco.wire import ContributionMeta, contribution_nbytes
 
@@ -118,12 +120,32 @@ class Contribution:
 
 
 class LocalTrainer:
-    """The model and AdamW for one run config; rebuilt only when the config changes."""
+    """The model and AdamW for one run config; rebuilt only when the config changes.
 
-    def __init__(self, device: torch.device) -> None:
+    ``precision`` is resolved against the device once (``choose_precision``: bf16 or fp16
+    with loss scaling on CUDA, fp32 elsewhere); ``micro_batch`` None sizes the micro-batch
+    to the device's memory for each run config (``client.gpu.fit_micro_batch``), a number
+    fixes it (capped at the run's batch size).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        precision: str = "auto",
+        micro_batch: int | None = None,
+        gpu_memory_gib: float | None = None,
+    ) -> None:
+        if micro_batch is not None and micro_batch < 1:
+            raise ValueError(f"--micro-batch must be at least 1, not {micro_batch}")
         self.device = device
+        self.memory_limit = limit_memory(device, gpu_memory_gib)
+        self.precision: Precision = choose_precision(device, precision)
+        self.micro_batch = micro_batch
         self.cfg: RunConfig | None = None
         self.trainer: InnerTrainer | None = None
+        self.fit: Fit | None = None
+        self.flops_per_token = 0.0  # training FLOPs per token of the built model
         self._key: str | None = None
         self.steps_taken = 0  # inner steps taken with this AdamW state (restored ones included)
 
@@ -139,16 +161,46 @@ class LocalTrainer:
                 f"the run's config from the server does not validate here ({err}); "
                 "upgrade the client (pip install -U diloco-hub)"
             ) from None
+        self.trainer = None  # free the old model before sizing the new one
+        batch = cfg.inner.batch_size
+        if self.micro_batch is not None:
+            fit = Fit.fixed(self.micro_batch, batch)
+        else:
+            fit = fit_micro_batch(cfg, self.device, self.precision, memory_limit=self.memory_limit)
         model = build_model(cfg.model)
+        n_params = sum(p.numel() for p in model.parameters())
         self.trainer = InnerTrainer(
-            model, cfg.inner, total_steps=cfg.total_inner_steps, device=self.device
+            model,
+            cfg.inner,
+            total_steps=cfg.total_inner_steps,
+            device=self.device,
+            precision=self.precision,
+            micro_batch=fit.micro_batch,
         )
-        self.cfg, self._key, self.steps_taken = cfg, key, 0
+        self.cfg, self._key, self.steps_taken, self.fit = cfg, key, 0, fit
+        self.flops_per_token = flops_per_token(cfg.model, n_params)
         return cfg, True
+
+    def describe(self) -> str:
+        """How the model trains here: the device, precision and micro-batch."""
+        if self.fit is None or self.cfg is None:
+            raise RuntimeError("LocalTrainer.prepare must run first")
+        batch, fit = self.cfg.inner.batch_size, self.fit
+        scaled = " with loss scaling" if self.precision == "fp16" else ""
+        memory = (
+            f", peak {fit.peak_bytes / 2**30:.2f} of {fit.total_bytes / 2**30:.0f} GiB"
+            if fit.peak_bytes is not None and fit.total_bytes
+            else ""
+        )
+        passes = f"{fit.accumulation} pass{'es' if fit.accumulation > 1 else ''} a step"
+        return (
+            f"{self.device.type} {self.precision}{scaled}, "
+            f"micro-batch {fit.micro_batch} of {batch} ({passes}){memory}"
+        )
 
     def reset(self) -> None:
         """Forget the model and AdamW state (after a divergence): the next round starts fresh."""
-        self.cfg = self.trainer = self._key = None
+        self.cfg = self.trainer = self._key = self.fit = None
         self.steps_taken = 0
 
     @property

@@ -17,7 +17,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from client.account_cli import Device, ServerArg, client_config, registered, server_url
+from client.account_cli import (
+    Device,
+    GpuMemoryOpt,
+    MicroBatchOpt,
+    PrecisionChoice,
+    PrecisionOpt,
+    ServerArg,
+    client_config,
+    registered,
+    server_url,
+)
 from client.api import ServerAPI
 from client.cli_support import ExitStatus, run_api
 from client.doctor import PROBE_BYTES, Check, as_json, run_doctor
@@ -41,16 +51,28 @@ def doctor(
         float,
         typer.Option(min=0.1, max=64, help="MB per speed test.", envvar="DILOCO_PROBE_MB"),
     ] = PROBE_BYTES / 1e6,
+    precision: PrecisionOpt = PrecisionChoice.auto,
+    micro_batch: MicroBatchOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     as_json_: JsonOpt = False,
 ) -> None:
     """Check this machine against a server's run, with advice for each problem.
 
-    Device, server, one real inner step at the run's model size, download and upload speed."""
+    Device and precision, server, the micro-batch that fits and real inner steps at the
+    run's model size (tokens/s, MFU, peak memory), download and upload speed."""
     cfg = client_config()
     url = server_url(server, cfg)
     device_name = device.value if device else (cfg.device or "auto")
     checks = asyncio.run(
-        run_doctor(url, run_id=run or cfg.run, device=device_name, probe_bytes=int(probe_mb * 1e6))
+        run_doctor(
+            url,
+            run_id=run or cfg.run,
+            device=device_name,
+            probe_bytes=int(probe_mb * 1e6),
+            precision=precision.value,
+            micro_batch=micro_batch,
+            gpu_memory_gib=gpu_memory,
+        )
     )
     if as_json_:
         typer.echo(json.dumps(as_json(checks), indent=2))

@@ -21,6 +21,7 @@ import torch
 from client import identity
 from client.api import DOWNLOAD_URL_REFUSED, ApiError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
+from client.gpu import device_peak_flops, mfu
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
 from client.progress import Reporter, RoundBar
@@ -47,7 +48,13 @@ class _Worker:
         self.opts, self.api, self.say = opts, api, reporter
         self.summary = WorkerSummary()
         self.interrupted = threading.Event()  # a signal arrived: stop at the next step
-        self.local = LocalTrainer(resolve_device(opts.device))
+        self.local = LocalTrainer(
+            resolve_device(opts.device),
+            precision=opts.precision,
+            micro_batch=opts.micro_batch,
+            gpu_memory_gib=opts.gpu_memory_gib,
+        )
+        self.peak_flops = device_peak_flops(self.local.device)  # None: no MFU to show
         self.fetcher = Fetcher(api, reporter, opts.cache_dir)
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
@@ -135,7 +142,9 @@ class _Worker:
         try:
             cfg, rebuilt = await asyncio.to_thread(self.local.prepare, lease.config)
             if rebuilt:
+                self.say.info(f"training on {self.local.describe()}")
                 await self.restore_optimizer(lease, cfg.name)
+            bar.count_flops(self.local.flops_per_token, self.peak_flops)
             try:
                 params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
             except ApiError as err:
@@ -239,7 +248,10 @@ class _Worker:
         await asyncio.to_thread(
             self.local.save_state, state, run_id=lease.run_id, round=lease.round
         )
-        head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s"
+        util = mfu(rate, self.local.flops_per_token, self.peak_flops)
+        head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s" + (
+            "" if util is None else f"  MFU {util:.1%}"
+        )
         try:
             if body.nbytes > lease.max_upload_bytes:
                 raise ApiError(

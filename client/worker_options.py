@@ -40,6 +40,9 @@ class WorkerOptions:
     name: str | None = None  # register under this name (first use only)
     token: str | None = None  # use this contributor token instead of the stored one
     device: str = "auto"  # auto | cpu | cuda | mps
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 (diloco.precision)
+    micro_batch: int | None = None  # None: sized to the device (client.gpu.fit_micro_batch)
+    gpu_memory_gib: float | None = None  # cap on this process's share of the CUDA card
     max_rounds: int | None = None  # stop after this many accepted contributions
     max_hours: float | None = None  # stop (releasing the lease) after this long
     threads: int | None = None  # torch CPU threads

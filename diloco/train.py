@@ -19,6 +19,7 @@ from torch import nn
 
 from diloco.config import EVAL_BATCH, InnerSection
 from diloco.data import eval_batches
+from diloco.precision import MixedPrecision, Precision, choose_precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,8 +59,9 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in parameters_of(model).items()}
 
 
-def make_adamw(model: nn.Module, inner: InnerSection) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (embeddings and linear weights), as nanoGPT."""
+def make_adamw(model: nn.Module, inner: InnerSection, *, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (embeddings and linear weights), as nanoGPT;
+    ``fused`` (CUDA) updates every parameter in one kernel instead of a dozen per tensor."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -67,7 +69,9 @@ def make_adamw(model: nn.Module, inner: InnerSection) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": inner.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2))
+    return torch.optim.AdamW(
+        groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=fused or None
+    )
 
 
 @dataclass
@@ -82,16 +86,56 @@ class InnerResult:
 
 
 class InnerTrainer:
-    """One worker's model and AdamW, kept between rounds."""
+    """One worker's model and AdamW, kept between rounds.
+
+    ``precision`` (default: :func:`choose_precision` for the device) sets autocast and, for
+    fp16, loss scaling. ``micro_batch`` (default: the whole batch) splits each step's batch
+    into forward/backward passes of at most that many sequences whose gradients add up
+    before the one AdamW step: the update is the full batch's (each part's loss weighted
+    by its share of the rows), the memory that of a micro-batch.
+    """
 
     def __init__(
-        self, model: nn.Module, inner: InnerSection, *, total_steps: int, device: torch.device
+        self,
+        model: nn.Module,
+        inner: InnerSection,
+        *,
+        total_steps: int,
+        device: torch.device,
+        precision: Precision | None = None,
+        micro_batch: int | None = None,
     ) -> None:
+        if micro_batch is not None and micro_batch < 1:
+            raise ValueError(f"micro_batch must be at least 1, not {micro_batch}")
         self.model = model.to(device)
         self.inner = inner
         self.total_steps = total_steps
         self.device = device
-        self.optimizer = make_adamw(self.model, inner)
+        self.amp = MixedPrecision.for_device(device, precision or choose_precision(device))
+        self.micro_batch = micro_batch
+        self.optimizer = make_adamw(self.model, inner, fused=device.type == "cuda")
+        self.skipped_steps = 0  # fp16 steps skipped because the gradients overflowed
+
+    @property
+    def precision(self) -> Precision:
+        return self.amp.precision
+
+    def accumulation(self, batch_size: int) -> int:
+        """Forward/backward passes per step for a batch of ``batch_size`` sequences."""
+        return -(-batch_size // min(self.micro_batch or batch_size, batch_size))
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Gradients of the batch's mean loss, accumulated over micro-batches; the loss."""
+        rows = x.shape[0]
+        micro = min(self.micro_batch or rows, rows)
+        total = torch.zeros((), device=self.device)
+        for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
+            with self.amp.autocast():
+                loss = self.model(xs, ys)
+            part = loss.float() * (xs.shape[0] / rows)  # this share of the batch's mean
+            self.amp.backward(part)
+            total += part.detach()
+        return float(total)
 
     def run(
         self,
@@ -104,24 +148,22 @@ class InnerTrainer:
         """Take ``steps`` AdamW steps from global step ``start_step``; return tokens and losses."""
         result = InnerResult(steps=steps, tokens=0)
         self.model.train()
-        autocast = self.device.type == "cuda"
         for i in range(steps):
             # set the lr of this global step
             lr = lr_at(start_step + i, inner=self.inner, total_steps=self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            # forward + backward (bf16 autocast on CUDA, fp32 elsewhere)
+            # forward + backward over micro-batches, under autocast
             x, y = next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = self.model(x, y)
-            loss.backward()
-            # clip, step, clear
+            loss_value = self.forward_backward(x, y)
+            # unscale (fp16), clip, step, clear
+            self.amp.unscale(self.optimizer)
             if self.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
-            self.optimizer.step()
+            if not self.amp.step(self.optimizer):
+                self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
-            loss_value = float(loss.detach())
             result.losses.append(loss_value)
             result.tokens += x.numel()
             if on_step is not None:

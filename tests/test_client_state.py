@@ -174,7 +174,9 @@ def test_device_and_version_advice():
 
 def test_dry_run_measures_a_real_step_at_the_run_size():
     cfg = parse_config(copy.deepcopy(TINY))
-    res = dry_run(cfg, torch.device("cpu"), steps=2)
+    res = dry_run(cfg, torch.device("cpu"), precision="fp32", steps=2)
+    assert res.fit.micro_batch == cfg.inner.batch_size and res.fit.accumulation == 1
+    assert res.mfu is None  # no peak figure for a CPU
     assert res.step_s > 0 and res.tokens_per_s == pytest.approx(
         cfg.inner.batch_size * cfg.model.block_size / res.step_s
     )
