@@ -14,6 +14,8 @@ block 32 make every upload worth 384 tokens: 192 one version late.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,7 +33,7 @@ from tests.support.contribute import (
     train,
     upload,
 )
-from tests.support.live import ServerProcess, admin_headers, wait_for
+from tests.support.live import Proc, ServerProcess, admin_headers, wait_for
 
 TOKENS = 3 * 4 * 32  # H x batch x block: each upload's tokens and undiscounted weight
 
@@ -214,3 +216,42 @@ def test_the_lease_carries_max_staleness_defaulting_to_1(http: httpx.Client) -> 
     r = http.post(f"{API}/runs/{run_id}/join", headers=auth(token))
     assert r.status_code == 200, r.text
     assert r.json()["config"]["rounds"]["max_staleness"] == 1
+
+
+def test_the_client_finishes_a_round_that_closed_and_reports_it_accepted_late(
+    server: ServerProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    # Prepare: a real `diloco join` whose upload stalls 5 s (the fault injector) once its
+    # H steps are done; meanwhile another volunteer's upload closes round 1 (target 1)
+    run_id = new_run(http)["id"]
+    other = register(http, "closer")
+    closing_work = train(http, other, run_id)
+    home = tmp_path / "volunteer"
+    volunteer = Proc(
+        [sys.executable, "-m", "client.cli", "join", server.url, "--run", run_id,
+         "--name", "late-client", "--threads", "1", "--max-rounds", "1", "--device", "cpu"],
+        log=tmp_path / "join.log",
+        env={"DILOCO_CONFIG_DIR": str(home / "config"), "DILOCO_CACHE_DIR": str(home / "cache"),
+             "DILOCO_FAULTS": "volunteer.upload=stall"},
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: "stalling at volunteer.upload" in volunteer.output(),
+            timeout=120,
+            what="the client to finish its steps",
+        )
+
+        # Execute: round 1 closes while the client waits to upload its round-1 work
+        assert upload(http, other, closing_work).status_code == 201
+        wait_for(lambda: not volunteer.alive(), timeout=120, what="the client to exit")
+
+        # Assert: it uploaded instead of abandoning, and says where its work went
+        out = volunteer.output()
+        assert volunteer.popen.returncode == 0, out[-3000:]
+        assert f"accepted late into round 2 (staleness 1, weight {TOKENS // 2})" in out, out
+        assert "1 contributions accepted" in out
+        listed = http.get(f"{API}/runs/{run_id}/rounds/2/contributions").json()
+        (late,) = [c for c in listed["contributions"] if c["contributor_name"] == "late-client"]
+        assert (late["round"], late["staleness"], late["weight"]) == (1, 1, TOKENS // 2)
+    finally:
+        volunteer.stop()
