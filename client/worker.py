@@ -4,7 +4,10 @@ Per round, as one simulated worker does in ``diloco.simulate._run_diloco``:
 join → download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
 the event loop sends heartbeats → Δ = θ(t−1) − θi → int8 → stream the upload.
 A round that closes without us (a heartbeat or the upload answers 409) is dropped and we
-join the next one; a paused run is waited out; a completed or cancelled run ends the loop.
+join the next one, unless the run merges late work (``[rounds] max_staleness``): then we
+finish the H steps and upload to our round as usual, and the server merges the work into
+the round open then, discounted (``diloco.protocol.late``); past the bound we drop it.
+A paused run is waited out; a completed or cancelled run ends the loop.
 SIGINT/SIGTERM stop the current step, close the session and print a summary.
 """
 
@@ -19,13 +22,27 @@ import time
 import torch
 
 from client import identity
-from client.api import DOWNLOAD_URL_REFUSED, ApiError, RetryPolicy, ServerAPI, ServerUnreachable
+from client.api import (
+    DOWNLOAD_URL_REFUSED,
+    ApiError,
+    RetryPolicy,
+    ServerAPI,
+    ServerUnreachable,
+    UploadReceipt,
+)
 from client.fetch import Fetcher
 from client.gpu import device_peak_flops, mfu
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
 from client.progress import Reporter, RoundBar
-from client.training import DivergedError, LocalTrainer, StopTraining, resolve_device, stop_flag
+from client.training import (
+    Contribution,
+    DivergedError,
+    LocalTrainer,
+    StopTraining,
+    resolve_device,
+    stop_flag,
+)
 from client.worker_options import (
     BUSY_CODES,
     LOST_LEASE_CODES,
@@ -34,8 +51,10 @@ from client.worker_options import (
     NoActiveRun,
     WorkerOptions,
     WorkerSummary,
+    still_welcome,
 )
 from diloco.faults import FaultInjector
+from diloco.protocol.late import LATE_RETRY_S
 from diloco.protocol.messages import ErrorCode
 from diloco.train import InnerResult
 from diloco.wire import encode_contribution
@@ -218,6 +237,14 @@ class _Worker:
                     lease.run_id, lease.round, lease.lease_id, step, loss, retry=quick
                 )
             except ApiError as err:
+                if still_welcome(lease, err.code, err.body):  # keep training: merged late
+                    if "late" not in warned:
+                        warned.add("late")
+                        self.say.info(
+                            f"round {lease.round} closed; finishing it: the server merges "
+                            f"late work into round {err.body.get('current_round')} or later"
+                        )
+                    continue
                 if err.code in LOST_LEASE_CODES:
                     lost.set()
                     return
@@ -262,13 +289,7 @@ class _Worker:
                     {},
                 )
             self.faults.hit("volunteer.upload")
-            receipt = await self.api.upload(
-                lease.run_id,
-                lease.round,
-                lambda: encode_contribution(body.meta, body.tensors),
-                body.nbytes,
-                lease.upload,
-            )
+            receipt = await self.send(lease, body)
         except ApiError as err:
             if err.status >= 500 or err.status in (401, 403):
                 raise
@@ -277,8 +298,32 @@ class _Worker:
         self.invalid_in_a_row = 0
         self.summary.accepted += 1
         self.summary.tokens += result.tokens
-        note = " (already held)" if receipt.repeated else ""
+        r, note = receipt.receipt, " (already held)" if receipt.repeated else ""
+        if r.late:  # merged into a later round's step, discounted
+            where = f"round {r.merged_into_round} (staleness {r.staleness}, weight {r.weight})"
+            note = f" late into {where}{note}"
         self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
+
+    async def send(self, lease: Lease, body: Contribution) -> UploadReceipt:
+        """Upload; while our round, or the round our late work joins, is closing (the
+        server asks for it again shortly), send it again after LATE_RETRY_S, doubling, for
+        at most ``max_wait_s`` in all."""
+        tries = 0
+        while True:
+            try:
+                return await self.api.upload(
+                    lease.run_id,
+                    lease.round,
+                    lambda: encode_contribution(body.meta, body.tensors),
+                    body.nbytes,
+                    lease.upload,
+                )
+            except ApiError as err:
+                waited = LATE_RETRY_S * (2**tries - 1)
+                if not still_welcome(lease, err.code, err.body) or waited > self.opts.max_wait_s:
+                    raise
+                await asyncio.sleep(LATE_RETRY_S * 2**tries)
+                tries += 1
 
     def reject(self, head: str, nbytes: int, err: ApiError) -> None:
         """One line for a refused contribution; the round moving on is normal, the server

@@ -6,8 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from client.api import UPLOAD_TARGET_REFUSED, RetryPolicy, Timeouts
+from client.lease import Lease
+from diloco.protocol.late import worth_finishing
 from diloco.protocol.messages import ErrorCode
 
 # the round moved on without us: drop this round's work and join again
@@ -24,6 +27,24 @@ REJECTED_CODES = frozenset(
 # a heartbeat answer that means the lease is no longer worth training for (a paused or
 # ended run takes no upload: the join that follows waits or stops)
 LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
+
+
+def still_welcome(lease: Lease, code: str, body: dict[str, Any]) -> bool:
+    """A ``round_closed`` answer (heartbeat or upload) about ``lease``'s round whose work the
+    run still merges late (``diloco.protocol.late``): finish it and upload, don't abandon.
+    A server from before late work sends no ``max_staleness``: 0, no late work."""
+    if code != ErrorCode.ROUND_CLOSED:
+        return False
+    rounds = lease.config.get("rounds")
+    bound = rounds.get("max_staleness", 0) if isinstance(rounds, dict) else 0
+    current = body.get("current_round")
+    return (
+        isinstance(bound, int)
+        and (current is None or isinstance(current, int))
+        and worth_finishing(lease.round, current, bound)
+    )
+
+
 # the upload was still refused after every retry (client.api waits the server's Retry-After):
 # the server was too busy, or our connection too slow; not our body's fault
 BUSY_CODES = frozenset({ErrorCode.TOO_MANY_UPLOADS, ErrorCode.REQUEST_TIMEOUT})

@@ -184,6 +184,11 @@ class RoundsSection(_Section):
     # in less), at most a week (now + timeout stays a datetime; no round waits longer)
     timeout_s: float = Field(600.0, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
     max_rounds: int = Field(100, ge=1, le=1_000_000)  # round indices are Postgres integers
+    # late work: a contribution trained from up to this many versions back that arrives
+    # after its round closed is merged into the open round, its weight divided by
+    # (1 + staleness) (diloco.protocol.late); 0 refuses late work. Past 10 versions a
+    # contribution would weigh under a tenth of a fresh one: not worth the upload
+    max_staleness: int = Field(1, ge=0, le=10)
 
     @model_validator(mode="after")
     def _target_not_below_quorum(self) -> RoundsSection:

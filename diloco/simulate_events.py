@@ -8,7 +8,11 @@ Volunteers do what ``client.worker`` does: join; train H inner steps (``step_s /
 simulated seconds each), heartbeating every ``heartbeat_interval_s``; upload; join again.
 A join answered "already contributed" or "round closing" is tried again after the answer's
 ``retry_after_s``. A heartbeat answered "round closed" stops the training at the end of the
-step in progress (unless that is the last step: then the upload goes out and is refused).
+step in progress (unless that is the last step: then the upload goes out and is refused),
+except while the run takes the work late (``diloco.protocol.late.worth_finishing``): then
+the volunteer finishes and uploads, and the hub merges it into the open round; an upload
+answered "round closed" while still worth it (the round is closing) is sent again
+``LATE_RETRY_S`` later.
 A volunteer that drops out stops heartbeating, so its lease lapses ``lease_ttl_s`` after
 its last heartbeat; when it comes back it joins again (its own lease renewed, if the round
 is the same). Dropouts and returns are random (per-minute chances, seeded per volunteer)
@@ -27,8 +31,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import torch
 
@@ -36,8 +39,9 @@ from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.data import Dataset
 from diloco.model import LanguageModel
+from diloco.protocol.late import LATE_RETRY_S
 from diloco.protocol.messages import ErrorCode
-from diloco.protocol.state import Action, Refusal, RunStatus, UploadClaim
+from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.simulate import (
     SIM_RUN_ID,
     Progress,
@@ -48,7 +52,7 @@ from diloco.simulate import (
     lease_batches,
     train_upload,
 )
-from diloco.simulate_hub import Hub, HubLease
+from diloco.simulate_hub import Hub
 from diloco.simulate_protocol import (
     WASTE,
     ProtocolOptions,
@@ -57,32 +61,19 @@ from diloco.simulate_protocol import (
     VolunteerTotals,
     per_second,
 )
+from diloco.simulate_volunteer import (
+    CLIENT_MAX_WAIT_S,
+    CLIENT_MIN_HEARTBEAT_S,
+    CLIENT_MIN_WAIT_S,
+    EPOCH,
+    LOST_LEASE_CODES,
+    RETRY_JOIN_CODES,
+    Volunteer,
+    still_welcome,
+)
 from diloco.train import InnerTrainer
 
-EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
-# the client's reactions (client.worker): what ends a lease, how long it waits to rejoin
-LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
-RETRY_JOIN_CODES = frozenset({ErrorCode.ALREADY_CONTRIBUTED, ErrorCode.ROUND_CLOSING})
-CLIENT_MIN_WAIT_S, CLIENT_MAX_WAIT_S, CLIENT_MIN_HEARTBEAT_S = 0.5, 120.0, 1.0
-
-
-# ---------------------------------------------------------------- the volunteers
-
-
-@dataclass
-class _Volunteer:
-    index: int
-    name: str
-    step: timedelta  # one inner step at this volunteer's speed
-    trainer: InnerTrainer  # its model and AdamW, kept across rounds as the client keeps them
-    rng: random.Random  # its dropouts and returns
-    totals: VolunteerTotals
-    online: bool = False
-    session: int = 0  # bumped on going offline or online: stale random dropouts are ignored
-    task: int = 0  # bumped when what it does changes: stale timers are ignored
-    lease: HubLease | None = None
-    started: datetime = EPOCH  # when it began training for `lease`
-    arrivals: int = 0  # scheduled comings online not yet happened
+# the volunteers, as the client behaves (client.worker): diloco.simulate_volunteer
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
@@ -136,7 +127,7 @@ class _ProtocolRun:
         # its workers'), so that the global RNG is drawn from in the same order
         speeds = proto.speeds or (1.0,) * opts.workers
         self.volunteers = [
-            _Volunteer(
+            Volunteer(
                 index=i,
                 name=f"v{i}",
                 step=timedelta(seconds=proto.step_s / speed),
@@ -165,7 +156,7 @@ class _ProtocolRun:
     def _at(self, when: datetime, action: Callable[[], None]) -> None:
         heapq.heappush(self._queue, (when, next(self._order), action))
 
-    def _later(self, v: _Volunteer, after: timedelta, action: Callable[[_Volunteer], None]) -> None:
+    def _later(self, v: Volunteer, after: timedelta, action: Callable[[Volunteer], None]) -> None:
         """``action(v)`` after ``after``, unless ``v`` has moved on to something else."""
         task = v.task
         self._at(self.now + after, lambda: action(v) if v.task == task else None)
@@ -203,11 +194,11 @@ class _ProtocolRun:
 
     # ------------------------------------------------------------ volunteers coming and going
 
-    def _arrive(self, v: _Volunteer, when: datetime) -> None:
+    def _arrive(self, v: Volunteer, when: datetime) -> None:
         v.arrivals += 1
         self._at(when, lambda: self._come_online(v))
 
-    def _come_online(self, v: _Volunteer) -> None:
+    def _come_online(self, v: Volunteer) -> None:
         v.arrivals -= 1
         if v.online:
             return
@@ -220,7 +211,7 @@ class _ProtocolRun:
             )
         self._join(v)
 
-    def _go_offline(self, v: _Volunteer) -> None:
+    def _go_offline(self, v: Volunteer) -> None:
         """It stops: no more heartbeats (its lease lapses by itself), its work so far lost."""
         if not v.online:
             return
@@ -233,7 +224,7 @@ class _ProtocolRun:
 
     # ------------------------------------------------------------ a volunteer's round
 
-    def _join(self, v: _Volunteer) -> None:
+    def _join(self, v: Volunteer) -> None:
         answer = self.hub.join(self.now, v.name)
         if isinstance(answer, Refusal):
             if answer.code in RETRY_JOIN_CODES:
@@ -249,7 +240,7 @@ class _ProtocolRun:
         self._later(v, self.cfg.inner.steps * v.step, self._finish)
         self._later(v, self.heartbeat_every, self._heartbeat)
 
-    def _heartbeat(self, v: _Volunteer) -> None:
+    def _heartbeat(self, v: Volunteer) -> None:
         assert v.lease is not None
         answer = self.hub.heartbeat(self.now, v.name, v.lease.round)
         if not isinstance(answer, Refusal):
@@ -257,6 +248,9 @@ class _ProtocolRun:
             return
         if answer.code not in LOST_LEASE_CODES:
             raise RuntimeError(f"{v.name}: heartbeat refused: {answer.code}: {answer.reason}")
+        if still_welcome(v.lease.round, answer, self.cfg.rounds.max_staleness):  # merged late
+            self._later(v, self.heartbeat_every, self._heartbeat)
+            return
         # the client stops at the end of the step in progress, unless that is the last one
         # (then it uploads, and the upload is refused)
         done = -(-(self.now - v.started) // v.step)  # steps begun, ceil
@@ -268,12 +262,12 @@ class _ProtocolRun:
         v.lease, v.task = None, v.task + 1
         self._later(v, stop - self.now, self._join)
 
-    def _finish(self, v: _Volunteer) -> None:
+    def _finish(self, v: Volunteer) -> None:
         """H steps done: upload, then join again."""
-        lease, spent = v.lease, self.now - v.started
+        lease, cfg = v.lease, self.cfg
         assert lease is not None
-        v.lease, v.task = None, v.task + 1
-        cfg = self.cfg
+        spent = min(self.now - v.started, cfg.inner.steps * v.step)  # not the waits after
+        v.task += 1
         claim = UploadClaim(
             run_id=SIM_RUN_ID,
             round=lease.round,
@@ -281,8 +275,17 @@ class _ProtocolRun:
             tokens=cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size,
             inner_steps=cfg.inner.steps,
         )
-        refusal = self.hub.admit_upload(v.name, lease.round, claim)
-        if refusal is not None:
+        verdict = self.hub.admit_upload(v.name, lease.round, claim)
+        welcome = isinstance(verdict, Refusal) and still_welcome(
+            lease.round, verdict, cfg.rounds.max_staleness
+        )
+        if welcome:  # the round is closing: its work is merged once the next one opens
+            self._later(v, timedelta(seconds=LATE_RETRY_S), self._finish)
+            return
+        v.lease = None
+        late = verdict if isinstance(verdict, LateGrant) else None
+        if isinstance(verdict, Refusal):
+            refusal = verdict
             self._spend(v, spent, wasted="refused")
             self.refused[refusal.code] += 1
             v.totals.refused += 1
@@ -294,22 +297,25 @@ class _ProtocolRun:
             # volunteer's AdamW state, which only its earlier trainings change. So work
             # that is refused, abandoned or lost costs no CPU. The one difference from the
             # client: its AdamW moments would also carry the steps of such wasted work.
-            assert self.hub.version == lease.round - 1
+            # Late work trains from its own base version, which the hub keeps.
+            assert late is not None or self.hub.version == lease.round - 1
             next_batch = lease_batches(self.data, cfg, lease.assignment)
+            base = self.hub.params_of(lease.round - 1)
             upload = train_upload(
-                v.trainer, self.hub.params, cfg=cfg, round=lease.round, next_batch=next_batch
+                v.trainer, base, cfg=cfg, round=lease.round, next_batch=next_batch
             )
             assert upload.result.tokens == claim.tokens
             self.bytes_up += upload.nbytes
-            refused = self.hub.store(v.name, lease.round, upload, spent)
+            refused = self.hub.store(v.name, lease.round, upload, spent, late)
             if refused is not None:  # an honest volunteer's body is never refused: a bug
                 raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")
             self._spend(v, spent)
             v.totals.accepted += 1
+            v.totals.late += late is not None
             self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
         self._join(v)
 
-    def _spend(self, v: _Volunteer, spent: timedelta, wasted: str | None = None) -> None:
+    def _spend(self, v: Volunteer, spent: timedelta, wasted: str | None = None) -> None:
         v.totals.compute_s += spent.total_seconds()
         if wasted is not None:
             self.wasted[wasted] += spent.total_seconds()
@@ -335,7 +341,7 @@ class _ProtocolRun:
     def _close(self) -> None:
         closed = self.hub.close(self.now)
         effects, log = closed.effects, closed.log
-        for c in log.contributions:  # what went into the step was useful, and is credited
+        for c in [*log.contributions, *log.late]:  # what went into the step was useful
             if c.contribution_id in effects.credit:
                 totals = self.by_name[c.contributor].totals
                 totals.useful_s += c.compute.total_seconds()
@@ -386,7 +392,8 @@ class _ProtocolRun:
             if v.lease is not None:
                 self._spend(v, self.now - v.started, wasted="in_flight")
         if self.hub.current is not None:
-            for c in self.hub.logs[self.hub.current].contributions:
+            log = self.hub.logs[self.hub.current]
+            for c in [*log.contributions, *log.late]:
                 self.wasted["in_flight"] += c.compute.total_seconds()
         compute = sum(v.totals.compute_s for v in self.volunteers)
         useful = sum(v.totals.useful_s for v in self.volunteers)

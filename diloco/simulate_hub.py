@@ -9,7 +9,10 @@ One method per server path (read them side by side):
 - ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
   before the body is read, ``admit_claim`` on its header, the body checked (finite once
   decoded, not a replay, its weight capped: ``diloco.simulate_server.RoundDesk``), then
-  the row. The caller wakes the sweeper afterwards, as the server's NOTIFY does.
+  the row. The caller wakes the sweeper afterwards, as the server's NOTIFY does. Work
+  for a round that closed is merged late into the open round when ``admit_late`` says
+  so, discounted by its staleness (``diloco.protocol.late``); it trains from its own
+  base version, which the hub keeps for ``max_staleness`` versions.
 - ``decide``: ``server.rounds.sweeper.Sweeper._decide``: ``decide_close`` on the open
   round; CLOSE marks it closing, EXTEND moves its deadline and counts the extension.
 - ``close``: ``server.rounds.closing`` and ``outer_step``: the round's contributions in the
@@ -27,9 +30,7 @@ What the simulator leaves out: no blob is ever unreadable (no exclusions), no cl
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import torch
@@ -51,16 +52,14 @@ from diloco.protocol.rules import (
 from diloco.protocol.state import (
     Action,
     Aggregated,
-    CloseEffects,
     ClosePolicy,
     ContributionView,
     Decision,
     HeartbeatFacts,
     HeartbeatGrant,
     JoinFacts,
-    LeaseAssignment,
+    LateGrant,
     LeasePolicy,
-    LeaseView,
     Refusal,
     RoundState,
     RoundView,
@@ -71,94 +70,11 @@ from diloco.protocol.state import (
 )
 from diloco.simulate import SIM_RUN_ID, SimOptions, Upload
 from diloco.simulate_delta import Ledger, Publisher
+from diloco.simulate_rows import Closed, HubLease, HubSettings, RoundLog, Stored
 from diloco.simulate_server import RoundDesk
 from diloco.train import load_parameters, parameters_of
 
-# ---------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class HubSettings:
-    """The server settings that shape a round; the defaults are ``server.settings``'s."""
-
-    sweep_interval_s: float = 1.0  # how often the sweeper asks decide_close
-    heartbeat_interval_s: float = 10.0  # what leases tell volunteers
-    lease_ttl_s: float = 30.0  # a lease lapses this long after its last heartbeat
-    max_extensions: int | None = None  # deadline extensions below quorum (None: no limit)
-    close_s: float = 0.0  # simulated seconds a close takes (aggregate, step, eval, write)
-    n_shards: int | None = None  # training shards; None: one per volunteer, as diloco mode
-
-    def __post_init__(self) -> None:
-        for name in ("sweep_interval_s", "heartbeat_interval_s", "lease_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        if not (math.isfinite(self.close_s) and self.close_s >= 0):
-            raise ValueError(f"close_s: must be 0 or more seconds, got {self.close_s}")
-        if self.max_extensions is not None and self.max_extensions < 0:
-            raise ValueError(f"max_extensions: must be at least 0, got {self.max_extensions}")
-        if self.n_shards is not None and self.n_shards < 1:
-            raise ValueError(f"n_shards: must be at least 1, got {self.n_shards}")
-
-
-# ---------------------------------------------------------------- the rows
-
-
-@dataclass
-class HubLease:
-    """A lease row: whose, which round, the data it trains on, when it lapses."""
-
-    contributor: str
-    round: int
-    shard: int
-    seed: int
-    last_heartbeat: datetime
-    expires_at: datetime
-
-    @property
-    def assignment(self) -> LeaseAssignment:
-        return LeaseAssignment(shard=self.shard, seed=self.seed)
-
-    def view(self) -> LeaseView:
-        return LeaseView(
-            self.contributor, self.last_heartbeat, self.expires_at, self.shard, self.seed
-        )
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A contribution row with its body (the blob)."""
-
-    contribution_id: str
-    contributor: str
-    upload: Upload
-    compute: timedelta  # the volunteer time that went into it (for goodput)
-
-
-@dataclass
-class RoundLog:
-    """A round's rows and what was decided about it."""
-
-    desk: RoundDesk  # the uploads as the server checks them (diloco.simulate_server)
-    leases: dict[str, HubLease] = field(default_factory=dict)  # by contributor, in issue order
-    contributions: list[Stored] = field(default_factory=list)  # in the order they arrived
-    close_code: str = ""
-    close_reason: str = ""
-    extension_reasons: list[str] = field(default_factory=list)
-
-    def contribution_of(self, contributor: str) -> Stored | None:
-        return next((c for c in self.contributions if c.contributor == contributor), None)
-
-
-@dataclass(frozen=True)
-class Closed:
-    """A published close: what ``close_effects`` said, and the step's figures."""
-
-    round: RoundView
-    log: RoundLog
-    effects: CloseEffects
-    update_norm: float
-
+__all__ = ["Closed", "Hub", "HubLease", "HubSettings", "RoundLog", "Stored"]
 
 # ---------------------------------------------------------------- the hub
 
@@ -206,12 +122,18 @@ class Hub:
         self.rounds: dict[int, RoundView] = {}
         self.logs: dict[int, RoundLog] = {}
         self.current: int | None = None  # the round in progress (open or closing)
+        # θ of the versions late work may still train from: the latest max_staleness + 1
+        self.versions = {0: {n: t.clone() for n, t in self.params.items()}}
         self._open(1, now, now + timedelta(seconds=cfg.rounds.timeout_s))
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
         """θ of the latest version: what a lease downloads (x, or the deltas' θ)."""
         return self.outer.params if self.publisher is None else self.publisher.theta
+
+    def params_of(self, version: int) -> dict[str, torch.Tensor]:
+        """θ of ``version``: what a lease on round ``version + 1`` trained from."""
+        return self.versions[version]
 
     def _open(self, index: int, opened_at: datetime, deadline: datetime) -> None:
         self.rounds[index] = RoundView(index, opened_at, deadline, RoundState.OPEN)
@@ -270,17 +192,21 @@ class Hub:
 
     # ------------------------------------------------------------ uploads
 
-    def admit_upload(self, who: str, index: int, claim: UploadClaim) -> Refusal | None:
+    def admit_upload(self, who: str, index: int, claim: UploadClaim) -> Refusal | LateGrant | None:
         """``admit_upload`` before the body, then ``admit_claim`` on its header; None: the
-        upload is welcome and ``store`` may record it."""
+        upload is welcome and ``store`` may record it; a ``LateGrant``: welcome late,
+        merged into the open round."""
         rnd, log = self.rounds.get(index), self.logs.get(index)
         existing = None if log is None else log.contribution_of(who)
+        current = self._current_view()
         facts = UploadFacts(
             run_status=self.status,
             round=rnd,
             current_round=self.current,
             existing_sha256=None if existing is None else existing.contribution_id,
             lease_held=log is not None and who in log.leases,
+            current_open=current is not None and current.state is RoundState.OPEN,
+            max_staleness=self.cfg.rounds.max_staleness,
         )
         verdict = admit_upload(facts)
         if isinstance(verdict, Refusal):
@@ -288,17 +214,33 @@ class Hub:
         if verdict is UploadVerdict.RETRY:  # simulated volunteers upload once per lease
             raise RuntimeError(f"{who} uploaded twice to round {index}")
         assert rnd is not None
-        return admit_claim(claim, run_id=SIM_RUN_ID, round=rnd)
+        refusal = admit_claim(claim, run_id=SIM_RUN_ID, round=rnd)
+        return refusal or (verdict if isinstance(verdict, LateGrant) else None)
 
-    def store(self, who: str, index: int, upload: Upload, compute: timedelta) -> Refusal | None:
+    def store(
+        self,
+        who: str,
+        index: int,
+        upload: Upload,
+        compute: timedelta,
+        late: LateGrant | None = None,
+    ) -> Refusal | None:
         """The body, checked as the server checks it (finite once decoded, not a replay),
-        then stored; or the refusal."""
-        log = self.logs[index]
-        cid = f"con_{index}_{len(log.contributions) + 1}"
-        admitted = log.desk.admit(cid, who, upload.chunks)
+        then stored; or the refusal. Late work (``late``) is checked against its own round
+        and joins the open round's step with its discounted weight."""
+        if late is None:
+            log = self.logs[index]
+            cid = f"con_{index}_{len(log.contributions) + 1}"
+            admitted = log.desk.admit(cid, who, upload.chunks)
+        else:
+            log = self.logs[late.merged_into]
+            cid = f"con_{index}_late_{len(log.late) + 1}"
+            admitted = log.desk.admit(
+                cid, who, upload.chunks, origin=self.rounds[index], staleness=late.staleness
+            )
         if isinstance(admitted, Refusal):
             return admitted
-        log.contributions.append(Stored(cid, who, upload, compute))
+        (log.contributions if late is None else log.late).append(Stored(cid, who, upload, compute))
         return None
 
     # ------------------------------------------------------------ the sweeper
@@ -357,6 +299,9 @@ class Hub:
             assert self.publisher.version == rnd.index
         load_parameters(self.model, self.params)
         self.version = rnd.index
+        self.versions[self.version] = {n: t.clone() for n, t in self.params.items()}
+        for old in [v for v in self.versions if v < self.version - self.cfg.rounds.max_staleness]:
+            del self.versions[old]
         by_id = {a.source.id: a for a in log.desk.admitted}
         aggregated = [
             Aggregated(cid, by_id[cid].contributor, by_id[cid].tokens, by_id[cid].loss)

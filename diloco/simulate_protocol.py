@@ -111,6 +111,7 @@ class VolunteerTotals:
     name: str
     speed: float
     accepted: int = 0  # uploads accepted (each reached an outer step, unless in flight)
+    late: int = 0  # of which merged late into a later round (diloco.protocol.late)
     refused: int = 0  # uploads refused
     abandoned: int = 0  # trainings stopped by a heartbeat answer
     dropouts: int = 0

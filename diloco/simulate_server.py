@@ -5,7 +5,8 @@
   (``diloco.wire``), every tensor decoded to finite values and measured
   (``diloco.robust.UploadInspector``), its header against the round (``admit_claim``),
   a replay of another's tensors refused (``admit_payload``), its weight capped at what
-  a lease allows (``upload_weight``).
+  a lease allows (``upload_weight``) and, for late work merged into this round from an
+  earlier one (``origin``), discounted by its staleness (``late_weight``).
 - ``RoundDesk.close``: the guarded step (``diloco.guard``) over the robust aggregate
   (``diloco.robust``), from a copy of the global optimizer.
 
@@ -26,6 +27,7 @@ from diloco.codec import make_codec
 from diloco.config import RunConfig
 from diloco.guard import Stepped, guarded_step
 from diloco.outer import OuterOptimizer
+from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
 from diloco.protocol.state import Refusal, RoundState, RoundView, UploadClaim
@@ -42,6 +44,7 @@ class Admitted:
     contributor: str
     loss: float  # the contributor's mean inner loss, as its header says
     tokens: int  # its weight: what it counts for in the step and in credit
+    staleness: int = 0  # late work: versions published since its base (0: fresh)
 
 
 @dataclass
@@ -54,7 +57,17 @@ class RoundDesk:
     refused: dict[str, int] = field(default_factory=dict)  # by error code
     _payloads: set[str] = field(default_factory=set)
 
-    def admit(self, source_id: str, contributor: str, chunks: list[bytes]) -> Admitted | Refusal:
+    def admit(
+        self,
+        source_id: str,
+        contributor: str,
+        chunks: list[bytes],
+        *,
+        origin: RoundView | None = None,
+        staleness: int = 0,
+    ) -> Admitted | Refusal:
+        """``origin``: the round a late upload was trained for (its header is checked
+        against that round), merged into this one ``staleness`` versions on."""
         shapes, codec = _model(self.cfg)
         decoder = ContributionDecoder(shapes, codec=codec)
         inspector = UploadInspector(codec)
@@ -72,14 +85,14 @@ class RoundDesk:
         claim = UploadClaim(
             SIM_RUN_ID, meta.round, meta.base_version, meta.tokens, meta.inner_steps
         )
-        refusal = admit_claim(claim, run_id=SIM_RUN_ID, round=self.round)
+        refusal = admit_claim(claim, run_id=SIM_RUN_ID, round=origin or self.round)
         refusal = refusal or admit_payload(inspector.payload_sha256 in self._payloads)
         if refusal is not None:
             return self._refuse(refusal)
         self._payloads.add(inspector.payload_sha256)
-        weight = upload_weight(meta.tokens, self.cfg.lease_tokens)
+        weight = late_weight(upload_weight(meta.tokens, self.cfg.lease_tokens), staleness)
         source = Source(source_id, float(weight), inspector.norm, lambda: chunks)
-        admitted = Admitted(source, contributor, meta.loss, weight)
+        admitted = Admitted(source, contributor, meta.loss, weight, staleness)
         self.admitted.append(admitted)
         return admitted
 

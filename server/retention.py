@@ -243,7 +243,7 @@ async def _blobs(
     c = Contribution
     rows = await session.execute(
         select(c.id, c.blob_key, Round.state, Round.closed_at, c.blob_deleted_at)
-        .join(Round, and_(Round.run_id == c.run_id, Round.index == c.round_index))
+        .join(Round, and_(Round.run_id == c.run_id, Round.index == c.merged_into_round))
         .where(c.run_id == run_id)
         .where(c.blob_deleted_at.is_(None) | c.blob_key.in_(list(present)))
     )
@@ -291,7 +291,7 @@ async def _mark_blobs(
         .where(
             exists().where(
                 Round.run_id == c.run_id,
-                Round.index == c.round_index,
+                Round.index == c.merged_into_round,  # the step that reads it, late or not
                 Round.state == "closed",
                 Round.closed_at <= closed_by,
             )

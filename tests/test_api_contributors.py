@@ -75,7 +75,7 @@ class Scenario:
 @pytest.fixture(scope="module")
 def scenario(server: ServerProcess) -> Scenario:
     with server.client() as http:
-        run = new_run(http, quorum=3, target=3)
+        run = new_run(http, quorum=3, target=3, max_staleness=0)  # "late" is refused
         tokens = {name: register(http, name) for name in ("zed", "amy", "mia", "late")}
         ids = {name: me(http, t)["id"] for name, t in tokens.items()}
         steps = {"zed": 3, "amy": 1, "mia": 2, "late": 1}  # distinct tokens, so distinct credit

@@ -226,7 +226,8 @@ def test_accepted_blob_is_exactly_the_uploaded_body(server, http, run_id, volunt
 
 
 def test_unknown_or_closed_round_is_409_naming_the_current_round(server, http, data_bytes):
-    run_id = new_run(http, data_bytes, quorum=1, target=1)
+    # a run that takes no late work (tests/test_late_contributions.py: one that does)
+    run_id = new_run(http, data_bytes, quorum=1, target=1, max_staleness=0)
     token, late = register(http, "closer"), register(http, "late")
     work = train(http, token, run_id, steps=1)
     late_work = train(http, late, run_id, steps=1)

@@ -194,9 +194,11 @@ def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corp
 
 def test_simulate_protocol_mode_prints_each_round_and_writes_the_json(tmp_path, corpus):
     # quorum 1, deadline 30 s; volunteers take 10, 10, 20 and 40 s: the slowest misses
-    # round 1 (closed at its deadline, 30 s), and its upload at 40 s is refused
+    # round 1 (closed at its deadline, 30 s), and its upload at 40 s is refused (the run
+    # takes no late work)
     config = write_config(tmp_path, corpus)
-    config.write_text("seed = 7\n" + config.read_text())  # the run seed, when --seed is absent
+    text = config.read_text().replace("quorum = 1\n", "quorum = 1\nmax_staleness = 0\n")
+    config.write_text("seed = 7\n" + text)  # the run seed, when --seed is absent
     out = tmp_path / "protocol.json"
 
     proc = diloco(

@@ -21,11 +21,26 @@ from tests.conftest import tiny_config
 
 
 def run_protocol(
-    corpus, *, workers, quorum, target=None, timeout_s=600.0, rounds=1, seed=0, **proto
+    corpus,
+    *,
+    workers,
+    quorum,
+    target=None,
+    timeout_s=600.0,
+    rounds=1,
+    seed=0,
+    max_staleness=1,
+    **proto,
 ):
     cfg = tiny_config(
         corpus,
-        rounds={"max_rounds": rounds, "quorum": quorum, "target": target, "timeout_s": timeout_s},
+        rounds={
+            "max_rounds": rounds,
+            "quorum": quorum,
+            "target": target,
+            "timeout_s": timeout_s,
+            "max_staleness": max_staleness,
+        },
     )
     opts = SimOptions(workers=workers, mode="protocol", seed=seed, eval_windows=8)
     return simulate(cfg, opts, protocol=ProtocolOptions(step_s=5.0, **proto))
@@ -84,9 +99,16 @@ def test_slow_volunteer_misses_the_deadline_and_its_refused_upload_is_wasted(cor
     )
 
     # Execute: quorum 2 is met at 10 s by the fast pair; the slow one (40 s) is still live,
-    # so round 1 closes at its 30 s deadline; the slow upload at 40 s finds it closed
+    # so round 1 closes at its 30 s deadline; the slow upload at 40 s finds it closed, and
+    # this run takes no late work
     result = run_protocol(
-        corpus, workers=3, quorum=2, timeout_s=30.0, rounds=2, speeds=(1, 1, 0.25)
+        corpus,
+        workers=3,
+        quorum=2,
+        timeout_s=30.0,
+        rounds=2,
+        speeds=(1, 1, 0.25),
+        max_staleness=0,
     )
 
     # Assert
@@ -106,6 +128,35 @@ def test_slow_volunteer_misses_the_deadline_and_its_refused_upload_is_wasted(cor
     assert [v.refused for v in totals.volunteers] == [0, 0, 1]
     # only admitted uploads were trained: refused and unfinished work cost no CPU
     assert len(runs) == sum(v.accepted for v in totals.volunteers) == 4
+
+
+def test_a_late_upload_is_merged_into_the_open_round_with_half_the_weight(corpus):
+    # Prepare / Execute: as above, but the run takes work one version late (the default).
+    # Round 1 closes at 30 s; the slow volunteer's heartbeat at 40 s is answered "round
+    # closed, current round 2", within max_staleness 1, so it finishes and uploads at 40 s:
+    # merged into round 2 (staleness 1). It then joins round 2, whose live lease keeps the
+    # round open to its 60 s deadline; the fast pair's uploads at 42 s make quorum
+    result = run_protocol(
+        corpus, workers=3, quorum=2, timeout_s=30.0, rounds=2, speeds=(1, 1, 0.25)
+    )
+
+    # Assert: round 2's step took its two own contributions and the late one; nothing was
+    # refused or abandoned; the late work earned half a fresh contribution's credit
+    # (weight ⌈256 / 2⌉ = 128 tokens: H 2 x batch 4 x block 32 = 256)
+    first, second = result.rounds
+    assert (first.close_code, first.closed_at_s, first.accepted) == ("deadline_quorum", 30.0, 2)
+    assert (second.close_code, second.closed_at_s, second.accepted) == (
+        "deadline_quorum",
+        60.0,
+        3,
+    )
+    totals = result.protocol
+    assert totals.refused == {} and totals.abandoned == 0
+    fast, _, slow = totals.volunteers
+    assert (slow.accepted, slow.late, fast.late) == (1, 1, 0)
+    assert fast.credit_flops > 0
+    assert slow.credit_flops == pytest.approx(fast.credit_flops / 2 / 2)  # 2 rounds, half each
+    assert totals.wasted_s["refused"] == 0.0
 
 
 def test_below_quorum_at_the_deadline_the_round_is_extended_and_says_why(corpus):
@@ -129,7 +180,12 @@ def test_heartbeat_after_the_close_stops_the_straggler_at_the_end_of_its_step(co
     # H = 4 here; the slow volunteer (20 s a step) heartbeats every 25 s. Round 1 closes at
     # its 30 s deadline on the fast upload; the heartbeat at 50 s is refused, so the slow
     # one stops when its third step ends, at 60 s, and drops the work
-    cfg = tiny_config(corpus, inner={"steps": 4}, rounds={"max_rounds": 3, "timeout_s": 30.0})
+    # (this run takes no late work: max_staleness 0)
+    cfg = tiny_config(
+        corpus,
+        inner={"steps": 4},
+        rounds={"max_rounds": 3, "timeout_s": 30.0, "max_staleness": 0},
+    )
     proto = ProtocolOptions(
         speeds=(1, 0.25), step_s=5.0, hub=HubSettings(heartbeat_interval_s=25.0)
     )

@@ -189,9 +189,20 @@ class CatchUpPlan(_Message):
 
 
 class Receipt(_Message):
-    """The answer to an accepted upload (201, or 200 for an identical retry)."""
+    """The answer to an accepted upload (201, or 200 for an identical retry, which gets the
+    very same fields). A late upload (``diloco.protocol.late``) keeps its own ``round`` and
+    says which open round's step took it, how stale it was and what it weighs there."""
 
     contribution_id: str
-    round: int
+    round: int  # the round it was trained for (its lease's)
     sha256: str
     accepted: bool = True
+    # the round whose outer step takes it: ``round``, or a later one for late work (None:
+    # a server from before late contributions)
+    merged_into_round: int | None = None
+    staleness: int = 0  # versions published since its base version: 0 unless late
+    weight: int | None = None  # tokens it counts for in the step and in credit, discounted
+
+    @property
+    def late(self) -> bool:
+        return self.staleness > 0

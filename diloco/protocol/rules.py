@@ -8,7 +8,8 @@ A round's life, top to bottom in this file:
 2. ``admit_heartbeat``: a lease is kept alive while its holder trains.
 3. ``admit_upload`` before the body is read, ``admit_claim`` once its header is, and
    ``admit_retry`` for a second upload of the same contributor: accept, idempotent retry,
-   or refuse with a code.
+   or refuse with a code. An upload to a round that closed may be merged late into the
+   open round, discounted by its staleness (``diloco.protocol.late``).
 4. ``decide_close``: the sweeper asks about each open round: close, extend or wait.
 5. ``decide_after_exclusions``: a closing round some of whose contributions could not be
    read closes on the others if they still make quorum, else it reopens.
@@ -34,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
+from diloco.protocol.late import admit_late, round_closed
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import (
     Action,
@@ -46,6 +48,7 @@ from diloco.protocol.state import (
     HeartbeatGrant,
     JoinFacts,
     JoinGrant,
+    LateGrant,
     LeaseAssignment,
     LeasePolicy,
     LeaseView,
@@ -74,14 +77,6 @@ def _not_active(status: RunStatus, run: str = "the run") -> Refusal:
     }.get(status, "")
     return Refusal(
         ErrorCode.RUN_NOT_ACTIVE, f"{run} is {status}: {advice}".rstrip(": "), {"status": status}
-    )
-
-
-def _round_closed(index: int, state: RoundState, current: int | None) -> Refusal:
-    return Refusal(
-        ErrorCode.ROUND_CLOSED,
-        f"round {index} is {state}; the current round is {current}: join again",
-        {"current_round": current},
     )
 
 
@@ -144,7 +139,7 @@ def admit_heartbeat(
     if facts.run_status is not RunStatus.ACTIVE:
         return _not_active(facts.run_status)
     if rnd.state is not RoundState.OPEN:
-        return _round_closed(rnd.index, rnd.state, facts.current_round)
+        return round_closed(rnd.index, rnd.state, facts.current_round)
     if not facts.lease_held:
         return Refusal(ErrorCode.NOT_FOUND, f"you hold no such lease on round {rnd.index}")
     return HeartbeatGrant(expires_at=now + timedelta(seconds=ttl_s))
@@ -153,13 +148,15 @@ def admit_heartbeat(
 # ---------------------------------------------------------------- 3. uploads
 
 
-def admit_upload(facts: UploadFacts) -> UploadVerdict | Refusal:
+def admit_upload(facts: UploadFacts) -> UploadVerdict | LateGrant | Refusal:
     """Before reading an upload's body: is this contributor's upload welcome here?
 
     A contributor that already has a contribution in the round is answered as a retry
     whatever happened since (an identical body gets the same receipt; ``admit_retry``).
-    Otherwise the run must be active, the round open (a closing round refuses at once)
-    and the contributor must hold a lease on it.
+    Otherwise the run must be active, and the contributor must hold a lease on the round.
+    An open round takes the upload; one that closed takes it late (``admit_late``: merged
+    into the open round, discounted, while within the run's ``max_staleness``); a closing
+    round refuses at once.
     """
     rnd = facts.round
     if rnd is None:
@@ -173,7 +170,7 @@ def admit_upload(facts: UploadFacts) -> UploadVerdict | Refusal:
     if facts.run_status is not RunStatus.ACTIVE:
         return _not_active(facts.run_status)
     if rnd.state is not RoundState.OPEN:
-        return _round_closed(rnd.index, rnd.state, facts.current_round)
+        return admit_late(facts, rnd)
     if not facts.lease_held:
         return Refusal(
             ErrorCode.NO_LEASE, f"you hold no lease on round {rnd.index}: join the run first"

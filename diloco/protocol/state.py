@@ -204,6 +204,8 @@ class UploadFacts:
     current_round: int | None  # the round in progress, for the 409's body
     existing_sha256: str | None  # this contributor's stored contribution to it, if any
     lease_held: bool  # this contributor holds a lease on it
+    current_open: bool = False  # the round in progress is open (late work may join it)
+    max_staleness: int = 0  # the run's [rounds] max_staleness (0: no late work)
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,16 @@ class HeartbeatGrant:
 class UploadVerdict(StrEnum):
     ACCEPT = "accept"  # read the body, validate, store
     RETRY = "retry"  # the contributor already has a contribution here: same body → 200
+
+
+@dataclass(frozen=True)
+class LateGrant:
+    """A late upload welcome (``diloco.protocol.late.admit_late``): its round closed, but it
+    was trained from ``staleness`` versions back, within the run's bound, so it is read,
+    checked against its own round and merged into the open round ``merged_into``."""
+
+    merged_into: int  # the open round whose outer step takes it
+    staleness: int  # versions published since its base version: merged_into − its round
 
 
 @dataclass(frozen=True)

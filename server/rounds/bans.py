@@ -39,7 +39,8 @@ async def withdraw(
                 Contribution.contributor_id == contributor_id,
                 Contribution.aggregated_at.is_(None),
                 Contribution.excluded_code.is_(None),
-                tuple_(Contribution.run_id, Contribution.round_index).in_(unfinished),
+                # the step that takes it (late work: a later round than its own) is pending
+                tuple_(Contribution.run_id, Contribution.merged_into_round).in_(unfinished),
             )
             .values(
                 excluded_code=EXCLUDED_CODE,

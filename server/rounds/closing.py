@@ -34,6 +34,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
+from diloco.protocol.late import late_weight
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import evals
@@ -139,7 +140,8 @@ async def _read_inputs(
                 select(Contribution)
                 .where(
                     Contribution.run_id == claim.run_id,
-                    Contribution.round_index == claim.index,
+                    # its own contributions and the late ones merged into it
+                    Contribution.merged_into_round == claim.index,
                     Contribution.excluded_code.is_(None),
                 )
                 .order_by(Contribution.created_at, Contribution.id)  # a fixed order: determinism
@@ -177,8 +179,9 @@ async def _read_inputs(
 
 
 def _weight(c: Contribution) -> int:
-    """The tokens it counts for (rows from before weights were measured: their claim)."""
-    return c.tokens if c.weight is None else c.weight
+    """The tokens it counts for in the step and in credit: its weight when accepted (rows
+    from before weights were measured: their claim), discounted by its staleness."""
+    return late_weight(c.tokens if c.weight is None else c.weight, c.staleness)
 
 
 async def _publish(

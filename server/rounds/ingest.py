@@ -9,11 +9,16 @@ Order of work, so that a bad upload costs little and leaves nothing behind:
 3. as soon as the header is in (before any tensor byte is looked at), it is checked
    against the URL and the round (``admit_claim``) and the run's model and codec;
 4. the blob is committed (fsync + rename) and the row inserted in one short transaction
-   that holds the run and the round ``FOR SHARE`` and asks ``admit_upload`` again, so a
-   round cannot start closing, nor the run be paused, between the check and the insert;
-   it holds the contributor ``FOR SHARE`` too, so a ban that lands while the body streams
-   is either seen here (403 banned) or waits, and then excludes the row it finds.
+   that holds the run, the round and the round in progress ``FOR SHARE`` and asks
+   ``admit_upload`` again, so a round cannot start closing, nor the run be paused,
+   between the check and the insert; it holds the contributor ``FOR SHARE`` too, so a ban
+   that lands while the body streams is either seen here (403 banned) or waits, and then
+   excludes the row it finds.
 Any failure aborts the temp blob; a 2xx means blob fsynced and row committed.
+
+An upload whose round has closed (before it was sent, or while its body streamed) is
+merged late into the open round when the rules say so (``diloco.protocol.late``): its
+row keeps its own round and records the round it was merged into and its staleness.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
@@ -30,15 +34,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.codec import make_codec
 from diloco.config import RunConfig
+from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
-from diloco.protocol.rules import (
-    admit_claim,
-    admit_payload,
-    admit_retry,
-    admit_upload,
-    upload_weight,
-)
-from diloco.protocol.state import Refusal, RunStatus, UploadClaim, UploadFacts
+from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight
+from diloco.protocol.state import LateGrant, Refusal, UploadClaim
 from diloco.robust import UploadInspector
 from diloco.wire import (
     ContributionDecoder,
@@ -46,8 +45,6 @@ from diloco.wire import (
     NonFiniteWireError,
     WireFormatError,
 )
-from server.auth import banned
-from server.contributors.models import Contributor
 from server.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -60,21 +57,24 @@ from server.errors import (
 )
 from server.rounds import notify
 from server.rounds import service as rounds_service
-from server.rounds.models import Contribution, Lease, Round
+from server.rounds.admission import (
+    Accepted,
+    lock_rounds,
+    not_banned,
+    replayed,
+    retry_answer,
+    upload_facts,
+)
+from server.rounds.models import Contribution
 from server.runs import coverage
 from server.runs import service as runs_service
-from server.runs.models import Run
 from server.settings import Settings
 from server.storage import BlobWriter, Storage
 
 # decode in batches of at least this size, off the event loop (1 MiB cost 25% more CPU)
 FEED_BYTES = 4 << 20
 
-
-@dataclass(frozen=True)
-class Accepted:
-    created: bool  # False: an identical retry of an accepted upload
-    out: Receipt
+__all__ = ["FEED_BYTES", "Accepted", "check_model", "receive"]
 
 
 def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
@@ -200,7 +200,9 @@ async def receive(
     async with sessions() as session:
         run = await runs_service.get(session=session, run_id=run_id)
         cfg = rounds_service.run_config(run)
-        facts, existing, lease_id = await _upload_facts(session, run, index, contributor_id)
+        facts, existing, lease_id = await upload_facts(
+            session, run, index, contributor_id, max_staleness=cfg.rounds.max_staleness
+        )
     verdict = admit_upload(facts)
     if isinstance(verdict, Refusal):
         raise refused(verdict)
@@ -232,7 +234,7 @@ async def receive(
         sha = decoder.body_sha256
         assert sha is not None  # finish() returned: the trailer matched
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
-            return _retry_answer(existing, sha)
+            return retry_answer(existing, sha)
         committing = asyncio.ensure_future(asyncio.to_thread(writer.commit))  # fsync: off the loop
         try:
             await asyncio.shield(committing)
@@ -247,20 +249,21 @@ async def receive(
     try:
         async with sessions() as session, session.begin():
             locked = await runs_service.get(session=session, run_id=run_id, lock="share")
-            await session.execute(
-                select(Round.index)
-                .where(Round.run_id == run_id, Round.index == index)
-                .with_for_update(read=True)
+            await lock_rounds(session, run_id, index)
+            await not_banned(session, contributor_id)
+            facts, raced, lease_id = await upload_facts(
+                session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness
             )
-            await _not_banned(session, contributor_id)
-            facts, raced, lease_id = await _upload_facts(session, locked, index, contributor_id)
             verdict = admit_upload(facts)
             if isinstance(verdict, Refusal):
                 raise refused(verdict)
             if raced is not None:  # a concurrent upload of the same contributor won the race
                 storage.delete(key)
-                return _retry_answer(raced, sha)
+                return retry_answer(raced, sha)
             assert lease_id is not None
+            # late work (its round closed): merged into the open round, discounted
+            late = verdict if isinstance(verdict, LateGrant) else None
+            step, staleness = (index, 0) if late is None else (late.merged_into, late.staleness)
             row_id = f"con_{secrets.token_hex(8)}"
             weight = upload_weight(meta.tokens, cfg.lease_tokens)
             inserted = await session.scalar(
@@ -269,6 +272,8 @@ async def receive(
                     id=row_id,
                     run_id=run_id,
                     round_index=index,
+                    merged_into_round=step,
+                    staleness=staleness,
                     contributor_id=contributor_id,
                     lease_id=lease_id,
                     base_version=meta.base_version,
@@ -287,7 +292,14 @@ async def receive(
                 .returning(Contribution.id)
             )
             if inserted is None:  # another contributor's upload holds these tensors?
-                replay = await _replayed(session, run_id, index, contributor_id, inspection)
+                replay = await replayed(
+                    session,
+                    run_id,
+                    index=index,
+                    step=step,
+                    contributor_id=contributor_id,
+                    inspection=inspection,
+                )
                 if (refusal := admit_payload(replay)) is not None:
                     raise refused(refusal)
             if inserted is None:  # the same contributor's concurrent upload got in first
@@ -301,83 +313,19 @@ async def receive(
                 if raced is None:
                     raise DuplicateContribution("a concurrent upload conflicted; retry")
                 storage.delete(key)
-                return _retry_answer(raced, sha)
+                return retry_answer(raced, sha)
             # what it trained on is covered (a dataset run's unit; nothing for a text run)
             await coverage.record(session, lease_id=lease_id, tokens=weight)
             await notify.rounds_changed(session, run_id)
     except BaseException:
         storage.delete(key)
         raise
-    return Accepted(True, Receipt(contribution_id=row_id, round=index, sha256=sha))
-
-
-def _retry_answer(existing: Contribution, sha: str) -> Accepted:
-    refusal = admit_retry(
-        existing.sha256, sha, contribution_id=existing.id, round=existing.round_index
+    out = Receipt(
+        contribution_id=row_id,
+        round=index,
+        sha256=sha,
+        merged_into_round=step,
+        staleness=staleness,
+        weight=late_weight(weight, staleness),
     )
-    if refusal is not None:
-        raise refused(refusal)
-    return Accepted(
-        False, Receipt(contribution_id=existing.id, round=existing.round_index, sha256=sha)
-    )
-
-
-async def _not_banned(session: AsyncSession, contributor_id: str) -> None:
-    """Refuse a contributor banned since its token was checked; hold its row until commit."""
-    ban = (
-        await session.execute(
-            select(Contributor.banned_at, Contributor.ban_reason)
-            .where(Contributor.id == contributor_id)
-            .with_for_update(read=True)
-        )
-    ).one_or_none()
-    if ban is not None and ban.banned_at is not None:
-        raise banned(ban.ban_reason)
-
-
-async def _upload_facts(
-    session: AsyncSession, run: Run, index: int, contributor_id: str
-) -> tuple[UploadFacts, Contribution | None, str | None]:
-    """What admit_upload looks at, plus the existing contribution and the lease's id."""
-    rnd = await session.get(Round, (run.id, index), populate_existing=True)
-    existing = await session.scalar(
-        select(Contribution).where(
-            Contribution.run_id == run.id,
-            Contribution.round_index == index,
-            Contribution.contributor_id == contributor_id,
-        )
-    )
-    lease_id = await session.scalar(
-        select(Lease.id).where(
-            Lease.run_id == run.id,
-            Lease.round_index == index,
-            Lease.contributor_id == contributor_id,
-        )
-    )
-    facts = UploadFacts(
-        run_status=RunStatus(run.status),
-        round=None if rnd is None else rounds_service.view_of(rnd),
-        current_round=await rounds_service.current_index(session=session, run_id=run.id),
-        existing_sha256=None if existing is None else existing.sha256,
-        lease_held=lease_id is not None,
-    )
-    return facts, existing, lease_id
-
-
-async def _replayed(
-    session: AsyncSession,
-    run_id: str,
-    index: int,
-    contributor_id: str,
-    inspection: UploadInspector,
-) -> bool:
-    """Whether another contributor's upload to the round holds these very tensors."""
-    found = await session.scalar(
-        select(Contribution.id).where(
-            Contribution.run_id == run_id,
-            Contribution.round_index == index,
-            Contribution.payload_sha256 == inspection.payload_sha256,
-            Contribution.contributor_id != contributor_id,
-        )
-    )
-    return found is not None
+    return Accepted(True, out)

@@ -94,13 +94,22 @@ class Lease(Base):
 
 class Contribution(Base):
     """An accepted upload: its blob is fsynced before this row is committed (invariant 1).
-    Its credit is the training FLOPs it put into an outer step: tokens x 6 x n_params."""
+    Its credit is the training FLOPs it put into an outer step: tokens x 6 x n_params.
+
+    ``round_index`` is the round it was trained for (its lease's); ``merged_into_round``
+    the round whose outer step takes it: the same, or for late work (its round had closed
+    when it arrived: ``diloco.protocol.late``) the round open then, ``staleness`` rounds
+    on. So a contributor may have a late contribution for round r merged into r + 1 and
+    its own for r + 1, one row per round it trained for."""
 
     __tablename__ = "contributions"
     __table_args__ = (
         UniqueConstraint("run_id", "round_index", "contributor_id"),
         ForeignKeyConstraint(
             ["run_id", "round_index"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
+        ),
+        ForeignKeyConstraint(
+            ["run_id", "merged_into_round"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
         ),
         # a contributor's own contributions, newest first (GET /contributors/me)
         Index("ix_contributions_contributor_id_created_at", "contributor_id", "created_at"),
@@ -112,11 +121,21 @@ class Contribution(Base):
             "payload_sha256",
             unique=True,
         ),
+        # a step's contributions (the close reads them), and no replay within a step either
+        Index(
+            "ix_contributions_run_id_merged_into_round_payload_sha256",
+            "run_id",
+            "merged_into_round",
+            "payload_sha256",
+            unique=True,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     run_id: Mapped[str] = mapped_column(String(32))
     round_index: Mapped[int] = mapped_column(Integer)
+    merged_into_round: Mapped[int] = mapped_column(Integer)  # round_index unless late
+    staleness: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     contributor_id: Mapped[str] = mapped_column(
         String(32), ForeignKey("contributors.id", ondelete="CASCADE")
     )
@@ -137,7 +156,9 @@ class Contribution(Base):
     excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
     excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
     # measured by the server when it was accepted (diloco.robust.UploadInspector)
-    weight: Mapped[int | None] = mapped_column(BigInteger, default=None)  # tokens it counts for
+    # tokens it was worth when accepted (its claim, at most its lease's); what it counts for
+    # in its step and in credit is late_weight(weight, staleness)
+    weight: Mapped[int | None] = mapped_column(BigInteger, default=None)
     norm: Mapped[float | None] = mapped_column(Float, default=None)  # ‖Δ‖ as decoded
     payload_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     # what the round's step made of it (diloco.robust.Share), set when the step is published

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from diloco.protocol.late import late_weight
 from server.contributors.models import Contributor
 from server.errors import HubError, RunNotFound
 from server.rounds import service as rounds_service
@@ -82,7 +83,11 @@ async def round_contributions(
     accepted = await session.execute(
         select(Contribution, Contributor.name)
         .join(Contributor, Contributor.id == Contribution.contributor_id)
-        .where(Contribution.run_id == run_id, Contribution.round_index == index)
+        .where(
+            Contribution.run_id == run_id,
+            # its own, and late work it took or that was trained for it and merged later
+            or_(Contribution.round_index == index, Contribution.merged_into_round == index),
+        )
         .order_by(Contribution.created_at, Contribution.id)
     )
     refused = await session.execute(
@@ -110,7 +115,10 @@ async def round_contributions(
                 excluded=None
                 if c.excluded_code is None
                 else f"{c.excluded_code}: {c.excluded_reason}",
-                weight=c.tokens if c.weight is None else c.weight,
+                weight=late_weight(c.tokens if c.weight is None else c.weight, c.staleness),
+                round=c.round_index,
+                merged_into_round=c.merged_into_round,
+                staleness=c.staleness,
                 norm=c.norm,
                 sha256=c.sha256,
                 nbytes=c.nbytes,

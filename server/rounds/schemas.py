@@ -58,6 +58,8 @@ class RoundOut(BaseModel):
     update_norm: float | None
     close_attempts: int  # claims taken to close it (1 when the first attempt succeeded)
     error: CloseError | None
+    # late contributions (trained for an earlier round) in its step, counted in `accepted`
+    late: int = 0
 
 
 class RoundList(BaseModel):
@@ -75,7 +77,12 @@ class RoundContribution(BaseModel):
     aggregated: bool  # went into the round's outer step
     credit: float  # FLOPs; 0 until aggregated
     excluded: str | None  # why it was left out of the step (e.g. blob_unreadable: ...)
-    weight: int  # the tokens it counts for: its claim, at most what a lease allows
+    # the tokens it counts for in its step and credit: its claim, at most what a lease
+    # allows, divided by 1 + staleness (rounded up) for late work (diloco.protocol.late)
+    weight: int
+    round: int  # the round it was trained for (its lease's)
+    merged_into_round: int  # the round whose step takes it: `round` unless late
+    staleness: int  # versions published since its base: 0 unless late
     norm: float | None  # ‖Δ‖ of its decoded tensors
     cosine: float | None  # to the round's aggregate, once the step is published
     clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)

@@ -260,17 +260,26 @@ async def lease_states(*, session: AsyncSession, rnd: Round, now: datetime) -> l
 
 
 async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
+    # by the step that takes them: a round's own contributions and the late ones merged in
+    late = Contribution.staleness > 0
     live = (
         select(
-            Contribution.round_index,
+            Contribution.merged_into_round,
             func.count(Contribution.id),
-            func.sum(func.coalesce(Contribution.weight, Contribution.tokens)),
+            # late_weight in SQL: ⌈w / (1 + s)⌉ = (w + s) / (1 + s) in integer division
+            func.sum(
+                (func.coalesce(Contribution.weight, Contribution.tokens) + Contribution.staleness)
+                / (1 + Contribution.staleness)
+            ),
             func.avg(Contribution.loss),
+            func.count(Contribution.id).filter(late),
         )
         .where(Contribution.run_id == run_id, Contribution.excluded_code.is_(None))
-        .group_by(Contribution.round_index)
+        .group_by(Contribution.merged_into_round)
     )
-    counts = {i: (int(n), int(t), float(loss)) for i, n, t, loss in await session.execute(live)}
+    counts, lates = {}, {}
+    for i, n, t, loss, n_late in await session.execute(live):
+        counts[i], lates[i] = (int(n), int(t), float(loss)), int(n_late)
     rounds = await session.scalars(
         select(Round).where(Round.run_id == run_id).order_by(Round.index)
     )
@@ -297,6 +306,7 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
                 update_norm=r.update_norm,
                 close_attempts=r.close_attempts,
                 error=close_error(r),
+                late=lates.get(r.index, 0),
             )
         )
     return out

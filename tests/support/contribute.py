@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from diloco.delta import apply_change, publish_change
 from diloco.exchange import encode_delta
 from diloco.model import GPT
 from diloco.outer import pseudo_gradient
+from diloco.protocol.late import late_weight
 from diloco.protocol.rules import upload_weight
 from diloco.robust import Source, UploadInspector, robust_aggregate
 from diloco.tensorfile import TensorFileReader
@@ -170,13 +171,21 @@ def reference_step(
     base: Mapping[str, torch.Tensor],
     works: list[Work],
     state: Reference | None = None,
+    *,
+    staleness: Sequence[int] = (),
+    round: int | None = None,
+    history: Sequence[float] = (),
 ) -> Reference:
     """What the server must compute for a round from these uploads (in the order they were
     accepted), with whole tensors and the library's in-memory aggregate: each body
-    inspected as ingest does (its norm), weighted by the tokens it counts for, the run's
-    robust aggregate, one Nesterov step from the base version's momentum and residual
-    (``state``; none for round 1), published through the int8 delta (``diloco.delta``)."""
+    inspected as ingest does (its norm), weighted by the tokens it counts for (late work:
+    discounted by its ``staleness``, one per work, 0 when not given), the run's robust
+    aggregate, one Nesterov step from the base version's momentum and residual (``state``;
+    none for round 1), published through the int8 delta (``diloco.delta``). ``round``: the
+    round whose step it is (default: the first work's); ``history``: the norms of the
+    run's earlier aggregated contributions, the clipping's reference in a small round."""
     cfg = parse_config(run["config"])
+    stale = list(staleness) or [0] * len(works)
     shapes = {n: tuple(p.shape) for n, p in base.items()}
     sources = []
     for i, work in enumerate(works):
@@ -185,16 +194,24 @@ def reference_step(
         inspector = UploadInspector(work.meta.codec)
         for name, tensor in encoded.items():
             inspector.add(name, tensor)
-        weight = upload_weight(work.meta.tokens, cfg.lease_tokens)
+        weight = late_weight(upload_weight(work.meta.tokens, cfg.lease_tokens), stale[i])
         sources.append(Source(str(i), float(weight), inspector.norm, lambda body=body: [body]))
     aggregate = robust_aggregate(
-        sources, shapes=shapes, codec=works[0].meta.codec, policy=cfg.aggregation
+        sources,
+        shapes=shapes,
+        codec=works[0].meta.codec,
+        policy=cfg.aggregation,
+        history=list(history),
     )
     return outer_reference(
         base,
         aggregate.delta,
         # the round's outer lr, as the server takes it (OuterSection.lr_at)
-        hyper=(cfg.outer.lr_at(works[0].lease["round"]), cfg.outer.momentum, cfg.outer.nesterov),
+        hyper=(
+            cfg.outer.lr_at(round or works[0].lease["round"]),
+            cfg.outer.momentum,
+            cfg.outer.nesterov,
+        ),
         codec=Int8Codec(cfg.compression.block_size),
         state=state,
     )
