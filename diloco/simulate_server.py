@@ -54,7 +54,15 @@ class RoundDesk:
     refused: dict[str, int] = field(default_factory=dict)  # by error code
     _payloads: set[str] = field(default_factory=set)
 
-    def admit(self, source_id: str, contributor: str, chunks: list[bytes]) -> Admitted | Refusal:
+    def admit(
+        self,
+        source_id: str,
+        contributor: str,
+        chunks: list[bytes],
+        inner_steps: int | None = None,
+    ) -> Admitted | Refusal:
+        """An upload for a lease of ``inner_steps`` (None: the run's steps): checked and
+        weighed as the server does, or refused."""
         shapes, codec = _model(self.cfg)
         decoder = ContributionDecoder(shapes, codec=codec)
         inspector = UploadInspector(codec)
@@ -77,7 +85,7 @@ class RoundDesk:
         if refusal is not None:
             return self._refuse(refusal)
         self._payloads.add(inspector.payload_sha256)
-        weight = upload_weight(meta.tokens, self.cfg.lease_tokens)
+        weight = upload_weight(meta.tokens, self.cfg.lease_tokens_for(inner_steps))
         source = Source(source_id, float(weight), inspector.norm, lambda: chunks)
         admitted = Admitted(source, contributor, meta.loss, weight)
         self.admitted.append(admitted)
