@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from client.lease import Lease
+from diloco.config import RunConfig
 
 RESERVE_S = 5.0  # seconds kept for encoding Δ and the upload, before one was measured
 UPLOAD_SAFETY = 2.0  # a measured encode + upload counts this many times over
@@ -99,6 +100,23 @@ class RoundPace:
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self._last: float | None = None
         self._lock = threading.Lock()
+
+    def refusal(self, cfg: RunConfig, rate: float | None) -> str | None:
+        """Why not to train this lease at all (``start_refusal``), at ``rate`` tokens/s
+        (our last round's; None: unknown) and the least steps it could be cut to."""
+        step_s = None if rate is None else cfg.tokens_per_step / rate
+        least = min(self.steps, cfg.inner.lease_min_steps)
+        return start_refusal(
+            min_steps=least, step_s=step_s, left_s=self.left_s(), reserve=self.reserve
+        )
+
+    def sized_note(self, cfg: RunConfig, rate: float | None) -> str:
+        """The log line for a lease whose H is not the run's."""
+        speed = "" if rate is None else f" to our {rate:,.0f} tokens/s"
+        return (
+            f"H={self.steps} steps (the server sized it{speed} for the deadline in "
+            f"{max(self.left_s(), 0):.0f} s; the run's H is {cfg.inner.steps})"
+        )
 
     def left_s(self) -> float:
         return self.deadline - self.clock()

@@ -27,7 +27,7 @@ from client.api import DOWNLOAD_URL_REFUSED, ApiError, RetryPolicy, ServerAPI, S
 from client.fetch import Fetcher
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
-from client.pacing import RoundPace, reserve_s, start_refusal
+from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
 from client.training import DivergedError, LocalTrainer, StopTraining, resolve_device, stop_flag
 from client.worker_options import (
@@ -151,14 +151,11 @@ class _Worker:
                     raise
                 self.say.warn(f"{err.detail}")  # the next join brings fresh URLs
                 return
-            step_s = None if self.rate is None else cfg.tokens_per_step / self.rate
-            least = min(lease.inner_steps, cfg.inner.lease_min_steps)
-            why = start_refusal(
-                min_steps=least, step_s=step_s, left_s=pace.left_s(), reserve=pace.reserve
-            )
-            if why is not None:
+            if (why := pace.refusal(cfg, self.rate)) is not None:
                 await self.skip(lease, why, pace)
                 return
+            if lease.inner_steps != cfg.inner.steps:
+                self.say.info(pace.sized_note(cfg, self.rate))
             trained = (
                 None if lost.is_set() else await self.train(lease, params, shard, bar, lost, pace)
             )
