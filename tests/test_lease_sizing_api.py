@@ -98,6 +98,9 @@ def test_a_leases_h_follows_the_reported_speed_within_the_bounds(http):
     # the lr schedule keeps indexing by the nominal H; the deadline comes with its seconds
     assert {x["start_step"] for x in (slow_lease, fast_lease, mid_lease)} == {0}
     assert 500 < mid_lease["deadline_in_s"] <= 600
+    # the run view (the dashboard) shows each lease's H
+    leases = http.get(f"{API}/runs/{run_id}").json()["current_round"]["leases"]
+    assert [x["inner_steps"] for x in leases] == [10, 80, 40, mid_lease["inner_steps"]]
 
 
 @pytest.mark.parametrize(

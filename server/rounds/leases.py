@@ -94,7 +94,6 @@ SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, 
        run.dataset_id, run.token_dtype,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
        l.id AS lease_id, l.shard, l.unit, l.seed, l.last_heartbeat, l.expires_at,
-       l.inner_steps,
        c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
        EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
                AND m.contributor_id = me.id) AS member,
