@@ -91,8 +91,11 @@ class ServerAPI(RunsAPI):
 
     # ---------------------------------------------------------------- a volunteer's round
 
-    async def join(self, run_id: str) -> Lease:
-        return parse_lease(await self._json("POST", f"/runs/{run_id}/join"))
+    async def join(self, run_id: str, tokens_per_s: float | None = None) -> Lease:
+        """A lease on the open round; ``tokens_per_s`` (our measured training speed) lets
+        the server size its ``inner_steps`` to finish before the deadline."""
+        body = None if tokens_per_s is None else {"tokens_per_s": tokens_per_s}
+        return parse_lease(await self._json("POST", f"/runs/{run_id}/join", body=body))
 
     async def heartbeat(
         self,

@@ -150,6 +150,13 @@ def simulate(
             show_default=False,
         ),
     ] = None,
+    size_h: Annotated[
+        bool,
+        typer.Option(
+            help="protocol: size each lease's H to its volunteer's speed, as the server does.",
+            envvar="DILOCO_SIZE_H",
+        ),
+    ] = False,
     step_s: Annotated[
         float,
         typer.Option(
@@ -304,12 +311,13 @@ def simulate(
                     close_s=close_s,
                 ),
                 max_sim_s=max_sim_s,
+                size_h=size_h,
             ).checked(K)
             if drop_prob:
                 raise ValueError("--drop-prob: protocol mode drops volunteers (--drop-per-min)")
-        elif speed_list or join_list or outage or drop_per_min or return_per_min:
+        elif speed_list or join_list or outage or drop_per_min or return_per_min or size_h:
             raise ValueError(
-                "--speeds, --join-at, --outage, --drop-per-min and --return-per-min "
+                "--speeds, --join-at, --outage, --drop-per-min, --return-per-min and --size-h "
                 "apply to --mode protocol only"
             )
         if batches != "worker" and mode is not SimMode.diloco:

@@ -47,7 +47,13 @@ class DivergedError(ValueError):
 
 
 class StopTraining(Exception):
-    """Raised from the step callback to end the inner loop early (round closed, Ctrl+C)."""
+    """Raised from the step callback to end the inner loop early (round closed, Ctrl+C):
+    the work is dropped."""
+
+
+class _DeadlineReached(Exception):
+    """Raised from the step callback when ``until`` says to stop: the steps taken so far
+    are the round's result (``LocalTrainer.train`` returns them)."""
 
 
 def _mps_available() -> bool:
@@ -246,9 +252,13 @@ class LocalTrainer:
         *,
         on_step: Callable[[int, float, int], None],
         stop: Callable[[], bool],
+        until: Callable[[int], str | None] | None = None,
     ) -> InnerResult:
         """Load θ(t−1), then H AdamW steps on batches drawn with ``lease.seed``.
-        ``on_step(done, loss, tokens)`` reports; ``stop()`` true ends the loop early."""
+        ``on_step(done, loss, tokens)`` reports; ``stop()`` true ends the loop early and
+        drops the work (StopTraining). ``until(done)`` returning a sentence (the deadline,
+        ``client.pacing``) ends it too, but keeps the work: the result holds the ``done``
+        steps taken (at least 1: it is asked after each step but the last)."""
         if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before train")
         cfg, trainer = self.cfg, self.trainer
@@ -279,15 +289,24 @@ class LocalTrainer:
                 generator=gen,
             )
 
+        losses: list[float] = []  # what the result holds if the deadline stops us
+
         def step_done(i: int, loss: float) -> None:
             self.steps_taken += 1
+            losses.append(loss)
             on_step(i + 1, loss, (i + 1) * tokens_per_step)
             if i + 1 < steps and stop():
                 raise StopTraining
+            if i + 1 < steps and until is not None and until(i + 1) is not None:
+                raise _DeadlineReached
 
-        return trainer.run(
-            steps, start_step=lease.start_step, next_batch=next_batch, on_step=step_done
-        )
+        try:
+            return trainer.run(
+                steps, start_step=lease.start_step, next_batch=next_batch, on_step=step_done
+            )
+        except _DeadlineReached:  # the model holds the steps taken: they are the result
+            done = len(losses)
+            return InnerResult(steps=done, tokens=done * tokens_per_step, losses=losses)
 
     def contribution(
         self, lease: Lease, params: Mapping[str, torch.Tensor], result: InnerResult

@@ -1,8 +1,12 @@
 """The volunteer loop: join a round, train H steps, upload Δ, again (``docs/api.md``).
 
 Per round, as one simulated worker does in ``diloco.simulate._run_diloco``:
-join → download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
+join (with our last round's tokens/s, so the server sizes H to finish before the deadline)
+→ download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
 the event loop sends heartbeats → Δ = θ(t−1) − θi → int8 → stream the upload.
+Against the deadline (``client.pacing``): a lease that even ``min_steps`` would not finish
+in time is given back untrained, and training stops early, keeping what it did, when
+another step would leave too little time to upload.
 A round that closes without us (a heartbeat or the upload answers 409) is dropped and we
 join the next one, unless the run merges late work (``[rounds] max_staleness``): then we
 finish the H steps and upload to our round as usual, and the server merges the work into
@@ -34,6 +38,7 @@ from client.fetch import Fetcher
 from client.gpu import device_peak_flops, mfu
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
+from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
 from client.training import (
     Contribution,
@@ -79,6 +84,8 @@ class _Worker:
         self.faults = FaultInjector.parse(opts.faults)
         self.invalid_in_a_row = 0
         self.banned: ApiError | None = None  # a heartbeat was answered 403 banned: fatal
+        self.rate: float | None = None  # tokens/s of our last round, sent with each join
+        self.upload_s: float | None = None  # our last encode + upload took this long
 
     async def run(self) -> None:
         o = self.opts
@@ -132,7 +139,7 @@ class _Worker:
         said: set[str] = set()  # say each kind of wait once per join, not every poll
         while True:
             try:
-                return await self.api.join(run_id)
+                return await self.api.join(run_id, tokens_per_s=self.rate)
             except ApiError as err:
                 if err.code == ErrorCode.RUN_NOT_ACTIVE and err.body.get("status") == "paused":
                     wait, why = self.opts.poll_s, f"run {run_id} is paused; waiting"
@@ -155,6 +162,7 @@ class _Worker:
 
     async def round(self, lease: Lease) -> None:
         lost = threading.Event()  # set by a heartbeat answer: the round went on without us
+        pace = RoundPace(lease, reserve=reserve_s(self.upload_s))
         bar = self.say.round_bar(lease.round, lease.inner_steps)
         beats = asyncio.create_task(self.heartbeats(lease, bar, lost))
         self.holding = lease
@@ -171,7 +179,14 @@ class _Worker:
                     raise
                 self.say.warn(f"{err.detail}")  # the next join brings fresh URLs
                 return
-            trained = None if lost.is_set() else await self.train(lease, params, shard, bar, lost)
+            if (why := pace.refusal(cfg, self.rate)) is not None:
+                await self.skip(lease, why, pace)
+                return
+            if lease.inner_steps != cfg.inner.steps:
+                self.say.info(pace.sized_note(cfg, self.rate))
+            trained = (
+                None if lost.is_set() else await self.train(lease, params, shard, bar, lost, pace)
+            )
             if self.banned is not None:
                 raise self.banned
             if trained is None:
@@ -181,12 +196,24 @@ class _Worker:
                 self.holding = None
                 self.say.info(f"round {lease.round} closed before we finished; joining again")
                 return
+            if pace.reason is not None:
+                self.summary.cut_short += 1
+                self.say.always(f"round {lease.round}: {pace.reason}; uploading them")
             await self.contribute(lease, params, *trained)
             self.holding = None
         finally:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
+
+    async def skip(self, lease: Lease, why: str, pace: RoundPace) -> None:
+        """Not even min_steps would make the deadline: give the lease back untrained (the
+        round need not wait for us) and wait for the deadline, when the round closes or is
+        extended, before joining again."""
+        self.summary.skipped += 1
+        self.say.always(f"round {lease.round}: not training: {why}; waiting for the next round")
+        await self.release()
+        await asyncio.sleep(min(max(pace.left_s(), 0.0) + 1.0, self.opts.max_wait_s))
 
     async def restore_optimizer(self, lease: Lease, name: str) -> None:
         """After (re)building the model: resume the AdamW state a previous session of this
@@ -212,18 +239,28 @@ class _Worker:
         shard: torch.Tensor,
         bar: RoundBar,
         lost: threading.Event,
+        pace: RoundPace,
     ) -> tuple[InnerResult, float] | None:
-        """H steps in a thread; the result and tokens/s, or None if stopped early."""
+        """H steps in a thread; the result and tokens/s, or None if stopped early. The
+        deadline may stop it early too (``pace``): then the result holds the steps done."""
         stop = stop_flag(lost, self.interrupted)
+
+        def on_step(done: int, loss: float, tokens: int) -> None:
+            bar.step(done, loss, tokens)
+            self.faults.hit("volunteer.step")  # tests: a volunteer that slows down
+
         started = time.perf_counter()
+        pace.start()
         with bar:
             try:
                 result = await asyncio.to_thread(
-                    self.local.train, lease, params, shard, on_step=bar.step, stop=stop
-                )
+                    self.local.train, lease, params, shard,
+                    on_step=on_step, stop=stop, until=pace.after_step,
+                )  # fmt: skip
             except StopTraining:
                 return None
-        return result, result.tokens / max(time.perf_counter() - started, 1e-9)
+        self.rate = result.tokens / max(time.perf_counter() - started, 1e-9)
+        return result, self.rate
 
     async def heartbeats(self, lease: Lease, bar: RoundBar, lost: threading.Event) -> None:
         interval = max(1.0, lease.heartbeat_interval_s)
@@ -264,6 +301,7 @@ class _Worker:
         self, lease: Lease, params: dict[str, torch.Tensor], result: InnerResult, rate: float
     ) -> None:
         """Encode Δ, keep the AdamW state on disk, upload; a refusal is one line saying why."""
+        sending = time.perf_counter()  # encoding and upload: what the next round keeps time for
         state = self.fetcher.state_path(lease.run_id)
         try:
             body = await asyncio.to_thread(self.local.contribution, lease, params, result)
@@ -276,9 +314,11 @@ class _Worker:
             self.local.save_state, state, run_id=lease.run_id, round=lease.round
         )
         util = mfu(rate, self.local.flops_per_token, self.peak_flops)
-        head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s" + (
-            "" if util is None else f"  MFU {util:.1%}"
-        )
+        head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s"
+        if util is not None:
+            head += f"  MFU {util:.1%}"
+        if result.steps < lease.inner_steps:
+            head += f"  {result.steps}/{lease.inner_steps} steps (deadline)"
         try:
             if body.nbytes > lease.max_upload_bytes:
                 raise ApiError(
@@ -295,6 +335,7 @@ class _Worker:
                 raise
             self.reject(head, body.nbytes, err)
             return
+        self.upload_s = time.perf_counter() - sending
         self.invalid_in_a_row = 0
         self.summary.accepted += 1
         self.summary.tokens += result.tokens

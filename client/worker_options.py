@@ -85,6 +85,8 @@ class WorkerSummary:
     accepted: int = 0
     rejected: int = 0
     abandoned: int = 0  # rounds that closed while we were still training
+    skipped: int = 0  # leases not started: even min_steps would have missed the deadline
+    cut_short: int = 0  # rounds stopped early for the deadline (what was done was uploaded)
     tokens: int = 0  # trained on in accepted contributions
     stopped_because: str = "stopped"
     signal: int | None = None  # the signal that stopped the worker, if one did
@@ -93,9 +95,11 @@ class WorkerSummary:
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
+        short = f"{self.cut_short} cut short for the deadline, " if self.cut_short else ""
+        skipped = f"{self.skipped} skipped (too little time), " if self.skipped else ""
         return (
             f"{self.stopped_because}: {self.accepted} contributions accepted, "
-            f"{self.rejected} rejected, {self.abandoned} abandoned, "
+            f"{self.rejected} rejected, {self.abandoned} abandoned, {short}{skipped}"
             f"{self.tokens:,} tokens in {elapsed / 60:.1f} min"
         )
 

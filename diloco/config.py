@@ -131,7 +131,13 @@ class DataSection(_Section):
 
 
 class InnerSection(_Section):
-    steps: int = Field(50, ge=1, le=100_000)  # H: AdamW steps per round
+    steps: int = Field(50, ge=1, le=100_000)  # H: AdamW steps per round (the nominal H)
+    # bounds on one lease's H, which the server sizes to the volunteer's measured speed so
+    # that it finishes before the round's deadline (diloco.protocol.sizing); a volunteer of
+    # unknown speed gets `steps`. None: max(1, steps // 4) and steps, so a fast volunteer
+    # trains what every lease trained before. min_steps <= steps <= max_steps
+    min_steps: int | None = Field(None, ge=1, le=100_000)
+    max_steps: int | None = Field(None, ge=1, le=100_000)
     batch_size: int = Field(16, ge=1, le=4096)  # sequences per step
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     weight_decay: float = Field(0.1, ge=0.0, le=1.0)
@@ -142,6 +148,28 @@ class InnerSection(_Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _steps_within_bounds(self) -> InnerSection:
+        if self.min_steps is not None and self.min_steps > self.steps:
+            raise ValueError(
+                f"min_steps: min_steps ({self.min_steps}) must be at most steps ({self.steps})"
+            )
+        if self.max_steps is not None and self.max_steps < self.steps:
+            raise ValueError(
+                f"max_steps: max_steps ({self.max_steps}) must be at least steps ({self.steps})"
+            )
+        return self
+
+    @property
+    def lease_min_steps(self) -> int:
+        """The fewest inner steps a lease is sized to (``min_steps``, else steps // 4)."""
+        return self.min_steps if self.min_steps is not None else max(1, self.steps // 4)
+
+    @property
+    def lease_max_steps(self) -> int:
+        """The most inner steps a lease is sized to (``max_steps``, else ``steps``)."""
+        return self.max_steps if self.max_steps is not None else self.steps
 
 
 class OuterSection(_Section):
@@ -268,10 +296,22 @@ class RunConfig(_Section):
         return self.rounds.max_rounds * self.inner.steps
 
     @property
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step trains on: batch_size sequences of block_size."""
+        return self.inner.batch_size * self.model.block_size
+
+    @property
     def lease_tokens(self) -> int:
-        """The most tokens one lease's work can hold (H steps of batch_size x block_size):
-        a contribution's weight (and credit) never counts more, whatever it claims."""
-        return self.inner.steps * self.inner.batch_size * self.model.block_size
+        """The most tokens a lease of the nominal H can hold (H steps of batch_size x
+        block_size); ``lease_tokens_for`` a lease sized otherwise."""
+        return self.lease_tokens_for(self.inner.steps)
+
+    def lease_tokens_for(self, inner_steps: int | None) -> int:
+        """The most tokens one lease's work can hold, for a lease of ``inner_steps`` (None:
+        the nominal H, as a lease issued before leases were sized): a contribution's weight
+        (and credit) never counts more, whatever it claims."""
+        steps = self.inner.steps if inner_steps is None else inner_steps
+        return steps * self.tokens_per_step
 
 
 # ---------------------------------------------------------------- what a close needs

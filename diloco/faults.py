@@ -12,7 +12,9 @@ or in a child process through a setting (``DILOCO_FAULTS``), in the same words::
 ``fail`` raises :class:`InjectedFault` (the caller's error handling runs), ``die`` sends the
 process SIGKILL (nothing runs: a crash), ``stall`` sleeps ``STALL_S`` in the thread that hit
 the point (a slow close, for a test to act while it computes: use it only at points hit
-off the event loop, the close's compute stages). ``@n`` fires from the n-th hit of the point on
+off the event loop, the close's compute stages; ``stall:S`` sleeps S seconds instead, e.g.
+``volunteer.step=stall:0.5@3*1000``: a volunteer that slows down from its third step on).
+``@n`` fires from the n-th hit of the point on
 (counting from 1), ``*k`` fires k times (default once). An unarmed injector costs one dict
 lookup per hit. Production processes never arm one.
 """
@@ -39,10 +41,12 @@ POINTS = frozenset(
         "close.publish",  # the transaction that publishes the version has committed
         "eval.version",  # a published version's eval loss is about to be measured
         "volunteer.upload",  # a volunteer is about to upload its contribution
+        "volunteer.step",  # a volunteer finished an inner step (in its training thread)
     }
 )
 _SPEC = re.compile(
-    r"^(?P<point>[a-z.]+)=(?P<action>fail|die|stall)(?:@(?P<at>\d+))?(?:\*(?P<times>\d+))?$"
+    r"^(?P<point>[a-z.]+)=(?P<action>fail|die|stall)(?::(?P<seconds>\d+(?:\.\d+)?))?"
+    r"(?:@(?P<at>\d+))?(?:\*(?P<times>\d+))?$"
 )
 
 Kind = Literal["fail", "die", "stall"]
@@ -58,6 +62,7 @@ class _Rule:
     kind: Kind
     at: int  # fire from this hit on (1-based)
     times: int  # fire this many times
+    seconds: float = 0.0  # how long a stall sleeps
 
 
 class FaultInjector:
@@ -73,9 +78,12 @@ class FaultInjector:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             m = _SPEC.match(part)
             if m is None:
-                raise ValueError(f"fault {part!r}: expected point=fail|die|stall[@n][*k]")
+                raise ValueError(f"fault {part!r}: expected point=fail|die|stall[:S][@n][*k]")
+            if m["seconds"] is not None and m["action"] != "stall":
+                raise ValueError(f"fault {part!r}: only a stall takes :SECONDS")
             at, times = int(m["at"] or 1), int(m["times"] or 1)
-            injector._arm(m["point"], m["action"], at=at, times=times)  # type: ignore[arg-type]
+            seconds = STALL_S if m["seconds"] is None else float(m["seconds"])
+            injector._arm(m["point"], m["action"], at=at, times=times, seconds=seconds)  # type: ignore[arg-type]
         return injector
 
     def fail_at(self, point: str, *, at: int = 1, times: int = 1) -> FaultInjector:
@@ -84,12 +92,21 @@ class FaultInjector:
     def die_at(self, point: str, *, at: int = 1) -> FaultInjector:
         return self._arm(point, "die", at=at, times=1)
 
-    def _arm(self, point: str, kind: Kind, *, at: int, times: int) -> FaultInjector:
+    def stall_at(
+        self, point: str, *, seconds: float = STALL_S, at: int = 1, times: int = 1
+    ) -> FaultInjector:
+        return self._arm(point, "stall", at=at, times=times, seconds=seconds)
+
+    def _arm(
+        self, point: str, kind: Kind, *, at: int, times: int, seconds: float = STALL_S
+    ) -> FaultInjector:
         if point not in POINTS:
             raise ValueError(f"fault point {point!r} is unknown; known: {sorted(POINTS)}")
         if at < 1 or times < 1:
             raise ValueError(f"fault {point}: @n and *k count from 1, got @{at} *{times}")
-        self._rules[point] = _Rule(kind, at, times)
+        if not (0.0 <= seconds <= 3600.0):
+            raise ValueError(f"fault {point}: a stall lasts 0 to 3600 s, got {seconds}")
+        self._rules[point] = _Rule(kind, at, times, seconds)
         return self
 
     def hit(self, point: str) -> None:
@@ -105,8 +122,9 @@ class FaultInjector:
         if not fire:
             return
         if rule.kind == "stall":
-            print(f"fault injected: stalling at {point} (hit {n})", file=sys.stderr, flush=True)
-            time.sleep(STALL_S)
+            if n == rule.at:  # a stall may fire on every step: say so once
+                print(f"fault injected: stalling at {point} (hit {n})", file=sys.stderr, flush=True)
+            time.sleep(rule.seconds)
             return
         if rule.kind == "die":
             print(f"fault injected: dying at {point} (hit {n})", file=sys.stderr, flush=True)

@@ -166,13 +166,15 @@ def train_upload(
     cfg: RunConfig,
     round: int,
     next_batch: Callable[[], Batch],
+    steps: int | None = None,
 ) -> Upload:
     """What a volunteer does for round ``round`` (from 1): load θ(t−1) = ``params``, train
-    H steps from global step (round − 1)·H, Δ = θ(t−1) − θi through the codec and the
-    wire format. The trainer's AdamW state carries over from its previous rounds."""
+    ``steps`` (its lease's H; None: the run's H) steps from global step (round − 1)·H,
+    Δ = θ(t−1) − θi through the codec and the wire format. The trainer's AdamW state
+    carries over from its previous rounds."""
     H = cfg.inner.steps
     load_parameters(trainer.model, params)
-    result = trainer.run(H, start_step=(round - 1) * H, next_batch=next_batch)
+    result = trainer.run(steps or H, start_step=(round - 1) * H, next_batch=next_batch)
     delta = pseudo_gradient(params, snapshot(trainer.model))
     encoded, codec = encode_delta(
         delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
@@ -182,7 +184,7 @@ def train_upload(
         round=round,
         base_version=round - 1,
         tokens=result.tokens,
-        inner_steps=H,
+        inner_steps=steps or H,
         loss=result.mean_loss,
         codec=codec,
     )

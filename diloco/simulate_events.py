@@ -4,8 +4,10 @@
 Time: datetimes from ``EPOCH``; events in a priority queue ordered by (time, order of
 scheduling), so the same inputs give the same run and no wall clock is ever read.
 
-Volunteers do what ``client.worker`` does: join; train H inner steps (``step_s / speed``
-simulated seconds each), heartbeating every ``heartbeat_interval_s``; upload; join again.
+Volunteers do what ``client.worker`` does: join; train their lease's H inner steps
+(``step_s / speed`` simulated seconds each; with ``size_h`` the hub sizes H to the speed
+each reports, else it is the run's steps), heartbeating every ``heartbeat_interval_s``;
+upload; join again.
 A join answered "already contributed" or "round closing" is tried again after the answer's
 ``retry_after_s``. A heartbeat answered "round closed" stops the training at the end of the
 step in progress (unless that is the last step: then the upload goes out and is refused),
@@ -225,7 +227,10 @@ class _ProtocolRun:
     # ------------------------------------------------------------ a volunteer's round
 
     def _join(self, v: Volunteer) -> None:
-        answer = self.hub.join(self.now, v.name)
+        rate = None
+        if self.proto.size_h:  # it reports its speed, as a client does from its last round
+            rate = self.cfg.tokens_per_step / v.step.total_seconds()
+        answer = self.hub.join(self.now, v.name, tokens_per_s=rate)
         if isinstance(answer, Refusal):
             if answer.code in RETRY_JOIN_CODES:
                 wait = float(answer.extra["retry_after_s"])
@@ -237,7 +242,7 @@ class _ProtocolRun:
         v.lease, new = answer
         v.started, v.task = self.now, v.task + 1
         self.downloads += new  # a renewed lease's checkpoint is in the client's cache
-        self._later(v, self.cfg.inner.steps * v.step, self._finish)
+        self._later(v, v.lease.inner_steps * v.step, self._finish)
         self._later(v, self.heartbeat_every, self._heartbeat)
 
     def _heartbeat(self, v: Volunteer) -> None:
@@ -254,7 +259,7 @@ class _ProtocolRun:
         # the client stops at the end of the step in progress, unless that is the last one
         # (then it uploads, and the upload is refused)
         done = -(-(self.now - v.started) // v.step)  # steps begun, ceil
-        if done >= self.cfg.inner.steps:
+        if done >= v.lease.inner_steps:
             return
         stop = v.started + done * v.step
         self._spend(v, stop - v.started, wasted="abandoned")
@@ -272,8 +277,8 @@ class _ProtocolRun:
             run_id=SIM_RUN_ID,
             round=lease.round,
             base_version=lease.round - 1,
-            tokens=cfg.inner.steps * cfg.inner.batch_size * cfg.model.block_size,
-            inner_steps=cfg.inner.steps,
+            tokens=lease.inner_steps * cfg.tokens_per_step,
+            inner_steps=lease.inner_steps,
         )
         verdict = self.hub.admit_upload(v.name, lease.round, claim)
         welcome = isinstance(verdict, Refusal) and still_welcome(
@@ -302,7 +307,12 @@ class _ProtocolRun:
             next_batch = lease_batches(self.data, cfg, lease.assignment)
             base = self.hub.params_of(lease.round - 1)
             upload = train_upload(
-                v.trainer, base, cfg=cfg, round=lease.round, next_batch=next_batch
+                v.trainer,
+                base,
+                cfg=cfg,
+                round=lease.round,
+                next_batch=next_batch,
+                steps=lease.inner_steps,
             )
             assert upload.result.tokens == claim.tokens
             self.bytes_up += upload.nbytes

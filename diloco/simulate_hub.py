@@ -4,7 +4,8 @@ deciding with the protocol's rules exactly where and in the order the server doe
 One method per server path (read them side by side):
 
 - ``join``: ``server.rounds.leases.join``: ``admit_join``; a new lease takes the round's
-  next ordinal and ``assign_lease`` says its shard and seed; a held lease is renewed.
+  next ordinal and ``assign_lease`` says its shard and seed, ``size_lease`` its H from the
+  speed the volunteer reports (none: the run's steps); a held lease is renewed.
 - ``heartbeat``: ``server.rounds.leases.heartbeat``: ``admit_heartbeat``.
 - ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
   before the body is read, ``admit_claim`` on its header, the body checked (finite once
@@ -49,6 +50,7 @@ from diloco.protocol.rules import (
     close_effects,
     decide_close,
 )
+from diloco.protocol.sizing import StepBounds, size_lease
 from diloco.protocol.state import (
     Action,
     Aggregated,
@@ -145,8 +147,11 @@ class Hub:
 
     # ------------------------------------------------------------ leases
 
-    def join(self, now: datetime, who: str) -> tuple[HubLease, bool] | Refusal:
-        """A lease on the open round (and whether it is new), or the rule's refusal."""
+    def join(
+        self, now: datetime, who: str, tokens_per_s: float | None = None
+    ) -> tuple[HubLease, bool] | Refusal:
+        """A lease on the open round (and whether it is new), or the rule's refusal; a new
+        lease's H is sized to ``tokens_per_s``, the speed the volunteer reports."""
         rnd = self._current_view()
         log = None if rnd is None else self.logs[rnd.index]
         held = None if log is None else log.leases.get(who)
@@ -169,7 +174,22 @@ class Hub:
         assignment = assign_lease(
             ordinal, round=rnd.index, run_seed=self.run_seed, n_shards=self.leasing.n_shards
         )
-        lease = HubLease(who, rnd.index, assignment.shard, assignment.seed, now, grant.expires_at)
+        sized = size_lease(
+            now,
+            rnd.deadline,
+            StepBounds.of(self.cfg.inner),
+            tokens_per_step=self.cfg.tokens_per_step,
+            reported=tokens_per_s,
+        )
+        lease = HubLease(
+            who,
+            rnd.index,
+            assignment.shard,
+            assignment.seed,
+            now,
+            grant.expires_at,
+            sized.steps,
+        )
         log.leases[who] = lease
         if self.ledger is not None:  # it downloads θ: the deltas since the version it holds
             self.ledger.fetch(who, self.version)
@@ -227,16 +247,23 @@ class Hub:
     ) -> Refusal | None:
         """The body, checked as the server checks it (finite once decoded, not a replay),
         then stored; or the refusal. Late work (``late``) is checked against its own round
-        and joins the open round's step with its discounted weight."""
+        and joins the open round's step with its discounted weight; either is weighed by
+        its own lease's H."""
+        inner_steps = self.logs[index].leases[who].inner_steps
         if late is None:
             log = self.logs[index]
             cid = f"con_{index}_{len(log.contributions) + 1}"
-            admitted = log.desk.admit(cid, who, upload.chunks)
+            admitted = log.desk.admit(cid, who, upload.chunks, inner_steps)
         else:
             log = self.logs[late.merged_into]
             cid = f"con_{index}_late_{len(log.late) + 1}"
             admitted = log.desk.admit(
-                cid, who, upload.chunks, origin=self.rounds[index], staleness=late.staleness
+                cid,
+                who,
+                upload.chunks,
+                inner_steps,
+                origin=self.rounds[index],
+                staleness=late.staleness,
             )
         if isinstance(admitted, Refusal):
             return admitted

@@ -61,6 +61,10 @@ class ProtocolOptions:
     outages: tuple[Outage, ...] = ()  # scripted dropouts, besides the random ones
     hub: HubSettings = field(default_factory=HubSettings)
     max_sim_s: float | None = None  # stop the clock here if the run has not ended by then
+    # size each lease's H to its volunteer's speed, as the server does
+    # (diloco.protocol.sizing): volunteers report their speed with each join. False: every
+    # lease trains the run's steps
+    size_h: bool = False
 
     def __post_init__(self) -> None:
         if self.speeds is not None and not all(math.isfinite(s) and s > 0 for s in self.speeds):

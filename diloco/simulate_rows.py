@@ -52,6 +52,7 @@ class HubLease:
     seed: int
     last_heartbeat: datetime
     expires_at: datetime
+    inner_steps: int  # its H (diloco.protocol.sizing)
 
     @property
     def assignment(self) -> LeaseAssignment:

@@ -62,12 +62,15 @@ class RoundDesk:
         source_id: str,
         contributor: str,
         chunks: list[bytes],
+        inner_steps: int | None = None,
         *,
         origin: RoundView | None = None,
         staleness: int = 0,
     ) -> Admitted | Refusal:
-        """``origin``: the round a late upload was trained for (its header is checked
-        against that round), merged into this one ``staleness`` versions on."""
+        """An upload for a lease of ``inner_steps`` (None: the run's steps), checked and
+        weighed as the server does, or refused. ``origin``: the round a late upload was
+        trained for (its header is checked against that round), merged into this one
+        ``staleness`` versions on."""
         shapes, codec = _model(self.cfg)
         decoder = ContributionDecoder(shapes, codec=codec)
         inspector = UploadInspector(codec)
@@ -90,7 +93,9 @@ class RoundDesk:
         if refusal is not None:
             return self._refuse(refusal)
         self._payloads.add(inspector.payload_sha256)
-        weight = late_weight(upload_weight(meta.tokens, self.cfg.lease_tokens), staleness)
+        weight = late_weight(
+            upload_weight(meta.tokens, self.cfg.lease_tokens_for(inner_steps)), staleness
+        )
         source = Source(source_id, float(weight), inspector.norm, lambda: chunks)
         admitted = Admitted(source, contributor, meta.loss, weight, staleness)
         self.admitted.append(admitted)

@@ -131,7 +131,7 @@ export function runPage(main, runId) {
       h("td", { class: "name", text: l.contributor_name }),
       h("td", { text: String(l.shard) }),
       h("td", { "data-since": l.last_heartbeat, text: ago(l.last_heartbeat) }),
-      h("td", { text: l.last_step === null ? "–" : String(l.last_step) }),
+      h("td", { text: (l.last_step === null ? "–" : String(l.last_step)) + (l.inner_steps ? ` / ${l.inner_steps}` : "") }),
       h("td", { text: num(l.last_loss) }),
       h("td", {}, h("span", { class: `badge ${l.contributed ? "done" : l.live ? "live" : "lapsed"}`,
         text: l.contributed ? "contributed" : l.live ? "training" : "lapsed" }))));

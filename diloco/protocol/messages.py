@@ -143,8 +143,8 @@ class Lease(_Message):
     checkpoint: CheckpointRef
     shard: ShardRef
     config: dict[str, Any]  # the run config, the same structure as the TOML file
-    inner_steps: int  # H
-    start_step: int  # base_version * inner_steps: the global step that indexes the lr schedule
+    inner_steps: int  # this lease's H: sized to the volunteer's speed (diloco.protocol.sizing)
+    start_step: int  # base_version x the run's steps: the global step that indexes the lr schedule
     seed: int  # seeds this lease's batch sampling
     deadline: datetime
     lease_expires_at: datetime
@@ -152,6 +152,21 @@ class Lease(_Message):
     max_upload_bytes: int
     upload: UploadTarget | None = None  # None: PUT the body to the server (local storage)
     data_range: DataRange | None = None  # None: a text run's random windows of the shard
+    # seconds from this answer to ``deadline`` by the server's clock, so that a volunteer
+    # whose clock is off still knows how long it has (None: an older server)
+    deadline_in_s: float | None = None
+
+
+# the most tokens/s a volunteer may report: no device trains this fast (422 past it)
+MAX_TOKENS_PER_S = 1e9
+
+
+class JoinIn(_Message):
+    """``POST /runs/{id}/join``'s optional body. ``tokens_per_s``: the training speed this
+    volunteer measured (its last round's, or ``diloco doctor``'s), to size its lease's H
+    (``diloco.protocol.sizing``); it only ever sizes the sender's own lease."""
+
+    tokens_per_s: float | None = Field(None, gt=0.0, le=MAX_TOKENS_PER_S, allow_inf_nan=False)
 
 
 class HeartbeatIn(_Message):

@@ -55,7 +55,7 @@ from server.errors import (
     WrongTensors,
     refused,
 )
-from server.rounds import notify
+from server.rounds import notify, sizing
 from server.rounds import service as rounds_service
 from server.rounds.admission import (
     Accepted,
@@ -265,7 +265,8 @@ async def receive(
             late = verdict if isinstance(verdict, LateGrant) else None
             step, staleness = (index, 0) if late is None else (late.merged_into, late.staleness)
             row_id = f"con_{secrets.token_hex(8)}"
-            weight = upload_weight(meta.tokens, cfg.lease_tokens)
+            leased = await sizing.leased_steps(session, lease_id, cfg)  # this lease's H
+            weight = upload_weight(meta.tokens, cfg.lease_tokens_for(leased))
             inserted = await session.scalar(
                 insert(Contribution)
                 .values(
@@ -278,7 +279,7 @@ async def receive(
                     lease_id=lease_id,
                     base_version=meta.base_version,
                     tokens=meta.tokens,
-                    inner_steps=min(meta.inner_steps, cfg.inner.steps),  # at most H
+                    inner_steps=min(meta.inner_steps, leased),  # at most the lease's H
                     loss=meta.loss,
                     nbytes=writer.nbytes,
                     sha256=sha,

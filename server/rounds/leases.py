@@ -24,7 +24,7 @@ import asyncpg
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.config import parse_config
+from diloco.config import RunConfig, parse_config
 from diloco.protocol.messages import CheckpointRef, DataRange, HeartbeatOut, Lease, ShardRef
 from diloco.protocol.rules import admit_heartbeat, admit_join, assign_lease
 from diloco.protocol.state import (
@@ -50,6 +50,7 @@ from server.errors import (
 )
 from server.files import read_url
 from server.rounds import service as rounds_service
+from server.rounds import sizing
 from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
 from server.runs import coverage
@@ -112,15 +113,15 @@ RETURNING leases_issued - 1
 """
 NEW_LEASE = """
 INSERT INTO leases (id, run_id, round_index, contributor_id, shard, seed, issued_at,
-                    last_heartbeat, expires_at, unit)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9)
+                    last_heartbeat, expires_at, unit, inner_steps)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8, $9, $10)
 ON CONFLICT ON CONSTRAINT uq_leases_run_id_round_index_contributor_id
 DO UPDATE SET last_heartbeat = EXCLUDED.last_heartbeat, expires_at = EXCLUDED.expires_at
-RETURNING id, shard, unit, seed, expires_at
+RETURNING id, shard, unit, seed, expires_at, inner_steps
 """
 RENEW_LEASE = """
 UPDATE leases SET last_heartbeat = $2, expires_at = $3 WHERE id = $1
-RETURNING id, shard, unit, seed, expires_at
+RETURNING id, shard, unit, seed, expires_at, inner_steps
 """
 BAN = "SELECT banned_at, ban_reason FROM contributors WHERE token_hash = $1"
 
@@ -156,10 +157,13 @@ async def join(
     token: str,
     run_id: str,
     now: datetime,
+    tokens_per_s: float | None = None,
 ) -> Lease:
     """A lease on the run's open round (a new one, or the contributor's own renewed), or the
     rule's refusal. No transaction: one statement reads every fact; a new lease then takes
-    the round's next ordinal (an atomic counter) and is inserted."""
+    the round's next ordinal (an atomic counter), its H is sized to the volunteer's speed
+    (``tokens_per_s`` it reported, else what the server measured: ``server.rounds.sizing``)
+    and it is inserted. A renewed lease keeps its H."""
     async with pool.acquire() as conn:
         token_hash = hash_token(token)
         row = await conn.fetchrow(JOIN_FACTS, token_hash, now, run_id)
@@ -208,6 +212,16 @@ async def join(
                 if unit is None:
                     raise Internal(f"run {run_id} has no data units; it cannot hand out leases")
                 shard = unit["shard"]
+            sized = await sizing.size_new_lease(
+                conn,
+                cfg=_run_config(row["config"]),
+                run_id=run_id,
+                contributor_id=row["contributor_id"],
+                dataset=row["dataset_id"] is not None,
+                reported=tokens_per_s,
+                now=now,
+                deadline=view.deadline,
+            )
             lease = await conn.fetchrow(
                 NEW_LEASE,
                 f"lease_{secrets.token_hex(8)}",
@@ -219,6 +233,7 @@ async def join(
                 now,
                 grant.expires_at,
                 None if unit is None else unit["unit"],
+                sized.steps,
             )
         else:
             lease = await conn.fetchrow(RENEW_LEASE, row["lease_id"], now, grant.expires_at)
@@ -239,7 +254,7 @@ def _lease_answer(
     now: datetime,
 ) -> Lease:
     config, shards = _static(row["config"], row["shards"])
-    cfg = parse_config(config)
+    cfg = _run_config(row["config"])
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
     dataset = row["dataset_id"]
@@ -274,10 +289,11 @@ def _lease_answer(
         if unit is None
         else DataRange(unit=unit["unit"], start=unit["start"], tokens=unit["tokens"]),
         config=config,
-        inner_steps=cfg.inner.steps,
-        start_step=rnd.base_version * cfg.inner.steps,
+        inner_steps=cfg.inner.steps if lease["inner_steps"] is None else lease["inner_steps"],
+        start_step=rnd.base_version * cfg.inner.steps,  # the nominal H indexes the schedule
         seed=lease["seed"],
         deadline=rnd.deadline,
+        deadline_in_s=(rnd.deadline - now).total_seconds(),
         lease_expires_at=lease["expires_at"],
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
@@ -296,6 +312,12 @@ def _lease_answer(
 @lru_cache(maxsize=256)
 def _parsed(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return json.loads(config_json), json.loads(shards_json)
+
+
+@lru_cache(maxsize=256)
+def _run_config(config_json: str) -> RunConfig:
+    """A run's config, validated once (it never changes once the run is created)."""
+    return parse_config(json.loads(config_json))
 
 
 def _static(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

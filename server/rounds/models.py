@@ -90,6 +90,9 @@ class Lease(Base):
     expires_at: Mapped[datetime] = mapped_column()
     last_step: Mapped[int | None] = mapped_column(Integer, default=None)
     last_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    # H for this lease, sized to the volunteer's speed (diloco.protocol.sizing); it caps the
+    # contribution's weight. None: a lease issued before sizing, which had the run's steps
+    inner_steps: Mapped[int | None] = mapped_column(Integer, default=None)
 
 
 class Contribution(Base):

@@ -18,6 +18,7 @@ from server.rounds import service as rounds_service
 from server.rounds.schemas import (
     HeartbeatIn,
     HeartbeatOut,
+    JoinIn,
     Lease,
     Receipt,
     RoundContributions,
@@ -44,10 +45,12 @@ async def round_contributions(
 
 
 @router.post("/join")
-async def join(run_id: RunId, request: Request) -> Lease:
+async def join(run_id: RunId, request: Request, body: JoinIn | None = None) -> Lease:
     """A lease on the open round: what to download, how many steps, until when (contributor
-    token). 409 ``run_not_active``: wait while paused, else stop; ``round_closing`` and
-    ``already_contributed``: join again after ``retry_after_s``."""
+    token). The optional body's ``tokens_per_s`` (the volunteer's measured speed) sizes the
+    lease's ``inner_steps`` to finish before the deadline. 409 ``run_not_active``: wait
+    while paused, else stop; ``round_closing`` and ``already_contributed``: join again
+    after ``retry_after_s``."""
     return await leases.join(
         pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
@@ -55,6 +58,7 @@ async def join(run_id: RunId, request: Request) -> Lease:
         token=bearer_token(request),
         run_id=run_id,
         now=datetime.now(UTC),
+        tokens_per_s=None if body is None else body.tokens_per_s,
     )
 
 

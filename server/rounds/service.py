@@ -254,6 +254,7 @@ async def lease_states(*, session: AsyncSession, rnd: Round, now: datetime) -> l
             contributed=bool(done),
             last_step=lease.last_step,
             last_loss=lease.last_loss,
+            inner_steps=lease.inner_steps,
         )
         for lease, name, done in rows
     ]

@@ -22,6 +22,7 @@ class LeaseState(BaseModel):
     contributed: bool  # its upload for this round was accepted
     last_step: int | None  # as its last heartbeat reported
     last_loss: float | None
+    inner_steps: int | None = None  # its H, sized to the volunteer (None: the run's steps)
 
 
 class CurrentRound(BaseModel):
