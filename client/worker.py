@@ -32,37 +32,30 @@ from client.api import (
     RetryPolicy,
     ServerAPI,
     ServerUnreachable,
-    UploadReceipt,
 )
 from client.fetch import Fetcher
-from client.gpu import device_peak_flops, mfu
+from client.gpu import device_peak_flops
 from client.lease import Lease
 from client.optimizer_state import OptimizerStateError
 from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
 from client.training import (
-    Contribution,
-    DivergedError,
     LocalTrainer,
     StopTraining,
     resolve_device,
     stop_flag,
 )
+from client.uploading import Uploader
 from client.worker_options import (
-    BUSY_CODES,
     LOST_LEASE_CODES,
-    MAX_INVALID_IN_A_ROW,
-    REJECTED_CODES,
     NoActiveRun,
     WorkerOptions,
     WorkerSummary,
     still_welcome,
 )
 from diloco.faults import FaultInjector
-from diloco.protocol.late import LATE_RETRY_S
 from diloco.protocol.messages import ErrorCode
 from diloco.train import InnerResult
-from diloco.wire import encode_contribution
 
 default_name = identity.default_name  # re-exported: the CLI's --name default
 
@@ -82,10 +75,18 @@ class _Worker:
         self.fetcher = Fetcher(api, reporter, opts.cache_dir)
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
-        self.invalid_in_a_row = 0
         self.banned: ApiError | None = None  # a heartbeat was answered 403 banned: fatal
         self.rate: float | None = None  # tokens/s of our last round, sent with each join
-        self.upload_s: float | None = None  # our last encode + upload took this long
+        self.uploads = Uploader(
+            opts,
+            api,
+            reporter,
+            local=self.local,
+            fetcher=self.fetcher,
+            summary=self.summary,
+            faults=self.faults,
+            peak_flops=self.peak_flops,
+        )
 
     async def run(self) -> None:
         o = self.opts
@@ -162,7 +163,7 @@ class _Worker:
 
     async def round(self, lease: Lease) -> None:
         lost = threading.Event()  # set by a heartbeat answer: the round went on without us
-        pace = RoundPace(lease, reserve=reserve_s(self.upload_s))
+        pace = RoundPace(lease, reserve=reserve_s(self.uploads.upload_s))
         bar = self.say.round_bar(lease.round, lease.inner_steps)
         beats = asyncio.create_task(self.heartbeats(lease, bar, lost))
         self.holding = lease
@@ -199,7 +200,7 @@ class _Worker:
             if pace.reason is not None:
                 self.summary.cut_short += 1
                 self.say.always(f"round {lease.round}: {pace.reason}; uploading them")
-            await self.contribute(lease, params, *trained)
+            await self.uploads.contribute(lease, params, *trained)
             self.holding = None
         finally:
             beats.cancel()
@@ -296,93 +297,6 @@ class _Worker:
                 if "unreachable" not in warned:
                     warned.add("unreachable")
                     self.say.warn(f"heartbeat for round {lease.round}: {err}; still training")
-
-    async def contribute(
-        self, lease: Lease, params: dict[str, torch.Tensor], result: InnerResult, rate: float
-    ) -> None:
-        """Encode Δ, keep the AdamW state on disk, upload; a refusal is one line saying why."""
-        sending = time.perf_counter()  # encoding and upload: what the next round keeps time for
-        state = self.fetcher.state_path(lease.run_id)
-        try:
-            body = await asyncio.to_thread(self.local.contribution, lease, params, result)
-        except DivergedError as err:
-            self.local.reset()
-            state.unlink(missing_ok=True)
-            self.say.warn(f"round {lease.round}: {err}; starting over with a fresh optimizer")
-            return
-        await asyncio.to_thread(
-            self.local.save_state, state, run_id=lease.run_id, round=lease.round
-        )
-        util = mfu(rate, self.local.flops_per_token, self.peak_flops)
-        head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s"
-        if util is not None:
-            head += f"  MFU {util:.1%}"
-        if result.steps < lease.inner_steps:
-            head += f"  {result.steps}/{lease.inner_steps} steps (deadline)"
-        try:
-            if body.nbytes > lease.max_upload_bytes:
-                raise ApiError(
-                    413,
-                    "upload_too_large",
-                    f"our upload would be {body.nbytes:,} bytes but the round takes at most "
-                    f"{lease.max_upload_bytes:,}; tell the run's operator",
-                    {},
-                )
-            self.faults.hit("volunteer.upload")
-            receipt = await self.send(lease, body)
-        except ApiError as err:
-            if err.status >= 500 or err.status in (401, 403):
-                raise
-            self.reject(head, body.nbytes, err)
-            return
-        self.upload_s = time.perf_counter() - sending
-        self.invalid_in_a_row = 0
-        self.summary.accepted += 1
-        self.summary.tokens += result.tokens
-        r, note = receipt.receipt, " (already held)" if receipt.repeated else ""
-        if r.late:  # merged into a later round's step, discounted
-            where = f"round {r.merged_into_round} (staleness {r.staleness}, weight {r.weight})"
-            note = f" late into {where}{note}"
-        self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
-
-    async def send(self, lease: Lease, body: Contribution) -> UploadReceipt:
-        """Upload; while our round, or the round our late work joins, is closing (the
-        server asks for it again shortly), send it again after LATE_RETRY_S, doubling, for
-        at most ``max_wait_s`` in all."""
-        tries = 0
-        while True:
-            try:
-                return await self.api.upload(
-                    lease.run_id,
-                    lease.round,
-                    lambda: encode_contribution(body.meta, body.tensors),
-                    body.nbytes,
-                    lease.upload,
-                )
-            except ApiError as err:
-                waited = LATE_RETRY_S * (2**tries - 1)
-                if not still_welcome(lease, err.code, err.body) or waited > self.opts.max_wait_s:
-                    raise
-                await asyncio.sleep(LATE_RETRY_S * 2**tries)
-                tries += 1
-
-    def reject(self, head: str, nbytes: int, err: ApiError) -> None:
-        """One line for a refused contribution; the round moving on is normal, the server
-        refusing our body is not, and a few of those in a row stop the worker."""
-        self.summary.rejected += 1
-        self.say.always(f"{head}  upload {nbytes:,} B  rejected: {err.code}: {err.detail}")
-        if err.code in REJECTED_CODES or err.code in BUSY_CODES:
-            return
-        self.invalid_in_a_row += 1
-        if self.invalid_in_a_row >= MAX_INVALID_IN_A_ROW:
-            raise ApiError(
-                err.status,
-                err.code,
-                f"the server refused {self.invalid_in_a_row} contributions in a row "
-                f"(last: {err.detail}); this client may not match the server's version: "
-                "re-run the installer or pip install -U diloco-hub",
-                err.body,
-            )
 
 
 async def run_worker(opts: WorkerOptions) -> WorkerSummary:

@@ -271,7 +271,7 @@ class _ProtocolRun:
         """H steps done: upload, then join again."""
         lease, cfg = v.lease, self.cfg
         assert lease is not None
-        spent = min(self.now - v.started, cfg.inner.steps * v.step)  # not the waits after
+        spent = min(self.now - v.started, lease.inner_steps * v.step)  # not the waits after
         v.task += 1
         claim = UploadClaim(
             run_id=SIM_RUN_ID,

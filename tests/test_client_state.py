@@ -197,7 +197,8 @@ def test_hardware_report_fits_the_server_bounds():
 def test_each_rejection_is_one_line_and_repeated_invalid_bodies_stop_the_worker(capsys):
     from client.api import ApiError, ServerAPI
     from client.progress import Reporter
-    from client.worker import MAX_INVALID_IN_A_ROW, WorkerOptions, _Worker
+    from client.worker import _Worker
+    from client.worker_options import MAX_INVALID_IN_A_ROW, WorkerOptions
 
     worker = _Worker(
         WorkerOptions(server_url="http://127.0.0.1:9", device="cpu"),
@@ -208,11 +209,11 @@ def test_each_rejection_is_one_line_and_repeated_invalid_bodies_stop_the_worker(
     bad = ApiError(422, "invalid_contribution", "tensor 'wte.weight' has shape (1, 2)", {})
 
     for _ in range(5):  # the round moving on is normal: never fatal
-        worker.reject("round 3", 100, late)
+        worker.uploads.reject("round 3", 100, late)
     for _ in range(MAX_INVALID_IN_A_ROW - 1):
-        worker.reject("round 4", 100, bad)
+        worker.uploads.reject("round 4", 100, bad)
     with pytest.raises(ApiError, match="refused 3 contributions in a row"):
-        worker.reject("round 5", 100, bad)
+        worker.uploads.reject("round 5", 100, bad)
 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 5 + MAX_INVALID_IN_A_ROW  # one line each, even with --quiet

@@ -281,3 +281,31 @@ def test_the_simulated_hub_sizes_a_slow_volunteers_lease_to_the_deadline(corpus)
     assert sized.rounds[0].tokens == (8 + 6) * 128
     assert (fixed.rounds[0].accepted, fixed.rounds[0].closed_at_s) == (2, 32.0)
     assert fixed.rounds[0].tokens == (8 + 8) * 128
+    # the compute each spent is its lease's H, not the run's (goodput counts it)
+    assert sized.protocol is not None and fixed.protocol is not None
+    assert [v.compute_s for v in sized.protocol.volunteers] == [8.0, 24.0]
+    assert [v.compute_s for v in fixed.protocol.volunteers] == [8.0, 32.0]
+
+
+def test_a_fast_volunteers_lease_past_the_runs_h_is_timed_and_counted_at_its_own_h(corpus):
+    # Prepare: H = 8, max_steps 20: the speed-1 volunteer fits (40 − 10) × 0.8 = 24 steps,
+    # clamped to 20; the speed-0.25 one 6
+    cfg = tiny_config(
+        corpus,
+        inner={"steps": 8, "min_steps": 2, "max_steps": 20},
+        rounds={"max_rounds": 1, "quorum": 2, "timeout_s": 40.0},
+    )
+    opts = SimOptions(workers=2, mode="protocol", seed=0, eval_windows=4)
+
+    # Execute
+    result = simulate(
+        cfg, opts, protocol=ProtocolOptions(step_s=1.0, speeds=(1.0, 0.25), size_h=True)
+    )
+
+    # Assert: 20 + 6 steps' tokens, the round closes when the slower of the two (24 s)
+    # uploads, and each volunteer's compute is its own H's time
+    assert result.rounds[0].tokens == (20 + 6) * 128
+    assert result.rounds[0].closed_at_s == 24.0
+    assert result.protocol is not None
+    assert [v.compute_s for v in result.protocol.volunteers] == [20.0, 24.0]
+    assert result.protocol.goodput == 1.0
