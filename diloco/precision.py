@@ -7,8 +7,8 @@ gradient scaler that fp16 needs.
   Volta, Pascal), whose tensor cores do fp16 but not bf16: fp16's range is narrow, so the
   loss is multiplied by a scale before ``backward`` and the gradients divided by it again
   before clipping; a step whose gradients overflowed is skipped and the scale halved.
-- **fp32** on the CPU and on Apple's MPS (the safe default there; ``--precision`` can ask
-  for bf16 or fp16 on either).
+- **fp32** on the CPU (the default; ``--precision`` can ask for bf16 or fp16 there) and on
+  Apple's MPS (the only choice there: mixed precision on MPS is refused with a sentence).
 
 Parameters, AdamW's moments and the pseudo-gradient Δ stay fp32 in every case: autocast
 only lowers the precision of the matrix products.
@@ -57,6 +57,11 @@ def choose_precision(device: torch.device, asked: str = "auto") -> Precision:
                 "use --precision fp16 (with loss scaling) or auto"
             )
         return cast(Precision, asked)
+    if device.type == "mps" and asked not in ("auto", "fp32"):
+        raise PrecisionError(
+            f"--precision {asked}: on Apple's MPS this client trains in fp32 (mixed precision "
+            "there is not checked by our tests); use --precision auto or fp32"
+        )
     return "fp32" if asked == "auto" else cast(Precision, asked)
 
 

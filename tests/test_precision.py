@@ -110,6 +110,10 @@ def test_precision_is_chosen_per_device_and_checked():
     assert choose_precision(CPU, "fp16") == "fp16"
     with pytest.raises(PrecisionError, match="--precision must be one of"):
         choose_precision(CPU, "fp8")
+    mps = torch.device("mps")
+    assert choose_precision(mps) == "fp32" and choose_precision(mps, "fp32") == "fp32"
+    with pytest.raises(PrecisionError, match="on Apple's MPS this client trains in fp32"):
+        choose_precision(mps, "bf16")
     mp = MixedPrecision.for_device(CPU, "fp16")
     assert mp.scaler is not None and MixedPrecision.for_device(CPU, "bf16").scaler is None
 
