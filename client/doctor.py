@@ -12,10 +12,7 @@ The judgements are pure functions (``assess_*``) so their thresholds are tested 
 from __future__ import annotations
 
 import asyncio
-import resource
 import shutil
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -24,24 +21,18 @@ from typing import Any, Literal
 import torch
 
 from client.api import ApiError, ServerAPI, ServerUnreachable
+from client.dry_run import dry_run
 from client.gpu import (
     DoesNotFit,
-    Fit,
     MemoryLimitError,
-    device_peak_flops,
-    fit_micro_batch,
-    flops_per_token,
     limit_memory,
-    mfu,
-    random_batches,
 )
 from client.hardware import client_version, describe
 from client.http import RetryPolicy
+from client.measured_speed import MeasuredSpeed, save_speed
 from client.training import DeviceError, resolve_device
-from diloco.architectures import build_model
 from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.precision import Precision, PrecisionError, choose_precision
-from diloco.train import InnerTrainer
 
 Status = Literal["ok", "warn", "fail", "skip"]
 DOCTOR_RETRY = RetryPolicy(attempts=2, base_delay_s=0.5, max_delay_s=1.0, total_s=10.0)
@@ -128,73 +119,6 @@ def assess_versions(client: str, server: str) -> Verdict:
     )
 
 
-# ---------------------------------------------------------------- measurements
-
-
-@dataclass(frozen=True)
-class DryRun:
-    step_s: float
-    tokens_per_s: float
-    peak_bytes: int | None
-    precision: Precision
-    fit: Fit  # the micro-batch the steps ran at
-    mfu: float | None  # None: no peak figure for this device (CPU, MPS, an unknown card)
-
-
-def dry_run(
-    cfg: RunConfig,
-    device: torch.device,
-    *,
-    precision: Precision,
-    micro_batch: int | None = None,
-    memory_limit: int | None = None,
-    steps: int = 3,
-) -> DryRun:
-    """Size the micro-batch to the device (``client.gpu.fit_micro_batch``, unless given),
-    then one warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
-    random tokens (no data needed). DoesNotFit when one sequence does not fit."""
-    batch = cfg.inner.batch_size
-    fit = (
-        Fit.fixed(micro_batch, batch)
-        if micro_batch is not None
-        else fit_micro_batch(cfg, device, precision, memory_limit=memory_limit)
-    )
-    model = build_model(cfg.model)
-    per_token = flops_per_token(cfg.model, sum(p.numel() for p in model.parameters()))
-    trainer = InnerTrainer(
-        model,
-        cfg.inner,
-        total_steps=max(steps + 1, 2),
-        device=device,
-        precision=precision,
-        micro_batch=fit.micro_batch,
-    )
-    next_batch = random_batches(cfg)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    trainer.run(1, start_step=0, next_batch=next_batch)  # warm-up: allocation, kernels
-    times: list[float] = []
-
-    def timed(i: int, loss: float) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter())
-
-    started = time.perf_counter()
-    trainer.run(steps, start_step=1, next_batch=next_batch, on_step=timed)
-    laps = [b - a for a, b in zip([started, *times[:-1]], times, strict=True)]
-    step_s = statistics.median(laps)
-    if device.type == "cuda":
-        peak: int | None = int(torch.cuda.max_memory_allocated(device))
-    else:  # the process's peak RSS (Linux reports KiB, macOS bytes)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = rss if sys.platform == "darwin" else rss * 1024
-    rate = batch * cfg.model.block_size / step_s
-    return DryRun(
-        step_s, rate, peak, precision, fit, mfu(rate, per_token, device_peak_flops(device))
-    )
-
-
 # ---------------------------------------------------------------- the checks
 
 
@@ -215,6 +139,7 @@ class _Doctor:
         self.gpu_memory_gib = gpu_memory_gib
         self.memory_limit: int | None = None
         self.precision: Precision | None = None
+        self.run_key: str | None = None  # the run the dry run was sized by
         self.checks: list[Check] = []
         self.device: torch.device | None = None
         self.cfg: RunConfig | None = None
@@ -291,6 +216,7 @@ class _Doctor:
             advice = "the server runs another version: re-run the installer"
             return self.add("run", Verdict("fail", advice), f"cannot read the run's config: {err}")
         self.n_params = int(run.get("n_params") or 0)
+        self.run_key = str(run.get("id"))
         c = self.cfg
         self.add(
             "run",
@@ -326,6 +252,11 @@ class _Doctor:
             return self.add("dry run", Verdict("fail", advice), f"out of memory: {err}")
         verdict = assess_round_time(res.step_s, cfg.inner.steps, cfg.rounds.timeout_s)
         fit, batch = res.fit, cfg.inner.batch_size
+        if self.run_key is not None:  # the first `diloco join` reports it (client.measured_speed)
+            save_speed(
+                self.run_key,
+                MeasuredSpeed(res.tokens_per_s, device.type, res.precision, fit.micro_batch, batch),
+            )
         util = f", MFU {res.mfu:.1%}" if res.mfu is not None else ""
         memory = f", peak memory {res.peak_bytes / 2**20:,.0f} MiB" if res.peak_bytes else ""
         if fit.total_bytes:

@@ -36,6 +36,7 @@ from client.api import (
 from client.fetch import Fetcher
 from client.gpu import device_peak_flops
 from client.lease import Lease
+from client.measured_speed import SpeedRecordError, load_speed
 from client.optimizer_state import OptimizerStateError
 from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
@@ -98,6 +99,7 @@ class _Worker:
         if o.invite:
             await self.api.become_member(run_id, o.invite)
         self.say.info(f"joining run {run_id} on {self.api.server_url} ({self.local.device})")
+        self.rate = self.doctors_speed(run_id)
         while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
             lease = await self.join(run_id)
             if lease is None:
@@ -133,6 +135,23 @@ class _Worker:
                 "to create or resume one"
             )
         return str(active[0]["id"])  # the list is newest first
+
+    def doctors_speed(self, run_id: str) -> float | None:
+        """The tokens/s ``diloco doctor`` measured for this run on this device, for our
+        first join to report (client.measured_speed); None if there is none that fits."""
+        device, precision = self.local.device.type, self.local.precision
+        try:
+            saved = load_speed(run_id, self.opts.cache_dir)
+        except SpeedRecordError as err:
+            self.say.warn(f"not reporting diloco doctor's speed: {err}")
+            return None
+        if saved is None or not saved.applies_to(device, precision):
+            return None
+        self.say.info(
+            f"first join reports diloco doctor's {saved.tokens_per_s:,.0f} tokens/s "
+            f"({device} {precision})"
+        )
+        return saved.tokens_per_s
 
     async def join(self, run_id: str) -> Lease | None:
         """A lease for the open round, waiting while the run is paused or we already

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from client.measured_speed import load_speed
 from client.volunteer_cli import flops, render_profile
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run
@@ -54,6 +55,11 @@ def test_doctor_measures_device_server_step_and_transfers(server, run_id, tmp_pa
     assert checks["device"]["result"].startswith("cpu:")
     assert run_id in checks["run"]["result"]
     assert checks["dry run"]["figures"]["tokens_per_s"] > 0
+    # the first `diloco join` will report the speed the dry run measured
+    saved = load_speed(run_id, tmp_path / "cache")
+    assert saved is not None and saved.applies_to("cpu", "fp32")
+    assert saved.tokens_per_s == pytest.approx(checks["dry run"]["figures"]["tokens_per_s"])
+    assert (saved.micro_batch, saved.batch_size) == (checks["dry run"]["figures"]["micro_batch"], 4)
     assert checks["download"]["figures"]["bytes_per_s"] > 0
     assert checks["upload"]["figures"]["bytes_per_s"] > 0
 

@@ -17,8 +17,8 @@ from client.doctor import (
     assess_round_time,
     assess_transfer,
     assess_versions,
-    dry_run,
 )
+from client.dry_run import dry_run
 from client.hardware import describe
 from client.optimizer_state import OptimizerStateError, load_state
 from client.training import LocalTrainer
