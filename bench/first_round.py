@@ -20,16 +20,15 @@ Writes its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import replace_section
+from sim_jobs import simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 EXCERPT = REPO / "examples" / "data" / "shakespeare-excerpt.txt"
@@ -64,23 +63,14 @@ def arms(warmup: int) -> dict[str, str]:
 def run_one(setup: str, arm: str, seed: int, args: argparse.Namespace) -> dict:
     lines, workers = SETUPS[setup]
     key = f"{setup}_{arm.replace(' ', '')}_seed{seed}"
-    out = args.work_dir / f"{key}.json"
-    if out.exists() and not args.fresh:
-        return dict(json.loads(out.read_text()))
-    config = args.work_dir / f"{key}.toml"
     outer = arms(args.warmup)[arm]
-    config.write_text(
+    toml = (
         f'name = "first-round"\n{lines}[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
         f"[outer]\nlr = 0.7\nmomentum = 0.9\nnesterov = true\n{outer}"
     )
-    cmd = [sys.executable, "-m", "client.cli", "simulate", str(config), "--workers",
-           str(workers), "--mode", "diloco", "--seed", str(seed), "--rounds", str(args.rounds),
-           "--eval-windows", str(args.eval_windows), "--threads", "1", "--quiet", "--out",
-           str(out.with_suffix(".tmp"))]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-    out.with_suffix(".tmp").rename(out)
-    return dict(json.loads(out.read_text()))
+    flags = ["--workers", str(workers), "--mode", "diloco", "--seed", str(seed), "--rounds",
+             str(args.rounds), "--eval-windows", str(args.eval_windows)]  # fmt: skip
+    return simulate_json(key, toml, flags, work_dir=args.work_dir, fresh=args.fresh)
 
 
 def figures(result: dict) -> tuple[float, list[float], float, float]:

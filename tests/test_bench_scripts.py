@@ -153,3 +153,25 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
     assert "per volunteer: proxied " in out and "per round, whatever the volunteers" in out
     assert 'diloco_served_bytes_total{kind="checkpoint"}' in out
     assert "diloco_direct_upload_bytes_total" in out
+
+
+def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench/goodput.py", "--quick", "--jobs", "2", "--work-dir",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in (tmp_path / "benchmarks.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| arm")
+    }
+    assert set(rows) == {
+        "before", "sized", "sized + late", "sized + late, max 2H", "identical, H",
+        "identical, rounds",
+    }  # fmt: skip
+    goodput = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in rows.items()}
+    assert goodput["sized + late"] >= goodput["before"]
+    assert goodput["identical, H"] == 100.0  # nobody slow, nobody drops: nothing wasted
