@@ -27,10 +27,7 @@ as the server's NOTIFY wakes it; a CLOSE is published ``close_s`` later.
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import math
-import random
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -54,13 +51,13 @@ from diloco.simulate import (
     lease_batches,
     train_upload,
 )
+from diloco.simulate_clock import EventClock
 from diloco.simulate_hub import Hub
 from diloco.simulate_protocol import (
     WASTE,
     ProtocolOptions,
     ProtocolRound,
     ProtocolTotals,
-    VolunteerTotals,
     per_second,
 )
 from diloco.simulate_volunteer import (
@@ -71,9 +68,9 @@ from diloco.simulate_volunteer import (
     LOST_LEASE_CODES,
     RETRY_JOIN_CODES,
     Volunteer,
+    build_volunteers,
     still_welcome,
 )
-from diloco.train import InnerTrainer
 
 # the volunteers, as the client behaves (client.worker): diloco.simulate_volunteer
 
@@ -125,29 +122,9 @@ class _ProtocolRun:
         )
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)
-        # every volunteer's model and AdamW, built now and in order (as diloco mode builds
-        # its workers'), so that the global RNG is drawn from in the same order
-        speeds = proto.speeds or (1.0,) * opts.workers
-        self.volunteers = [
-            Volunteer(
-                index=i,
-                name=f"v{i}",
-                step=timedelta(seconds=proto.step_s / speed),
-                trainer=InnerTrainer(
-                    build_model(cfg.model),
-                    cfg.inner,
-                    total_steps=cfg.total_inner_steps,
-                    device=device,
-                ),
-                rng=random.Random(opts.seed * 1_000_003 + 20_000 + i),
-                totals=VolunteerTotals(name=f"v{i}", speed=float(speed)),
-            )
-            for i, speed in enumerate(speeds)
-        ]
+        self.volunteers = build_volunteers(cfg, opts, proto, device)
         self.by_name = {v.name: v for v in self.volunteers}
-        self.now = EPOCH
-        self._queue: list[tuple[datetime, int, Callable[[], None]]] = []
-        self._order = itertools.count()
+        self.clock = EventClock(EPOCH)
         self.stopped_because: str | None = None
         self.wasted = dict.fromkeys(WASTE, 0.0)  # seconds, by why
         self.refused: Counter[str] = Counter()  # uploads, by code
@@ -155,8 +132,12 @@ class _ProtocolRun:
 
     # ------------------------------------------------------------ the clock
 
+    @property
+    def now(self) -> datetime:
+        return self.clock.now
+
     def _at(self, when: datetime, action: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, (when, next(self._order), action))
+        self.clock.at(when, action)
 
     def _later(self, v: Volunteer, after: timedelta, action: Callable[[Volunteer], None]) -> None:
         """``action(v)`` after ``after``, unless ``v`` has moved on to something else."""
@@ -180,13 +161,8 @@ class _ProtocolRun:
             if self.proto.max_sim_s is None
             else EPOCH + timedelta(seconds=self.proto.max_sim_s)
         )
-        while self._queue and self.stopped_because is None:
-            when, _, action = heapq.heappop(self._queue)
-            if limit is not None and when > limit:
-                self.now, self.stopped_because = limit, f"time limit of {self.proto.max_sim_s:g} s"
-                break
-            self.now = when
-            action()
+        if self.clock.run(until=limit, stop=lambda: self.stopped_because is not None):
+            self.stopped_because = f"time limit of {self.proto.max_sim_s:g} s"
         K = len(self.volunteers)
         up, down = self.bytes_up // K, self.downloads * self.hub.checkpoint_bytes // K
         if (ledger := self.hub.ledger) is None:

@@ -7,11 +7,16 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import torch
+
+from diloco.architectures import build_model
+from diloco.config import RunConfig
 from diloco.protocol.late import worth_finishing
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import Refusal
+from diloco.simulate import SimOptions
 from diloco.simulate_hub import HubLease
-from diloco.simulate_protocol import VolunteerTotals
+from diloco.simulate_protocol import ProtocolOptions, VolunteerTotals
 from diloco.train import InnerTrainer
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
@@ -45,3 +50,27 @@ def still_welcome(round: int, answer: Refusal, max_staleness: int) -> bool:
     return answer.code is ErrorCode.ROUND_CLOSED and worth_finishing(
         round, current if isinstance(current, int) else None, max_staleness
     )
+
+
+def build_volunteers(
+    cfg: RunConfig, opts: SimOptions, proto: ProtocolOptions, device: torch.device
+) -> list[Volunteer]:
+    """Every volunteer's model and AdamW, built now and in order (as diloco mode builds its
+    workers'), so that the global RNG is drawn from in the same order."""
+    speeds = proto.speeds or (1.0,) * opts.workers
+    return [
+        Volunteer(
+            index=i,
+            name=f"v{i}",
+            step=timedelta(seconds=proto.step_s / speed),
+            trainer=InnerTrainer(
+                build_model(cfg.model),
+                cfg.inner,
+                total_steps=cfg.total_inner_steps,
+                device=device,
+            ),
+            rng=random.Random(opts.seed * 1_000_003 + 20_000 + i),
+            totals=VolunteerTotals(name=f"v{i}", speed=float(speed)),
+        )
+        for i, speed in enumerate(speeds)
+    ]
