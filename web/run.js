@@ -208,7 +208,8 @@ export function runPage(main, runId) {
         h("td", {}, h("button", { type: "button", class: "link", "aria-label": `Contributions of round ${r.index}`,
           text: String(r.index), onclick: () => { state.follow = false; select(r.index); } })),
         h("td", { text: r.state }),
-        h("td", { text: String(r.accepted) }),
+        // late work (trained for an earlier round, merged here discounted) counts in accepted
+        h("td", { text: r.late ? `${r.accepted} (${r.late} late)` : String(r.accepted) }),
         h("td", { text: si(r.tokens) }),
         h("td", { text: rate === null ? "–" : si(rate) }),
         h("td", { text: num(r.train_loss) }),
@@ -245,10 +246,13 @@ export function runPage(main, runId) {
         ? table(["Contributor", "Tokens", "Weight", "Steps", "Train loss", "Norm", "Cosine", "Clip",
           "Accepted at", "Aggregated", "Credit"],
           data.contributions.map((c) => h("tr", {},
-            h("td", { class: "name", text: c.contributor_name }),
+            h("td", { class: "name", text: c.staleness
+              ? `${c.contributor_name} · late from round ${c.round}` : c.contributor_name }),
             h("td", { text: int(c.tokens) }),
-            // what it counts for: its claim, at most what a lease allows
-            h("td", c.weight < c.tokens ? { class: "clipped", text: int(c.weight), title: "capped at what a lease allows" }
+            // what it counts for: its claim, at most what its lease allows, divided by
+            // 1 + staleness for late work
+            h("td", c.weight < c.tokens ? { class: "clipped", text: int(c.weight), title: c.staleness
+              ? `late by ${c.staleness}: weighed 1/${1 + c.staleness}` : "capped at what its lease allows" }
               : { text: int(c.weight) }),
             h("td", { text: String(c.inner_steps) }),
             h("td", { text: num(c.loss) }),
