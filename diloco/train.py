@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from diloco.config import EVAL_BATCH, InnerSection
+from diloco.close_memory import EVAL_BATCH
+from diloco.config import InnerSection
 from diloco.data import eval_batches
 from diloco.precision import MixedPrecision, Precision, choose_precision
 
@@ -116,10 +117,6 @@ class InnerTrainer:
         self.optimizer = make_adamw(self.model, inner, fused=device.type == "cuda")
         self.skipped_steps = 0  # fp16 steps skipped because the gradients overflowed
 
-    @property
-    def precision(self) -> Precision:
-        return self.amp.precision
-
     def accumulation(self, batch_size: int) -> int:
         """Forward/backward passes per step for a batch of ``batch_size`` sequences."""
         return -(-batch_size // min(self.micro_batch or batch_size, batch_size))
@@ -144,8 +141,11 @@ class InnerTrainer:
         start_step: int,
         next_batch: Callable[[], Batch],
         on_step: Callable[[int, float], None] | None = None,
+        stop_after: Callable[[int], bool] | None = None,
     ) -> InnerResult:
-        """Take ``steps`` AdamW steps from global step ``start_step``; return tokens and losses."""
+        """Take ``steps`` AdamW steps from global step ``start_step``; return tokens and losses.
+        ``stop_after(done)``, asked after each step but the last, true ends the loop there:
+        the result holds the ``done`` steps taken."""
         result = InnerResult(steps=steps, tokens=0)
         self.model.train()
         for i in range(steps):
@@ -168,6 +168,9 @@ class InnerTrainer:
             result.tokens += x.numel()
             if on_step is not None:
                 on_step(i, loss_value)
+            if stop_after is not None and i + 1 < steps and stop_after(i + 1):
+                result.steps = i + 1
+                break
         return result
 
 

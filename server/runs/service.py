@@ -17,7 +17,8 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import build_model, parameter_shapes
-from diloco.config import RunConfig, close_memory_bytes
+from diloco.close_memory import close_memory_bytes
+from diloco.config import RunConfig
 from diloco.hf import HFError, load_initial
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
@@ -54,7 +55,7 @@ TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
 
 def check_memory(cfg: RunConfig, *, settings: Settings, val_bytes: int) -> None:
     """Refuse a model whose round close would need more memory than one close may use
-    here (``diloco.config.close_memory_bytes`` against ``close_memory_share``). Shapes
+    here (``diloco.close_memory.close_memory_bytes`` against ``close_memory_share``). Shapes
     only: nothing of the model's size is allocated."""
     need = close_memory_bytes(cfg, val_bytes=val_bytes)
     share = settings.close_memory_share

@@ -1,0 +1,42 @@
+"""How much memory one close of a round takes on the server, from the run config's shapes
+alone: what run creation checks against the server's ``close_memory_share``
+(``server.runs.service``) before it accepts a model."""
+
+from __future__ import annotations
+
+import math
+
+from diloco.architectures import mlp_width, parameter_shapes
+from diloco.config import RunConfig
+
+# fp32 copies of the model alive at once at the peak of a close (server.rounds.outer_step,
+# diloco.outer_pass), counted from the code: the pass itself holds a few chunks, never the
+# model; centered_clip keeps its clipped mean (1), and the eval of a suspicious step (or,
+# after publishing, of any version: server.checkpoints.evals) reads the model into its own
+# memory (1).
+CLOSE_MODEL_COPIES = 2
+EVAL_BATCH = 32  # validation windows per eval forward (diloco.train.evaluate), as a close runs it
+# allocator slack and small tensors, plus the pass's chunk buffers (the uploads' share is
+# diloco.outer_pass.UPLOAD_BUFFER_BUDGET, the step's five fp32 chunks of 4 MiB)
+CLOSE_OVERHEAD_BYTES = 160 << 20
+
+
+def close_memory_bytes(cfg: RunConfig, *, val_bytes: int = 0) -> int:
+    """An estimate of the peak memory one close of a round of this run takes, in bytes,
+    computed from shapes alone (nothing of the model's size is allocated):
+
+        2 x 4P                                  model copies (CLOSE_MODEL_COPIES, fp32)
+      + 4 x 32 x block_size x (4 C + 2 F + 3 V) the eval forward (no grad): a block's
+                                                activations (x, norm, attention in and out:
+                                                ~4 C; the MLP's hidden width F twice), and
+                                                the logits in float (x3)
+      + 2 x val_bytes                           the validation tokens, read and copied
+      + 160 MiB                                 chunk buffers, slack
+
+    with P the parameter count, C the width, F the MLP's width (4 C for gpt, the SwiGLU
+    width for llama) and V the vocabulary."""
+    m = cfg.model
+    params = sum(math.prod(shape) for shape in parameter_shapes(m).values())  # meta device
+    per_token = 4 * m.n_embd + 2 * mlp_width(m) + 3 * m.vocab
+    activations = EVAL_BATCH * m.block_size * per_token
+    return CLOSE_MODEL_COPIES * 4 * params + 4 * activations + 2 * val_bytes + CLOSE_OVERHEAD_BYTES
