@@ -15,10 +15,10 @@ import torch
 from client.gpu import (
     Fit,
     device_peak_flops,
-    fit_micro_batch,
     flops_per_token,
     mfu,
     random_batches,
+    size_micro_batch,
 )
 from diloco.architectures import build_model
 from diloco.config import RunConfig
@@ -49,13 +49,11 @@ def dry_run(
     then one warm-up and ``steps`` timed AdamW steps at the run's model and batch size, on
     random tokens (no data needed). DoesNotFit when one sequence does not fit."""
     batch = cfg.inner.batch_size
-    fit = (
-        Fit.fixed(micro_batch, batch)
-        if micro_batch is not None
-        else fit_micro_batch(cfg, device, precision, memory_limit=memory_limit)
+    fit = size_micro_batch(
+        cfg, device, precision, micro_batch=micro_batch, memory_limit=memory_limit
     )
     model = build_model(cfg.model)
-    per_token = flops_per_token(cfg.model, sum(p.numel() for p in model.parameters()))
+    per_token = flops_per_token(cfg.model, model.num_parameters())
     trainer = InnerTrainer(
         model,
         cfg.inner,

@@ -178,3 +178,17 @@ def fit_micro_batch(
         del trainer
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def size_micro_batch(
+    cfg: RunConfig,
+    device: torch.device,
+    precision: Precision,
+    *,
+    micro_batch: int | None,
+    memory_limit: int | None = None,
+) -> Fit:
+    """``micro_batch`` when set by hand (``--micro-batch``), else :func:`fit_micro_batch`."""
+    if micro_batch is not None:
+        return Fit.fixed(micro_batch, cfg.inner.batch_size)
+    return fit_micro_batch(cfg, device, precision, memory_limit=memory_limit)

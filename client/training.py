@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.gpu import Fit, fit_micro_batch, flops_per_token, limit_memory
+from client.gpu import Fit, flops_per_token, limit_memory, size_micro_batch
 from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
 from diloco.architectures import build_model
@@ -49,11 +49,6 @@ class DivergedError(ValueError):
 class StopTraining(Exception):
     """Raised from the step callback to end the inner loop early (round closed, Ctrl+C):
     the work is dropped."""
-
-
-class _DeadlineReached(Exception):
-    """Raised from the step callback when ``until`` says to stop: the steps taken so far
-    are the round's result (``LocalTrainer.train`` returns them)."""
 
 
 def _mps_available() -> bool:
@@ -168,13 +163,14 @@ class LocalTrainer:
                 "upgrade the client (pip install -U diloco-hub)"
             ) from None
         self.trainer = None  # free the old model before sizing the new one
-        batch = cfg.inner.batch_size
-        if self.micro_batch is not None:
-            fit = Fit.fixed(self.micro_batch, batch)
-        else:
-            fit = fit_micro_batch(cfg, self.device, self.precision, memory_limit=self.memory_limit)
+        fit = size_micro_batch(
+            cfg,
+            self.device,
+            self.precision,
+            micro_batch=self.micro_batch,
+            memory_limit=self.memory_limit,
+        )
         model = build_model(cfg.model)
-        n_params = sum(p.numel() for p in model.parameters())
         self.trainer = InnerTrainer(
             model,
             cfg.inner,
@@ -184,7 +180,7 @@ class LocalTrainer:
             micro_batch=fit.micro_batch,
         )
         self.cfg, self._key, self.steps_taken, self.fit = cfg, key, 0, fit
-        self.flops_per_token = flops_per_token(cfg.model, n_params)
+        self.flops_per_token = flops_per_token(cfg.model, model.num_parameters())
         return cfg, True
 
     def describe(self) -> str:
@@ -289,24 +285,22 @@ class LocalTrainer:
                 generator=gen,
             )
 
-        losses: list[float] = []  # what the result holds if the deadline stops us
-
         def step_done(i: int, loss: float) -> None:
             self.steps_taken += 1
-            losses.append(loss)
             on_step(i + 1, loss, (i + 1) * tokens_per_step)
             if i + 1 < steps and stop():
                 raise StopTraining
-            if i + 1 < steps and until is not None and until(i + 1) is not None:
-                raise _DeadlineReached
 
-        try:
-            return trainer.run(
-                steps, start_step=lease.start_step, next_batch=next_batch, on_step=step_done
-            )
-        except _DeadlineReached:  # the model holds the steps taken: they are the result
-            done = len(losses)
-            return InnerResult(steps=done, tokens=done * tokens_per_step, losses=losses)
+        def deadline(done: int) -> bool:  # the steps taken so far are the result
+            return until is not None and until(done) is not None
+
+        return trainer.run(
+            steps,
+            start_step=lease.start_step,
+            next_batch=next_batch,
+            on_step=step_done,
+            stop_after=deadline,
+        )
 
     def contribution(
         self, lease: Lease, params: Mapping[str, torch.Tensor], result: InnerResult

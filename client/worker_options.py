@@ -10,7 +10,7 @@ from typing import Any
 
 from client.api import UPLOAD_TARGET_REFUSED, RetryPolicy, Timeouts
 from client.lease import Lease
-from diloco.protocol.late import worth_finishing
+from diloco.protocol.late import welcome_late
 from diloco.protocol.messages import ErrorCode
 
 # the round moved on without us: drop this round's work and join again
@@ -33,15 +33,10 @@ def still_welcome(lease: Lease, code: str, body: dict[str, Any]) -> bool:
     """A ``round_closed`` answer (heartbeat or upload) about ``lease``'s round whose work the
     run still merges late (``diloco.protocol.late``): finish it and upload, don't abandon.
     A server from before late work sends no ``max_staleness``: 0, no late work."""
-    if code != ErrorCode.ROUND_CLOSED:
-        return False
     rounds = lease.config.get("rounds")
     bound = rounds.get("max_staleness", 0) if isinstance(rounds, dict) else 0
-    current = body.get("current_round")
-    return (
-        isinstance(bound, int)
-        and (current is None or isinstance(current, int))
-        and worth_finishing(lease.round, current, bound)
+    return isinstance(bound, int) and welcome_late(
+        lease.round, code, body.get("current_round"), bound
     )
 
 

@@ -92,11 +92,6 @@ class FaultInjector:
     def die_at(self, point: str, *, at: int = 1) -> FaultInjector:
         return self._arm(point, "die", at=at, times=1)
 
-    def stall_at(
-        self, point: str, *, seconds: float = STALL_S, at: int = 1, times: int = 1
-    ) -> FaultInjector:
-        return self._arm(point, "stall", at=at, times=times, seconds=seconds)
-
     def _arm(
         self, point: str, kind: Kind, *, at: int, times: int, seconds: float = STALL_S
     ) -> FaultInjector:

@@ -11,7 +11,7 @@ import torch
 
 from diloco.architectures import build_model
 from diloco.config import RunConfig
-from diloco.protocol.late import worth_finishing
+from diloco.protocol.late import welcome_late
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import Refusal
 from diloco.simulate import SimOptions
@@ -46,10 +46,7 @@ def still_welcome(round: int, answer: Refusal, max_staleness: int) -> bool:
     """A "round closed" answer about work for ``round`` that the run still takes late: the
     volunteer finishes its steps and uploads (again, after ``LATE_RETRY_S``, while the
     round is closing) instead of abandoning it."""
-    current = answer.extra.get("current_round")
-    return answer.code is ErrorCode.ROUND_CLOSED and worth_finishing(
-        round, current if isinstance(current, int) else None, max_staleness
-    )
+    return welcome_late(round, answer.code, answer.extra.get("current_round"), max_staleness)
 
 
 def build_volunteers(

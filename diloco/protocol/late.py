@@ -123,3 +123,11 @@ def worth_finishing(lease_round: int, current_round: int | None, max_staleness: 
     if max_staleness < 1 or current_round is None:
         return False
     return 0 <= current_round - lease_round <= max_staleness
+
+
+def welcome_late(lease_round: int, code: str, current_round: object, max_staleness: int) -> bool:
+    """The volunteer's reading of a refusal (a heartbeat's or an upload's) about its work
+    for ``lease_round``: a ``round_closed`` naming a ``current_round`` the work may still
+    join (``worth_finishing``) means finish it and upload, rather than abandon it."""
+    current = current_round if isinstance(current_round, int) else None
+    return code == ErrorCode.ROUND_CLOSED and worth_finishing(lease_round, current, max_staleness)

@@ -114,11 +114,6 @@ async def current(*, session: AsyncSession, run_id: str) -> Round | None:
     )
 
 
-async def current_index(*, session: AsyncSession, run_id: str) -> int | None:
-    rnd = await current(session=session, run_id=run_id)
-    return None if rnd is None else rnd.index
-
-
 async def last_closed(*, session: AsyncSession, run_id: str) -> Round | None:
     return await session.scalar(
         select(Round)
