@@ -62,6 +62,11 @@ def test_a_version_is_published_with_its_eval_pending_and_the_eval_fills_it_in(s
     ]
     published = http.get(f"{API}/runs/{run['id']}/checkpoints/1")
     assert published.status_code == 200
+    # the close's log line says so, rather than "eval loss nan"
+    closed_line = next(
+        line for line in server.output().splitlines() if f"{run['id']} round 1 closed (" in line
+    )
+    assert "eval pending" in closed_line and "nan" not in closed_line.split("update norm")[0]
 
     # ... then filled in, once the eval gets through
     def evaluated() -> dict | None:

@@ -317,15 +317,21 @@ def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> No
     for stage, spent in result.seconds.items():
         CLOSE_STAGE_SECONDS.labels(stage).observe(spent)
     log.info(
-        "run %s round %d closed (%s): eval loss %.4f, update norm %.4g, %.2f s (attempt %d)",
+        "run %s round %d closed (%s): %s, update norm %.4g, %.2f s (attempt %d)",
         claim.run_id,
         claim.index,
         code,
-        result.eval_loss or float("nan"),
+        eval_phrase(result.eval_loss),
         result.update_norm or float("nan"),
         seconds,
         claim.attempt,
     )
+
+
+def eval_phrase(eval_loss: float | None) -> str:
+    """A close's eval loss as its log line says it: measured before publishing, or
+    pending (the eval runs after the version is published, off the close's path)."""
+    return "eval pending" if eval_loss is None else f"eval loss {eval_loss:.4f}"
 
 
 __all__ = ["Checkpoint", "Claim", "claim_next", "close_claimed", "mark_closing"]
