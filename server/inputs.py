@@ -20,7 +20,7 @@ from fastapi import Path, Query
 
 from diloco.config import INT32_MAX, NO_CONTROL_CHARS
 from diloco.config import error_message as config_error_message
-from server.errors import InvalidRequest
+from server.errors import BodyTooLarge, HubError, InvalidRequest
 
 RUN_ID_CHARS = 32  # runs.id is varchar(32): ids are run_<12 hex>
 _NO_CONTROL = re.compile(NO_CONTROL_CHARS)
@@ -103,3 +103,24 @@ def _surrogates(value: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def declared_length(
+    content_length: str | None,
+    *,
+    limit: int,
+    what: str,
+    too_large: type[HubError] = BodyTooLarge,
+) -> int | None:
+    """A request's declared body size (its Content-Length), None when it declares none.
+    Checked before a byte of the body is read: not ASCII digits is ``422
+    invalid_request``, over ``limit`` is ``413`` (``too_large``: ``body_too_large``, or
+    ``upload_too_large`` for the uploads that say so), which clients and proxies act on."""
+    if content_length is None:
+        return None
+    if not (content_length.isascii() and content_length.isdigit()):  # "¹".isdigit() is True
+        raise InvalidRequest(f"Content-Length: {content_length!r} is not a number of bytes")
+    declared = int(content_length)
+    if declared > limit:
+        raise too_large(f"{declared} bytes is over {what}'s {limit}-byte limit")
+    return declared

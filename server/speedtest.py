@@ -20,7 +20,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from server import ratelimit
-from server.errors import BodyTooLarge, InvalidRequest
+from server.errors import BodyTooLarge
+from server.inputs import declared_length
 from server.ratelimit import Action
 
 MIB = 1 << 20
@@ -79,12 +80,7 @@ async def drain(stream: AsyncIterator[bytes], *, limit: int) -> int:
 @router.post("", dependencies=ratelimit.depends(Action.SPEEDTEST))
 async def upload(request: Request) -> SpeedtestResult:
     """Read and discard the body (at most 64 MiB; with or without Content-Length)."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise InvalidRequest(f"Content-Length: {length!r} is not a number of bytes")
-        if int(length) > MAX_BYTES:
-            raise BodyTooLarge(f"{length} bytes is over the speed test's {MAX_BYTES}-byte limit")
+    declared_length(request.headers.get("content-length"), limit=MAX_BYTES, what="the speed test")
     started = time.perf_counter()
     received = await drain(request.stream(), limit=MAX_BYTES)
     return SpeedtestResult(bytes=received, seconds=time.perf_counter() - started)

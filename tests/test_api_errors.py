@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -15,9 +16,11 @@ import httpx
 import msgpack
 import pytest
 
+from diloco.manifest import MANIFEST
 from diloco.wire import DIGEST_BYTES, PREFIX
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
+from tests.support.datasets import make_dataset
 from tests.support.live import ServerProcess, admin_headers, wait_for
 from tests.support.pg import fresh_database
 from tests.support.tcpproxy import TcpProxy
@@ -63,6 +66,66 @@ def token(server) -> str:  # type: ignore[no-untyped-def]
 def lease_id(server, run_id: str, token: str) -> str:  # type: ignore[no-untyped-def]
     with server.client() as http:
         return str(http.post(f"{API}/runs/{run_id}/join", headers=auth(token)).json()["lease_id"])
+
+
+# ---------------------------------------------------------------- declared sizes
+
+FIFTY_GB = 50 << 30  # 53687091200
+
+
+def declare_only(
+    server: ServerProcess, method: str, path: str, headers: dict[str, str]
+) -> tuple[int, dict]:
+    """Send a request's head declaring a 50 GB body and none of the body; its answer."""
+    head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {FIFTY_GB}"]
+    head += [f"{name}: {value}" for name, value in headers.items()]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        status_line, _, rest = answer.partition(b"\r\n")
+        headers_part, _, body = rest.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in headers_part.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += sock.recv(65536)
+    return int(status_line.split()[1]), json.loads(body)
+
+
+def test_a_declared_50_gb_body_is_413_before_a_byte_of_it_is_sent(
+    server, http, run_id, token, lease_id, tmp_path
+):
+    # Prepare: a lease on round 1 (an upload's admission passes), a registered dataset
+    folder = tmp_path / "ds"
+    make_dataset(folder, documents=20, words=20)
+    dataset = http.post(
+        f"{API}/datasets", content=(folder / MANIFEST).read_bytes(), headers=admin_headers()
+    ).json()["id"]
+    routes = {
+        "contribution": ("PUT", f"{API}/runs/{run_id}/rounds/1/contribution", auth(token)),
+        "run": (
+            "POST",
+            f"{API}/runs",
+            admin_headers() | {"Content-Type": "multipart/form-data; boundary=b"},
+        ),
+        "manifest": ("POST", f"{API}/datasets", admin_headers()),
+        "dataset file": ("PUT", f"{API}/datasets/{dataset}/files/val.bin", admin_headers()),
+        "speed test": ("POST", f"{API}/speedtest", {}),
+    }
+
+    # Execute: each declares 50 GB and sends nothing more
+    answers = {what: declare_only(server, *route) for what, route in routes.items()}
+
+    # Assert: 413 in our error shape, each saying the declared size, none read the body
+    for what, (status, body) in answers.items():
+        assert status == 413, (what, body)
+        assert body["error"] in ("upload_too_large", "body_too_large"), (what, body)
+        assert str(FIFTY_GB) in body["detail"], (what, body)
+    assert answers["contribution"][1]["error"] == "upload_too_large"
 
 
 # ---------------------------------------------------------------- what the fuzzer found

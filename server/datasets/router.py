@@ -14,6 +14,7 @@ from server.datasets.schemas import DatasetOut, StoredFile
 from server.db import SessionDep
 from server.errors import BodyTooLarge, NotFound
 from server.files import serve_blob
+from server.inputs import declared_length
 
 router = APIRouter(prefix="/api/v1/datasets", tags=["datasets"])
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100,000 shards is about 20 MB
@@ -33,6 +34,9 @@ async def register(
 ) -> DatasetOut:
     """Register a dataset by its manifest (JSON body); answers which files are missing.
     Registering it again changes nothing (200): that is how an upload resumes."""
+    declared_length(
+        request.headers.get("content-length"), limit=MAX_MANIFEST_BYTES, what="a manifest"
+    )
     body = bytearray()
     async for chunk in request.stream():
         body += chunk

@@ -20,6 +20,7 @@ from diloco.manifest import Manifest, ManifestError, dataset_id, parse_manifest
 from server.datasets.models import Dataset
 from server.datasets.schemas import DatasetOut, FileState
 from server.errors import InvalidData, NotFound, StorageFailed
+from server.inputs import declared_length
 from server.storage import BlobMissing, Storage
 
 FLUSH_BYTES = 4 << 20  # request body bytes handed to the storage writer at once (a thread)
@@ -114,6 +115,7 @@ async def receive_file(
     if expected is None:
         raise NotFound(f"dataset {row.id} has no file {name!r}; GET it for the list")
     nbytes, sha = expected
+    declared_length(content_length, limit=nbytes, what=f"{name} (its manifest size)")
     if content_length != str(nbytes):
         raise InvalidData(
             f"{name}: Content-Length must be the manifest's size, {nbytes} bytes "

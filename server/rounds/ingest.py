@@ -55,6 +55,7 @@ from server.errors import (
     WrongTensors,
     refused,
 )
+from server.inputs import declared_length
 from server.rounds import notify, sizing
 from server.rounds import service as rounds_service
 from server.rounds.admission import (
@@ -212,8 +213,7 @@ async def receive(
         raise LengthRequired("send the upload with a Content-Length header")
     if not (content_length.isascii() and content_length.isdigit()):  # "¹".isdigit() is True
         raise MalformedUpload(f"Content-Length {content_length!r} is not a number")
-    if int(content_length) > limit:
-        raise UploadTooLarge(f"{content_length} bytes is over this round's {limit}-byte limit")
+    declared_length(content_length, limit=limit, what="this round", too_large=UploadTooLarge)
 
     # 2. stream into a temp blob, checking the header as soon as it is in, then every
     # tensor as it streams (finite; measured); the blob is not kept unless all pass

@@ -18,7 +18,7 @@ from server import retention
 from server.auth import AdminAuth, ContributorAuth
 from server.db import SessionDep
 from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
-from server.inputs import RunId, check_text
+from server.inputs import RunId, check_text, declared_length
 from server.rounds import service as rounds_service
 from server.runs import coverage, service, usage
 from server.runs.models import Run
@@ -60,12 +60,12 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
     """Create a run from a config (JSON) and its data: a text file (multipart ``data``), or
     a prepared dataset already uploaded (``data.dataset`` = its id, no file part)."""
     settings = request.app.state.settings
-    length = request.headers.get("content-length")
-    limit = settings.max_data_bytes + settings.max_init_bytes  # each part is checked below
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise UploadTooLarge(
-            f"the request is over the {limit}-byte limit of a data file and weights"
-        )
+    declared_length(
+        request.headers.get("content-length"),
+        limit=settings.max_data_bytes + settings.max_init_bytes,  # each part is checked below
+        what="a data file and weights",
+        too_large=UploadTooLarge,
+    )
     async with request.form(max_files=2, max_fields=1, max_part_size=1 << 20) as form:
         raw, data, init = form.get("config"), form.get("data"), form.get("init")
         if not isinstance(raw, str):
