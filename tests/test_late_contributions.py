@@ -116,6 +116,39 @@ def test_a_late_contribution_is_merged_into_the_open_round_with_half_its_weight(
     assert again.json() == receipt
 
 
+def test_the_run_and_its_rounds_count_the_open_round_alike_and_weigh_its_loss_by_tokens(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    # Prepare: quorum = target = 2; a and b close round 1 while c still trains for it
+    run_id = new_run(http, quorum=2, target=2)["id"]
+    a, b, c, d = (register(http, f"alike-{n}") for n in "abcd")
+    works = {t: train(http, t, run_id) for t in (c, a, b)}
+    for t in (a, b):
+        assert upload(http, t, works[t]).status_code == 201
+    closed_through(http, run_id, 1)
+
+    # Execute: c's round-1 work arrives late into round 2, then d's fresh work of 1 step
+    # (fewer tokens, another loss): one fresh contribution, short of quorum 2
+    late = upload(http, c, works[c])
+    short = train(http, d, run_id, steps=1)
+    fresh = upload(http, d, short)
+
+    # Assert: both endpoints count the round's step alike, the late one shown as late
+    assert (late.json()["staleness"], fresh.json()["staleness"]) == (1, 0)
+    current = http.get(f"{API}/runs/{run_id}").json()["current_round"]
+    round2 = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"][1]
+    assert (current["index"], round2["index"], round2["state"]) == (2, 2, "open")
+    assert (current["accepted"], current["late"]) == (round2["accepted"], round2["late"]) == (2, 1)
+    # the open round's train loss is weighted by the tokens each counts for, as a close's
+    weights = [late.json()["weight"], fresh.json()["weight"]]
+    losses = [works[c].meta.loss, short.meta.loss]
+    assert weights[0] != weights[1] and losses[0] != losses[1]
+    assert round2["tokens"] == sum(weights)
+    weighted = sum(w * x for w, x in zip(weights, losses, strict=True)) / sum(weights)
+    assert round2["train_loss"] == pytest.approx(weighted, rel=1e-6)
+    assert round2["train_loss"] != pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
 def test_work_two_versions_old_is_refused_past_max_staleness_1_naming_the_current_round(
     http: httpx.Client,
 ) -> None:

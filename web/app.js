@@ -35,7 +35,8 @@ function runsPage() {
             h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(run.id)}`, text: run.name }),
               h("div", { class: "muted small", text: run.id })),
             h("td", {}, statusBadge(run.status)),
-            h("td", { text: cur ? `${cur.index} (${cur.accepted}/${cur.quorum})` : "–" }),
+            // fresh work of quorum (late merges count in accepted, never towards quorum)
+            h("td", { text: cur ? `${cur.index} (${cur.accepted - (cur.late || 0)}/${cur.quorum}${cur.late ? ` + ${cur.late} late` : ""})` : "–" }),
             h("td", { text: cur ? String(cur.leases.filter((l) => l.live || l.contributed).length) : "0",
               title: `${live} training now` }),
             h("td", { text: run.latest && run.latest.eval_loss === null ? "pending" : num(run.latest ? run.latest.eval_loss : null) }),

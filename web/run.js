@@ -121,12 +121,17 @@ export function runPage(main, runId) {
       replace(roundBox, h("p", { class: "muted", text: `No round in progress: the run is ${run.status}.` }));
       return;
     }
-    const max = Math.max(cur.target || cur.quorum, cur.accepted, 1);
+    // accepted: the contributions in the round's step so far, late merges included; the
+    // bar shows the fresh ones, the only ones quorum and target count
+    const late = cur.late || 0;
+    const fresh = cur.accepted - late;
+    const max = Math.max(cur.target || cur.quorum, fresh, 1);
     const fill = h("div", { class: "fill" });
-    fill.style.width = `${(100 * Math.min(cur.accepted, max)) / max}%`;
+    fill.style.width = `${(100 * Math.min(fresh, max)) / max}%`;
     const mark = h("div", { class: "quorum", title: `quorum ${cur.quorum}` });
     mark.style.left = `${(100 * cur.quorum) / max}%`;
-    const label = `${cur.accepted} accepted · quorum ${cur.quorum} · target ${cur.target ?? "none"}`;
+    const lateNote = late ? ` (${late} late, not counted towards quorum)` : "";
+    const label = `${cur.accepted} accepted${lateNote} · quorum ${cur.quorum} · target ${cur.target ?? "none"}`;
     const leases = cur.leases.map((l) => h("tr", {},
       h("td", { class: "name", text: l.contributor_name }),
       h("td", { text: String(l.shard) }),
@@ -138,7 +143,7 @@ export function runPage(main, runId) {
     replace(roundBox,
       h("p", { class: "round-title" }, h("strong", { text: `Round ${cur.index}` }), ` · ${cur.state} · trains from version ${cur.index - 1}`),
       h("div", { id: "round-progress", class: "progress", role: "progressbar", "aria-label": `Accepted contributions in round ${cur.index}`,
-        "aria-valuemin": 0, "aria-valuemax": max, "aria-valuenow": cur.accepted, "aria-valuetext": label }, fill, mark),
+        "aria-valuemin": 0, "aria-valuemax": max, "aria-valuenow": fresh, "aria-valuetext": label }, fill, mark),
       h("p", { id: "round-progress-text", text: label }),
       h("p", {}, "Deadline: ", h("span", { id: "countdown", "data-deadline": cur.deadline }), ` (${when(cur.deadline)})`),
       h("p", { class: "muted", text: cur.reason || "" }),

@@ -340,6 +340,14 @@ def judge_step(
 # ---------------------------------------------------------------- 5. what a close changes
 
 
+def step_totals(aggregated: Sequence[Aggregated]) -> tuple[int, float | None]:
+    """The tokens a step's contributions count for (their weights, late ones discounted)
+    and its train loss: the contributors' mean losses weighted by those tokens (None
+    without any). A close records them on the round; an open round shows them so far."""
+    tokens = sum(a.tokens for a in aggregated)
+    return tokens, sum(a.loss * a.tokens for a in aggregated) / tokens if tokens else None
+
+
 def close_effects(
     now: datetime,
     *,
@@ -362,8 +370,7 @@ def close_effects(
       resuming gives it a fresh deadline).
     """
     require_aware("now", now)
-    tokens = sum(a.tokens for a in aggregated)
-    loss = sum(a.loss * a.tokens for a in aggregated) / tokens if tokens else None
+    tokens, loss = step_totals(aggregated)
     flops_per_token = float(TRAIN_FLOPS_PER_PARAM_TOKEN * n_params)
     credit = {a.contribution_id: a.tokens * flops_per_token for a in aggregated}
     step = f"round {round} closed with {len(aggregated)} contributions ({tokens:,} tokens)"

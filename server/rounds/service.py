@@ -11,15 +11,19 @@ later deadline (extension below quorum, or a resumed run).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import parameter_shapes
 from diloco.config import RunConfig, parse_config
-from diloco.protocol.rules import decide_close
+from diloco.protocol.late import late_weight
+from diloco.protocol.rules import decide_close, step_totals
 from diloco.protocol.state import (
+    Aggregated,
     ClosePolicy,
     ContributionView,
     Decision,
@@ -167,11 +171,9 @@ async def round_views(
 
 async def decide(
     *, session: AsyncSession, rnd: Round, cfg: RunConfig, settings: Settings, now: datetime
-) -> tuple[int, Decision]:
+) -> Decision:
     view, contributions, leases = await round_views(session=session, rnd=rnd)
-    decision = decide_close(now, view, contributions, leases, close_policy(cfg, settings))
-    counted = {c.contributor_id for c in contributions if not c.excluded}
-    return len(counted), decision
+    return decide_close(now, view, contributions, leases, close_policy(cfg, settings))
 
 
 async def current_view(
@@ -181,7 +183,10 @@ async def current_view(
     if rnd is None:
         return None
     cfg = run_config(run)
-    accepted, decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
+    decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
+    so_far = (await steps_so_far(session=session, run_id=run.id, indices=[rnd.index])).get(
+        rnd.index, NO_STEP
+    )
     reason = decision.reason if rnd.state == RoundState.OPEN else closing_reason(rnd)
     if run.status != RunStatus.ACTIVE and rnd.state == RoundState.OPEN:
         reason = f"run is {run.status}"
@@ -190,7 +195,8 @@ async def current_view(
         state=rnd.state,
         opened_at=rnd.opened_at,
         deadline=rnd.deadline,
-        accepted=accepted,
+        accepted=so_far.accepted,
+        late=so_far.late,
         quorum=cfg.rounds.quorum,
         target=cfg.rounds.target,
         reason=reason,
@@ -255,35 +261,84 @@ async def lease_states(*, session: AsyncSession, rnd: Round, now: datetime) -> l
     ]
 
 
+# ---------------------------------------------------------------- a round's step
+
+
+@dataclass(frozen=True)
+class StepSoFar:
+    """A round's step as its contributions stand: those taking part in it (accepted, not
+    left out; its own and the late ones merged into it), how many of them are late, the
+    tokens they count for and their token-weighted train loss (``step_totals``, as a close
+    records them)."""
+
+    accepted: int
+    late: int
+    tokens: int
+    train_loss: float | None
+
+
+NO_STEP = StepSoFar(0, 0, 0, None)
+
+
+def step_weight(c: Contribution) -> int:
+    """The tokens it counts for in the step and in credit: its weight when accepted (rows
+    from before weights were measured: their claim), discounted by its staleness."""
+    return late_weight(c.tokens if c.weight is None else c.weight, c.staleness)
+
+
+def aggregated(c: Contribution) -> Aggregated:
+    """The contribution as a close's effects (and a round's figures so far) take it."""
+    return Aggregated(c.id, c.contributor_id, step_weight(c), c.loss)
+
+
+def in_step(run_id: str) -> list[ColumnElement[bool]]:
+    """The run's contributions that take part in a step: accepted and not left out."""
+    return [Contribution.run_id == run_id, Contribution.excluded_code.is_(None)]
+
+
+async def steps_so_far(
+    *, session: AsyncSession, run_id: str, indices: Collection[int]
+) -> dict[int, StepSoFar]:
+    """The steps of rounds ``indices`` as their contributions stand (rounds with none
+    are left out). For rounds not yet closed: a closed one has its figures recorded."""
+    rows = await session.scalars(
+        select(Contribution).where(
+            *in_step(run_id), Contribution.merged_into_round.in_(list(indices))
+        )
+    )
+    by_round: dict[int, list[Contribution]] = {}
+    for c in rows:
+        by_round.setdefault(c.merged_into_round, []).append(c)
+    out = {}
+    for index, taken in by_round.items():
+        tokens, loss = step_totals([aggregated(c) for c in taken])
+        late = sum(1 for c in taken if c.staleness > 0)
+        out[index] = StepSoFar(len(taken), late, tokens, loss)
+    return out
+
+
 async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
     # by the step that takes them: a round's own contributions and the late ones merged in
-    late = Contribution.staleness > 0
-    live = (
-        select(
-            Contribution.merged_into_round,
-            func.count(Contribution.id),
-            # late_weight in SQL: ⌈w / (1 + s)⌉ = (w + s) / (1 + s) in integer division
-            func.sum(
-                (func.coalesce(Contribution.weight, Contribution.tokens) + Contribution.staleness)
-                / (1 + Contribution.staleness)
-            ),
-            func.avg(Contribution.loss),
-            func.count(Contribution.id).filter(late),
-        )
-        .where(Contribution.run_id == run_id, Contribution.excluded_code.is_(None))
+    counted = await session.execute(
+        select(Contribution.merged_into_round, func.count(Contribution.id))
+        .where(*in_step(run_id), Contribution.staleness > 0)
         .group_by(Contribution.merged_into_round)
     )
-    counts, lates = {}, {}
-    for i, n, t, loss, n_late in await session.execute(live):
-        counts[i], lates[i] = (int(n), int(t), float(loss)), int(n_late)
-    rounds = await session.scalars(
-        select(Round).where(Round.run_id == run_id).order_by(Round.index)
+    lates = {index: n for index, n in counted.tuples()}
+    rounds = list(
+        await session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.index))
+    )
+    live = await steps_so_far(
+        session=session,
+        run_id=run_id,
+        indices=[r.index for r in rounds if r.state != RoundState.CLOSED],
     )
     out = []
     for r in rounds:
         accepted, tokens, train_loss = r.accepted, r.tokens, r.train_loss
-        if r.state != RoundState.CLOSED and r.index in counts:  # live figures while open
-            accepted, tokens, train_loss = counts[r.index]
+        if r.state != RoundState.CLOSED:  # figures so far while open
+            so_far = live.get(r.index, NO_STEP)
+            accepted, tokens, train_loss = so_far.accepted, so_far.tokens, so_far.train_loss
         out.append(
             RoundOut(
                 index=r.index,

@@ -30,7 +30,10 @@ class CurrentRound(BaseModel):
     state: str
     opened_at: datetime
     deadline: datetime
+    # the contributions taking part in its step so far (accepted, not left out), late work
+    # merged into it included, as GET /runs/{id}/rounds counts them
     accepted: int
+    late: int = 0  # of those, late work: it never counts towards quorum or target
     quorum: int
     target: int | None
     reason: str | None  # decide_close's sentence, as of this request
