@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ from safetensors.torch import load as safetensors_load
 
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, register
-from tests.support.live import admin_headers
+from tests.support.live import ServerProcess, admin_headers, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,41 @@ def test_created_run_has_checkpoint_zero_and_an_open_first_round(http, data_file
     assert run["config"]["data"]["path"] == "corpus.txt"
     assert http.get(f"{API}/runs/{run['id']}").json()["id"] == run["id"]
     assert run["id"] in [x["id"] for x in http.get(f"{API}/runs").json()["runs"]]
+
+
+def test_the_server_answers_others_while_it_creates_a_run_from_a_large_data_file(
+    server: ServerProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    # Prepare: 48 MiB of text, whose copy, split and store the creation does
+    big = tmp_path / "big.txt"
+    big.write_text(make_corpus(1 << 20, seed=3) * 48)
+    spool = server.data_dir / "tmp"
+    before = set(spool.glob("*.txt")) if spool.exists() else set()
+    order: list[str] = []
+
+    def create() -> None:
+        with server.client(timeout=300) as own:
+            r = create_run(own, big)
+        order.append(f"create {r.status_code}")
+
+    creating = threading.Thread(target=create)
+    creating.start()
+
+    # Execute: once the server works on the file (its copy of the data exists), ask it
+    # for its health and for the run list, each on a connection of its own
+    wait_for(
+        lambda: set(spool.glob("*.txt")) - before or not creating.is_alive(),
+        timeout=120,
+        what="the server's copy of the data file",
+        every=0.01,
+    )
+    for path in ("/healthz", f"{API}/runs"):
+        with server.client() as other:
+            order.append(f"{path} {other.get(path).status_code}")
+    creating.join(timeout=300)
+
+    # Assert: both were answered while the run was being created, which then succeeded
+    assert order == ["/healthz 200", f"{API}/runs 200", "create 201"]
 
 
 @pytest.mark.parametrize(

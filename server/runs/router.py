@@ -1,13 +1,14 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
-import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
@@ -71,7 +72,7 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
         if not isinstance(raw, str):
             raise InvalidRequest("config: a multipart field with the run config as JSON is needed")
         cfg = _parse_config(raw)
-        with _init_file(cfg, init, settings) as init_file:
+        async with _init_file(cfg, init, settings) as init_file:
             if init_file is not None:  # the config records the name the weights came under
                 assert isinstance(init, UploadFile)
                 name = check_text(
@@ -86,8 +87,21 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
 INIT_HEADER_BYTES = 16 << 20  # a safetensors header and alignment, generously
 
 
-@contextlib.contextmanager
-def _init_file(cfg: RunConfig, init: object, settings: Settings) -> Iterator[Path | None]:
+def _spool(source: IO[bytes], target: IO[bytes], *, limit: int, too_large: str) -> None:
+    """Copy an uploaded part to its temp file, refusing it past ``limit`` bytes. Up to a
+    GiB of data or 16 GiB of weights: run it in a worker thread (``asyncio.to_thread``),
+    so that the event loop goes on answering every volunteer's heartbeat meanwhile."""
+    while block := source.read(1 << 20):
+        target.write(block)
+        if target.tell() > limit:
+            raise UploadTooLarge(too_large)
+    target.flush()
+
+
+@contextlib.asynccontextmanager
+async def _init_file(
+    cfg: RunConfig, init: object, settings: Settings
+) -> AsyncIterator[Path | None]:
     """The starting weights' part (``model.init``) copied to a temp file, or None."""
     if init is None and cfg.model.init is None:
         yield None
@@ -105,13 +119,8 @@ def _init_file(cfg: RunConfig, init: object, settings: Settings) -> Iterator[Pat
         params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
         limit = min(limit, 4 * params + INIT_HEADER_BYTES)
     with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".safetensors") as tmp:
-        while block := init.file.read(1 << 20):
-            tmp.write(block)
-            if tmp.tell() > limit:
-                raise UploadTooLarge(
-                    f"init: over {limit} bytes, more than this run's model in fp32 needs"
-                )
-        tmp.flush()
+        too_large = f"init: over {limit} bytes, more than this run's model in fp32 needs"
+        await asyncio.to_thread(_spool, init.file, tmp, limit=limit, too_large=too_large)
         yield Path(tmp.name)
 
 
@@ -123,8 +132,13 @@ async def _create(
     if cfg.data.dataset is not None:
         if data is not None:
             raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")
+        plan = await service.plan_on_dataset(
+            session=session, storage=storage, settings=settings, cfg=cfg
+        )
+        # claim, compute, publish: no pooled connection waits while version 0 is written
+        await session.commit()
         return await service.create_on_dataset(
-            session=session, storage=storage, settings=settings, cfg=cfg, init_file=init
+            session=session, storage=storage, plan=plan, init_file=init
         )
     if not isinstance(data, UploadFile):
         raise InvalidRequest("data: a multipart file part with the training text is needed")
@@ -135,10 +149,9 @@ async def _create(
     tmp_dir = Path(settings.data_dir) / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:
-        shutil.copyfileobj(data.file, tmp, 1 << 20)
-        tmp.flush()
-        if tmp.tell() > settings.max_data_bytes:
-            raise UploadTooLarge(f"the data file is over the {settings.max_data_bytes}-byte limit")
+        limit = settings.max_data_bytes
+        too_large = f"the data file is over the {limit}-byte limit"
+        await asyncio.to_thread(_spool, data.file, tmp, limit=limit, too_large=too_large)
         return await service.create(
             session=session,
             storage=storage,

@@ -7,6 +7,7 @@ import hmac
 import logging
 import math
 import secrets
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from diloco.architectures import build_model, parameter_shapes
 from diloco.close_memory import close_memory_bytes
 from diloco.config import RunConfig
 from diloco.hf import HFError, load_initial
+from diloco.manifest import Manifest
 from diloco.train import parameters_of
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
@@ -196,17 +198,23 @@ async def _add_rows(
     await session.flush()
 
 
-async def create_on_dataset(
-    *,
-    session: AsyncSession,
-    storage: Storage,
-    settings: Settings,
-    cfg: RunConfig,
-    init_file: Path | None = None,
-) -> Run:
-    """A run on a prepared dataset already in storage (``server.datasets``): check it fits
-    the config, record its vocabulary in the config, write version 0, plan the data units
-    and open round 1. Nothing of the dataset is read but its manifest."""
+@dataclass(frozen=True)
+class DatasetPlan:
+    """A run on a dataset, checked and planned (``plan_on_dataset``), not yet created."""
+
+    cfg: RunConfig  # with the dataset's vocabulary
+    manifest: Manifest
+    dataset_id: str
+    units: list[tuple[int, int]]
+    unit_tokens: int
+
+
+async def plan_on_dataset(
+    *, session: AsyncSession, storage: Storage, settings: Settings, cfg: RunConfig
+) -> DatasetPlan:
+    """Check that a prepared dataset already in storage (``server.datasets``) fits the
+    config, record its vocabulary in the config and plan the data units. Nothing of the
+    dataset is read but its manifest; ``create_on_dataset`` then creates the run."""
     assert cfg.data.dataset is not None
     row = await datasets_service.get(session, cfg.data.dataset)
     state = await datasets_service.view(session, storage, row)
@@ -239,6 +247,16 @@ async def create_on_dataset(
         )
     itemsize = manifest.val.nbytes // manifest.val.tokens
     check_memory(cfg, settings=settings, val_bytes=eval_val_bytes(cfg, settings, itemsize))
+    return DatasetPlan(cfg, manifest, row.id, units, unit_tokens)
+
+
+async def create_on_dataset(
+    *, session: AsyncSession, storage: Storage, plan: DatasetPlan, init_file: Path | None = None
+) -> Run:
+    """Write version 0 of a planned dataset run (in a worker thread, before the session
+    is used: the caller holds no transaction while it is written), then its rows: the
+    run, its data units and round 1."""
+    cfg, manifest = plan.cfg, plan.manifest
     run_id = f"run_{secrets.token_hex(6)}"
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(31)
     try:
@@ -262,10 +280,10 @@ async def create_on_dataset(
                 {"sha256": s.sha256, "nbytes": s.nbytes, "tokens": s.tokens}
                 for s in manifest.shards
             ],
-            dataset_id=row.id,
+            dataset_id=plan.dataset_id,
             token_dtype=manifest.dtype,
         )
-        await _add_rows(session, run, files, units=units, unit_tokens=unit_tokens)
+        await _add_rows(session, run, files, units=plan.units, unit_tokens=plan.unit_tokens)
     except BaseException:
         _discard_files(storage, run_id)
         raise
