@@ -19,6 +19,7 @@ from sqlalchemy.orm import configure_mappers
 
 from diloco.faults import FaultInjector
 from server import apidocs, handlers, openapi
+from server.body_limit import BodyLimit
 from server.body_timeout import BodyTimeout
 from server.checkpoints.router import router as checkpoints_router
 from server.contributors.router import router as contributors_router
@@ -118,6 +119,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         total=settings.max_uploads_in_flight, per_contributor=settings.max_uploads_per_contributor
     )
     handlers.install(app)
+    app.add_middleware(BodyLimit)  # a JSON body declared over 1 MiB: 413 before it is read
     # a body that stops arriving is dropped (408); inside RequestId, so it has an id too
     app.add_middleware(BodyTimeout, idle_timeout_s=settings.body_idle_timeout_s)
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database

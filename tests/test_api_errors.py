@@ -115,6 +115,13 @@ def test_a_declared_50_gb_body_is_413_before_a_byte_of_it_is_sent(
         "manifest": ("POST", f"{API}/datasets", admin_headers()),
         "dataset file": ("PUT", f"{API}/datasets/{dataset}/files/val.bin", admin_headers()),
         "speed test": ("POST", f"{API}/speedtest", {}),
+        # and the JSON bodies FastAPI would read whole into memory
+        "registration": ("POST", f"{API}/contributors", {"Content-Type": "application/json"}),
+        "heartbeat": (
+            "POST",
+            f"{API}/runs/{run_id}/rounds/1/heartbeat",
+            auth(token) | {"Content-Type": "application/json"},
+        ),
     }
 
     # Execute: each declares 50 GB and sends nothing more
