@@ -128,7 +128,7 @@ def join(
     """Volunteer: train on a run's rounds and upload the results until stopped (Ctrl+C)."""
     import asyncio
 
-    from client.worker import NoActiveRun, WorkerOptions, run_worker
+    from client.worker import WorkerOptions, run_worker
 
     if name and token:
         fail("pass --name (to register) or --token (to reuse a token), not both", ExitStatus.USAGE)
@@ -153,8 +153,6 @@ def join(
     )
     try:
         summary = asyncio.run(run_worker(opts))
-    except NoActiveRun as err:
-        fail(str(err), ExitStatus.ERROR)
     except Exception as err:
         status = exit_status_for(err)
         if status is None:
