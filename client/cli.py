@@ -64,7 +64,8 @@ def join(
     run: Annotated[
         str | None,
         typer.Option(
-            help="Run id to join (default: client.toml's, else the newest active run).",
+            help="Run id to join (default: client.toml's, else the newest active run, "
+            "waiting for one while there is none).",
             envvar="DILOCO_RUN",
         ),
     ] = None,
