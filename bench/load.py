@@ -9,8 +9,9 @@ process (aiohttp, one ClientSession):
    the interval, each on its own schedule (one warm-up interval first, not counted);
 2. close: heartbeats go on while K volunteers upload real int8 contributions (~10 MB each),
    which closes the round (aggregate, outer step, eval, checkpoint write). Volunteers do
-   what the client does: a heartbeat answered ``409 round_closed`` means join again, and a
-   join answered ``409 round_closing`` / ``already_contributed`` waits ``retry_after_s``.
+   what the client does (``diloco.protocol.volunteer``): a heartbeat answered ``409
+   round_closed`` or ``no_lease`` means join again, and a join answered ``409
+   round_closing`` / ``already_contributed`` waits ``retry_after_s``.
    Requests are tagged by send time: ``upload`` (uploads in flight), ``close`` (from the
    last upload's answer to the round's ``closed_at``), ``after`` (rejoined, next round);
 3. limits at the same request rate, volunteers stopped: an unmatched route (FastAPI and
@@ -62,9 +63,12 @@ from load_support import (
     summarize,
 )
 
+from diloco.protocol.messages import ErrorCode
+from diloco.protocol.volunteer import LOST_LEASE_CODES, RETRY_JOIN_CODES, join_wait
+
 GOAL = {"volunteers": 1000, "interval_s": 2.0, "p99_ms": 250.0}
 # answers the protocol gives on purpose around a close; counted apart from errors
-PROTOCOL = {(409, "round_closed"), (409, "round_closing"), (409, "already_contributed")}
+PROTOCOL = {(409, ErrorCode.ROUND_CLOSED), *((409, code) for code in RETRY_JOIN_CODES)}
 MODEL = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 128}  # ~10.8M parameters
 SMALL_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 
@@ -141,7 +145,9 @@ class Crowd:
             json={"lease_id": v.lease["lease_id"], "step": v.step, "loss": 3.0},
             headers=v.auth,
         )
-        lost = status == 409 and isinstance(body, dict) and body.get("error") == "round_closed"
+        # the client's reaction (diloco.protocol.volunteer): these volunteers never train,
+        # so no work is merged late: any lost-lease answer means join again
+        lost = status == 409 and isinstance(body, dict) and body.get("error") in LOST_LEASE_CODES
         return "lost" if lost else "ok"
 
     async def rejoin(self, v: Volunteer) -> None:
@@ -154,8 +160,8 @@ class Crowd:
                 v.lease = body
                 return
             wait = self.interval  # an error: try again later
-            if isinstance(body, dict) and (status, body.get("error")) in PROTOCOL:
-                wait = min(max(float(body.get("retry_after_s") or 1.0), 0.5), 120.0)
+            if isinstance(body, dict) and body.get("error") in RETRY_JOIN_CODES:
+                wait = join_wait(body.get("retry_after_s"))  # as the client waits
             await asyncio.sleep(min(wait, max(0.0, self.stop_at - loop.time())))
 
     async def upload(self, v: Volunteer, body: bytes) -> None:

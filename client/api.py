@@ -15,6 +15,7 @@ opened, or the server answered 503 ``unavailable``, 408 or 429.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -38,9 +39,12 @@ from client.http import (
 )
 from client.lease import Lease, ProtocolError, parse, parse_lease, require
 from client.runs_api import RunsAPI
-from diloco.protocol.messages import CatchUpPlan, Receipt, UploadTarget
+from diloco.protocol.messages import CatchUpPlan, HeartbeatIn, Receipt, UploadTarget
+from diloco.protocol.volunteer import DOWNLOAD_URL_REFUSED, UPLOAD_TARGET_REFUSED
 
 __all__ = [
+    "DOWNLOAD_URL_REFUSED",
+    "UPLOAD_TARGET_REFUSED",
     "ApiError",
     "DownloadError",
     "Fetched",
@@ -53,13 +57,6 @@ __all__ = [
     "UploadReceipt",
     "backoff_delay",
 ]
-
-# the object store refused a direct upload's PUT (its signed URL expired, say): the round's
-# upload is lost, as when the round moves on; the next lease brings a fresh URL
-UPLOAD_TARGET_REFUSED = "upload_target_refused"
-# the object store refused a download's signed URL (it expired during a long download, say):
-# a new lease brings fresh URLs, and the part file already fetched is resumed
-DOWNLOAD_URL_REFUSED = "download_url_refused"
 
 
 @dataclass(frozen=True)
@@ -107,12 +104,12 @@ class ServerAPI(RunsAPI):
         *,
         retry: RetryPolicy | None = None,
     ) -> dict[str, Any]:
-        """Keep the lease alive; 409 ``round_closed`` means stop and join again."""
-        body: dict[str, Any] = {"lease_id": lease_id}
-        if step is not None:
-            body["step"] = step
-        if loss is not None:
-            body["loss"] = loss
+        """Keep the lease alive; 409 ``round_closed`` or ``no_lease`` means stop and join
+        again (``diloco.protocol.volunteer``). A loss that is not finite is not sent."""
+        if loss is not None and not math.isfinite(loss):
+            loss = None
+        beat = HeartbeatIn(lease_id=lease_id, step=step, loss=loss)
+        body = beat.model_dump(mode="json", exclude_none=True)
         path = f"/runs/{run_id}/rounds/{round}/heartbeat"
         return await self._json("POST", path, body=body, retry=retry)
 
@@ -218,7 +215,7 @@ class ServerAPI(RunsAPI):
 
     async def release(self, run_id: str, round: int) -> None:
         """Give back this contributor's lease on ``round`` (we are leaving): the round need
-        not wait for it. 404 ``no_lease`` means there was nothing to give back."""
+        not wait for it. 409 ``no_lease`` means there was nothing to give back."""
         url = self.url(f"/runs/{run_id}/rounds/{round}/lease")
 
         async def once() -> None:

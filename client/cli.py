@@ -64,7 +64,8 @@ def join(
     run: Annotated[
         str | None,
         typer.Option(
-            help="Run id to join (default: client.toml's, else the newest active run).",
+            help="Run id to join (default: client.toml's, else the newest active run, "
+            "waiting for one while there is none).",
             envvar="DILOCO_RUN",
         ),
     ] = None,
@@ -128,7 +129,7 @@ def join(
     """Volunteer: train on a run's rounds and upload the results until stopped (Ctrl+C)."""
     import asyncio
 
-    from client.worker import NoActiveRun, WorkerOptions, run_worker
+    from client.worker import WorkerOptions, run_worker
 
     if name and token:
         fail("pass --name (to register) or --token (to reuse a token), not both", ExitStatus.USAGE)
@@ -153,8 +154,6 @@ def join(
     )
     try:
         summary = asyncio.run(run_worker(opts))
-    except NoActiveRun as err:
-        fail(str(err), ExitStatus.ERROR)
     except Exception as err:
         status = exit_status_for(err)
         if status is None:

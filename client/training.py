@@ -1,5 +1,6 @@
-"""The volunteer's compute, with no HTTP in it: what one simulated worker does in
-``diloco.simulate._run_diloco``, for one lease at a time.
+"""The volunteer's compute, with no HTTP in it: what one simulated worker does
+(``diloco.simulate.train_upload``, which ``diloco.simulate_diloco.run_diloco`` and the
+protocol simulator call), for one lease at a time.
 
 One :class:`LocalTrainer` lives as long as the worker stays in a run, so AdamW's moments
 carry over from round to round (DiLoCo); each round starts by loading the global

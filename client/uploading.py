@@ -1,11 +1,13 @@
 """The upload half of a volunteer's round (``client.worker``): encode Δ, keep the AdamW
 state on disk, send it (again, while a round it joins is closing), and one line for what
-the server answered; a few refusals of our body in a row stop the worker."""
+the server answered; a few refusals of our body in a row stop the worker. What each answer
+means is ``diloco.protocol.volunteer``'s table."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,16 +17,10 @@ from client.gpu import mfu
 from client.lease import Lease
 from client.progress import Reporter
 from client.training import Contribution, DivergedError, LocalTrainer
-from client.worker_options import (
-    BUSY_CODES,
-    MAX_INVALID_IN_A_ROW,
-    REJECTED_CODES,
-    WorkerOptions,
-    WorkerSummary,
-    still_welcome,
-)
+from client.worker_options import Reactions, WorkerOptions, WorkerSummary
 from diloco.faults import FaultInjector
-from diloco.protocol.late import LATE_RETRY_S
+from diloco.protocol.messages import ErrorCode
+from diloco.protocol.volunteer import FATAL_CODES, Do, Reaction, Request
 from diloco.train import InnerResult
 from diloco.wire import encode_contribution
 
@@ -41,13 +37,14 @@ class Uploader:
         local: LocalTrainer,
         fetcher: Fetcher,
         summary: WorkerSummary,
+        react: Reactions,
         faults: FaultInjector,
         peak_flops: float | None,
     ) -> None:
         self.opts, self.api, self.say = opts, api, say
         self.local, self.fetcher, self.summary, self.faults = local, fetcher, summary, faults
+        self.react = react  # the worker's: what each answer means
         self.peak_flops = peak_flops  # None: no MFU on the round's line
-        self.invalid_in_a_row = 0
         self.upload_s: float | None = None  # our last encode + upload took this long
 
     async def contribute(
@@ -72,24 +69,14 @@ class Uploader:
             head += f"  MFU {util:.1%}"
         if result.steps < lease.inner_steps:
             head += f"  {result.steps}/{lease.inner_steps} steps (deadline)"
-        try:
-            if body.nbytes > lease.max_upload_bytes:
-                raise ApiError(
-                    413,
-                    "upload_too_large",
-                    f"our upload would be {body.nbytes:,} bytes but the round takes at most "
-                    f"{lease.max_upload_bytes:,}; tell the run's operator",
-                    {},
-                )
-            self.faults.hit("volunteer.upload")
-            receipt = await self.send(lease, body)
-        except ApiError as err:
-            if err.status >= 500 or err.status in (401, 403):
-                raise
-            self.reject(head, body.nbytes, err)
+        self.faults.hit("volunteer.upload")
+        answer = await self.send(lease, body)
+        if isinstance(answer, Refused):
+            self.reject(head, body.nbytes, answer)
             return
+        receipt = answer
+        self.react.to(Request.UPLOAD)
         self.upload_s = time.perf_counter() - sending
-        self.invalid_in_a_row = 0
         self.summary.accepted += 1
         self.summary.tokens += result.tokens
         r, note = receipt.receipt, " (already held)" if receipt.repeated else ""
@@ -98,13 +85,21 @@ class Uploader:
             note = f" late into {where}{note}"
         self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
 
-    async def send(self, lease: Lease, body: Contribution) -> UploadReceipt:
+    async def send(self, lease: Lease, body: Contribution) -> UploadReceipt | Refused:
         """Upload; while our round, or the round our late work joins, is closing (the
-        server asks for it again shortly), send it again after LATE_RETRY_S, doubling, for
-        at most ``max_wait_s`` in all."""
-        tries = 0
+        server asks for it again shortly), send it again as the reactions say
+        (``LATE_RETRY_S``, doubling, for at most ``MAX_WAIT_S`` in all). Any other refusal
+        is returned with its reaction."""
         while True:
             try:
+                if body.nbytes > lease.max_upload_bytes:  # the server would refuse it: 413
+                    raise ApiError(
+                        413,
+                        ErrorCode.UPLOAD_TOO_LARGE,
+                        f"our upload would be {body.nbytes:,} bytes but the round takes at "
+                        f"most {lease.max_upload_bytes:,}; tell the run's operator",
+                        {},
+                    )
                 return await self.api.upload(
                     lease.run_id,
                     lease.round,
@@ -113,26 +108,27 @@ class Uploader:
                     lease.upload,
                 )
             except ApiError as err:
-                waited = LATE_RETRY_S * (2**tries - 1)
-                if not still_welcome(lease, err.code, err.body) or waited > self.opts.max_wait_s:
-                    raise
-                await asyncio.sleep(LATE_RETRY_S * 2**tries)
-                tries += 1
+                reaction = self.react.to(Request.UPLOAD, err)
+                if reaction.do is not Do.SEND_AGAIN:
+                    return Refused(err, reaction)
+                await asyncio.sleep(reaction.wait_s)
 
-    def reject(self, head: str, nbytes: int, err: ApiError) -> None:
+    def reject(self, head: str, nbytes: int, refused: Refused) -> None:
         """One line for a refused contribution; the round moving on is normal, the server
-        refusing our body is not, and a few of those in a row stop the worker."""
+        refusing our body is not, and a few of those in a row stop the worker (``FATAL``,
+        as do a server error and a refusal of who we are: raised)."""
+        err, reaction = refused.err, refused.reaction
+        if reaction.do is Do.FATAL and (err.code in FATAL_CODES or err.status >= 500):
+            raise err  # who we are, or the server failing: every upload would be refused
         self.summary.rejected += 1
         self.say.always(f"{head}  upload {nbytes:,} B  rejected: {err.code}: {err.detail}")
-        if err.code in REJECTED_CODES or err.code in BUSY_CODES:
-            return
-        self.invalid_in_a_row += 1
-        if self.invalid_in_a_row >= MAX_INVALID_IN_A_ROW:
-            raise ApiError(
-                err.status,
-                err.code,
-                f"the server refused {self.invalid_in_a_row} contributions in a row "
-                f"(last: {err.detail}); this client may not match the server's version: "
-                "re-run the installer or pip install -U diloco-hub",
-                err.body,
-            )
+        if reaction.do is Do.FATAL:
+            raise ApiError(err.status, err.code, f"{reaction.why} (last: {err.detail})", err.body)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An upload refused for good, and what the volunteer does about it."""
+
+    err: ApiError
+    reaction: Reaction

@@ -1,16 +1,23 @@
 """The volunteer loop: join a round, train H steps, upload Δ, again (``docs/api.md``).
 
-Per round, as one simulated worker does in ``diloco.simulate._run_diloco``:
+What the volunteer does on each answer of the server (wait, train on, abandon the lease,
+send again, stop) is ``diloco.protocol.volunteer``, the same table the simulator's
+volunteers follow; this module does it with HTTP, a training thread and the event loop.
+
+Without ``--run`` it joins the newest active run, and while there is none it waits for
+one (asking again with a bounded backoff). Per round, as one simulated worker does in
+``diloco.simulate_diloco.run_diloco``:
 join (with our last round's tokens/s, so the server sizes H to finish before the deadline)
 → download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
 the event loop sends heartbeats → Δ = θ(t−1) − θi → int8 → stream the upload.
 Against the deadline (``client.pacing``): a lease that even ``min_steps`` would not finish
 in time is given back untrained, and training stops early, keeping what it did, when
 another step would leave too little time to upload.
-A round that closes without us (a heartbeat or the upload answers 409) is dropped and we
-join the next one, unless the run merges late work (``[rounds] max_staleness``): then we
-finish the H steps and upload to our round as usual, and the server merges the work into
-the round open then, discounted (``diloco.protocol.late``); past the bound we drop it.
+A round that closes without us, or a lease the server no longer knows (a heartbeat or the
+upload answers 409 ``round_closed`` or ``no_lease``), is dropped and we join again,
+unless the round closed and the run merges late work (``[rounds] max_staleness``): then
+we finish the H steps and upload to our round as usual, and the server merges the work
+into the round open then, discounted (``diloco.protocol.late``); past the bound we drop it.
 A paused run is waited out; a completed or cancelled run ends the loop.
 SIGINT/SIGTERM stop the current step, close the session and print a summary.
 """
@@ -26,13 +33,7 @@ import time
 import torch
 
 from client import identity
-from client.api import (
-    DOWNLOAD_URL_REFUSED,
-    ApiError,
-    RetryPolicy,
-    ServerAPI,
-    ServerUnreachable,
-)
+from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
 from client.gpu import device_peak_flops
 from client.lease import Lease
@@ -47,15 +48,19 @@ from client.training import (
     stop_flag,
 )
 from client.uploading import Uploader
-from client.worker_options import (
-    LOST_LEASE_CODES,
-    NoActiveRun,
-    WorkerOptions,
-    WorkerSummary,
-    still_welcome,
-)
+from client.worker_options import Reactions, WorkerOptions, WorkerSummary
 from diloco.faults import FaultInjector
 from diloco.protocol.messages import ErrorCode
+from diloco.protocol.volunteer import (
+    DOWNLOAD_URL_REFUSED,
+    MAX_WAIT_S,
+    NO_ACTIVE_RUN,
+    Answer,
+    Do,
+    Request,
+    heartbeat_every,
+    staleness_bound,
+)
 from diloco.train import InnerResult
 
 default_name = identity.default_name  # re-exported: the CLI's --name default
@@ -76,7 +81,9 @@ class _Worker:
         self.fetcher = Fetcher(api, reporter, opts.cache_dir)
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
-        self.banned: ApiError | None = None  # a heartbeat was answered 403 banned: fatal
+        self.react = Reactions()  # diloco.protocol.volunteer, shared with the uploader
+        self.fatal: ApiError | None = None  # a heartbeat answer that stops us (banned...)
+        self.lost_why = ""  # why the heartbeats gave up the lease in training
         self.rate: float | None = None  # tokens/s of our last round, sent with each join
         self.uploads = Uploader(
             opts,
@@ -85,6 +92,7 @@ class _Worker:
             local=self.local,
             fetcher=self.fetcher,
             summary=self.summary,
+            react=self.react,
             faults=self.faults,
             peak_flops=self.peak_flops,
         )
@@ -116,8 +124,11 @@ class _Worker:
             return
         try:
             await self.api.release(lease.run_id, lease.round)
-        except ApiError as err:  # the round closed or the lease expired meanwhile: nothing held
-            self.say.info(f"lease on round {lease.round} not released: {err.code}")
+        except ApiError as err:  # the round closed meanwhile (nothing held), or worse
+            if self.react.to(Request.RELEASE, err).do is Do.WARN:
+                self.say.warn(f"lease on round {lease.round} not released: {err}")
+            else:
+                self.say.info(f"lease on round {lease.round} not released: {err.code}")
             return
         except ServerUnreachable as err:
             self.say.warn(
@@ -128,13 +139,20 @@ class _Worker:
         self.say.always(f"gave back our lease on round {lease.round}: the round need not wait")
 
     async def pick_run(self) -> str:
-        active = [r for r in await self.api.list_runs() if r.get("status") == "active"]
-        if not active:
-            raise NoActiveRun(
-                f"{self.api.server_url} has no active run; pass --run ID, or ask its operator "
-                "to create or resume one"
-            )
-        return str(active[0]["id"])  # the list is newest first
+        """The newest active run, waiting (a bounded backoff) while there is none."""
+        said = False
+        while True:
+            active = [r for r in await self.api.list_runs() if r.get("status") == "active"]
+            reaction = self.react.answer(Answer(Request.RUNS, None if active else NO_ACTIVE_RUN))
+            if reaction.do is Do.JOIN:
+                return str(active[0]["id"])  # the list is newest first
+            if not said:
+                said = True
+                self.say.always(
+                    f"{self.api.server_url} has no active run yet; waiting for one to be "
+                    "created or resumed (Ctrl+C stops)"
+                )
+            await asyncio.sleep(reaction.wait_s)
 
     def doctors_speed(self, run_id: str) -> float | None:
         """The tokens/s ``diloco doctor`` measured for this run on this device, for our
@@ -159,24 +177,22 @@ class _Worker:
         said: set[str] = set()  # say each kind of wait once per join, not every poll
         while True:
             try:
-                return await self.api.join(run_id, tokens_per_s=self.rate)
+                lease = await self.api.join(run_id, tokens_per_s=self.rate)
             except ApiError as err:
-                if err.code == ErrorCode.RUN_NOT_ACTIVE and err.body.get("status") == "paused":
-                    wait, why = self.opts.poll_s, f"run {run_id} is paused; waiting"
-                elif err.code == ErrorCode.RUN_NOT_ACTIVE:
+                reaction = self.react.to(Request.JOIN, err)
+                if reaction.do is Do.STOP:
                     self.summary.stopped_because = f"run {run_id} is {err.body.get('status')}"
                     return None
-                elif err.code in (ErrorCode.ALREADY_CONTRIBUTED, ErrorCode.ROUND_CLOSING):
-                    after = err.body.get("retry_after_s")
-                    wait = float(after) if isinstance(after, int | float) else self.opts.poll_s
-                    wait = min(max(wait, 0.5), self.opts.max_wait_s)
-                    why = "waiting for the next round to open"
-                else:
+                if reaction.do is not Do.WAIT:
                     raise
                 if err.code not in said:
                     said.add(err.code)
-                    self.say.info(why)
-                await asyncio.sleep(wait)
+                    self.say.info(f"run {run_id}: {reaction.why}")
+                await asyncio.sleep(reaction.wait_s)
+                continue
+            bound = staleness_bound(lease.config)
+            self.react.to(Request.JOIN, body={"round": lease.round, "max_staleness": bound})
+            return lease
 
     # ---------------------------------------------------------------- one round
 
@@ -207,14 +223,14 @@ class _Worker:
             trained = (
                 None if lost.is_set() else await self.train(lease, params, shard, bar, lost, pace)
             )
-            if self.banned is not None:
-                raise self.banned
+            if self.fatal is not None:
+                raise self.fatal
             if trained is None:
                 if self.interrupted.is_set():
                     return  # stopping: run_worker gives the lease back
                 self.summary.abandoned += 1
                 self.holding = None
-                self.say.info(f"round {lease.round} closed before we finished; joining again")
+                self.say.info(f"round {lease.round}: {self.lost_why}; joining again")
                 return
             if pace.reason is not None:
                 self.summary.cut_short += 1
@@ -233,7 +249,7 @@ class _Worker:
         self.summary.skipped += 1
         self.say.always(f"round {lease.round}: not training: {why}; waiting for the next round")
         await self.release()
-        await asyncio.sleep(min(max(pace.left_s(), 0.0) + 1.0, self.opts.max_wait_s))
+        await asyncio.sleep(min(max(pace.left_s(), 0.0) + 1.0, MAX_WAIT_S))
 
     async def restore_optimizer(self, lease: Lease, name: str) -> None:
         """After (re)building the model: resume the AdamW state a previous session of this
@@ -283,9 +299,11 @@ class _Worker:
         return result, self.rate
 
     async def heartbeats(self, lease: Lease, bar: RoundBar, lost: threading.Event) -> None:
-        interval = max(1.0, lease.heartbeat_interval_s)
+        """Every ``heartbeat_every`` seconds until cancelled, each answer fed to the
+        reactions: train on, or set ``lost`` (abandon the lease, or stop for ``fatal``)."""
+        interval = heartbeat_every(lease.heartbeat_interval_s)
         quick = RetryPolicy(attempts=3, base_delay_s=0.5, max_delay_s=2.0, total_s=interval)
-        warned: set[str] = set()  # one warning per kind of failure per round
+        warned: set[str] = set()  # one line per kind of answer per round
         while True:
             await asyncio.sleep(interval)
             step, loss = bar.latest()
@@ -294,24 +312,19 @@ class _Worker:
                     lease.run_id, lease.round, lease.lease_id, step, loss, retry=quick
                 )
             except ApiError as err:
-                if still_welcome(lease, err.code, err.body):  # keep training: merged late
-                    if "late" not in warned:
-                        warned.add("late")
-                        self.say.info(
-                            f"round {lease.round} closed; finishing it: the server merges "
-                            f"late work into round {err.body.get('current_round')} or later"
-                        )
-                    continue
-                if err.code in LOST_LEASE_CODES:
-                    lost.set()
-                    return
-                if err.code == ErrorCode.BANNED:  # stop training now; round() raises it
-                    self.banned = err
+                reaction = self.react.to(Request.HEARTBEAT, err)
+                if reaction.do in (Do.ABANDON, Do.FATAL):  # stop training now
+                    self.lost_why = reaction.why
+                    if reaction.do is Do.FATAL:  # round() raises it
+                        self.fatal = err
                     lost.set()
                     return
                 if err.code not in warned:
                     warned.add(err.code)
-                    self.say.warn(f"heartbeat for round {lease.round}: {err}")
+                    if reaction.do is Do.CARRY_ON:  # merged late
+                        self.say.info(reaction.why)
+                    else:
+                        self.say.warn(f"heartbeat for round {lease.round}: {err}; still training")
             except ServerUnreachable as err:
                 if "unreachable" not in warned:
                     warned.add("unreachable")

@@ -1,51 +1,36 @@
 """What the volunteer loop (``client.worker``) is given and what it reports: its options,
-its summary line, and how it reads the server's refusal codes."""
+its summary line, and its reactions to the server's answers (``diloco.protocol.volunteer``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.api import UPLOAD_TARGET_REFUSED, RetryPolicy, Timeouts
-from client.lease import Lease
-from diloco.protocol.late import welcome_late
-from diloco.protocol.messages import ErrorCode
-
-# the round moved on without us: drop this round's work and join again
-REJECTED_CODES = frozenset(
-    {
-        ErrorCode.ROUND_CLOSED,
-        ErrorCode.BASE_VERSION_MISMATCH,
-        ErrorCode.NO_LEASE,
-        ErrorCode.DUPLICATE_CONTRIBUTION,
-        ErrorCode.RUN_NOT_ACTIVE,
-        UPLOAD_TARGET_REFUSED,
-    }
-)
-# a heartbeat answer that means the lease is no longer worth training for (a paused or
-# ended run takes no upload: the join that follows waits or stops)
-LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
+from client.api import ApiError, RetryPolicy, Timeouts
+from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
 
 
-def still_welcome(lease: Lease, code: str, body: dict[str, Any]) -> bool:
-    """A ``round_closed`` answer (heartbeat or upload) about ``lease``'s round whose work the
-    run still merges late (``diloco.protocol.late``): finish it and upload, don't abandon.
-    A server from before late work sends no ``max_staleness``: 0, no late work."""
-    rounds = lease.config.get("rounds")
-    bound = rounds.get("max_staleness", 0) if isinstance(rounds, dict) else 0
-    return isinstance(bound, int) and welcome_late(
-        lease.round, code, body.get("current_round"), bound
-    )
+class Reactions:
+    """The volunteer's reactions (``diloco.protocol.volunteer``) and what they remember;
+    the worker and its uploader share one, and do what each answer's reaction says."""
 
+    def __init__(self) -> None:
+        self.state = VolunteerState()
 
-# the upload was still refused after every retry (client.api waits the server's Retry-After):
-# the server was too busy, or our connection too slow; not our body's fault
-BUSY_CODES = frozenset({ErrorCode.TOO_MANY_UPLOADS, ErrorCode.REQUEST_TIMEOUT})
-# the server refused our upload itself (not the round's timing): worth a few more rounds,
-# in case it was one bad round, but not forever (a client the server cannot read)
-MAX_INVALID_IN_A_ROW = 3
+    def to(
+        self, to: Request, err: ApiError | None = None, body: Mapping[str, Any] | None = None
+    ) -> Reaction:
+        """React to the server's answer to ``to``: ``err``, or a success with ``body``."""
+        if err is None:
+            return self.answer(Answer(to, body=body or {}))
+        return self.answer(Answer(to, code=err.code, status=err.status, body=err.body))
+
+    def answer(self, answer: Answer) -> Reaction:
+        self.state, reaction = step(self.state, answer)
+        return reaction
 
 
 @dataclass(frozen=True)
@@ -64,8 +49,6 @@ class WorkerOptions:
     threads: int | None = None  # torch CPU threads
     quiet: bool = False  # no progress bar, no per-round lines
     progress_bar: bool | None = None  # None: when stderr is a terminal and not quiet
-    poll_s: float = 15.0  # how often to ask again while the run is paused
-    max_wait_s: float = 120.0  # cap on the server's retry_after_s
     retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(attempts=10, max_delay_s=60.0, total_s=900.0)
     )
@@ -97,7 +80,3 @@ class WorkerSummary:
             f"{self.rejected} rejected, {self.abandoned} abandoned, {short}{skipped}"
             f"{self.tokens:,} tokens in {elapsed / 60:.1f} min"
         )
-
-
-class NoActiveRun(Exception):
-    """``--run`` was not given and the server has no active run to join."""

@@ -4,17 +4,18 @@
 Time: datetimes from ``EPOCH``; events in a priority queue ordered by (time, order of
 scheduling), so the same inputs give the same run and no wall clock is ever read.
 
-Volunteers do what ``client.worker`` does: join; train their lease's H inner steps
-(``step_s / speed`` simulated seconds each; with ``size_h`` the hub sizes H to the speed
-each reports, else it is the run's steps), heartbeating every ``heartbeat_interval_s``;
-upload; join again.
+Volunteers do what ``client.worker`` does, reacting to each of the hub's answers as
+``diloco.protocol.volunteer`` says (the client's very table): join; train their lease's H
+inner steps (``step_s / speed`` simulated seconds each; with ``size_h`` the hub sizes H to
+the speed each reports, else it is the run's steps), heartbeating every
+``heartbeat_every(heartbeat_interval_s)``; upload; join again.
 A join answered "already contributed" or "round closing" is tried again after the answer's
-``retry_after_s``. A heartbeat answered "round closed" stops the training at the end of the
-step in progress (unless that is the last step: then the upload goes out and is refused),
-except while the run takes the work late (``diloco.protocol.late.worth_finishing``): then
-the volunteer finishes and uploads, and the hub merges it into the open round; an upload
-answered "round closed" while still worth it (the round is closing) is sent again
-``LATE_RETRY_S`` later.
+``retry_after_s`` (``WAIT``). A heartbeat whose answer abandons the lease ("round closed",
+"no lease") stops the training at the end of the step in progress (unless that is the last
+step: then the upload goes out and is refused), except while the run takes the work late
+(``CARRY_ON``): then the volunteer finishes and uploads, and the hub merges it into the
+open round; an upload answered "round closed" while still worth it (the round is closing)
+is sent again as the table says (``SEND_AGAIN``).
 A volunteer that drops out stops heartbeating, so its lease lapses ``lease_ttl_s`` after
 its last heartbeat; when it comes back it joins again (its own lease renewed, if the round
 is the same). Dropouts and returns are random (per-minute chances, seeded per volunteer)
@@ -38,9 +39,8 @@ from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.data import Dataset
 from diloco.model import LanguageModel
-from diloco.protocol.late import LATE_RETRY_S
-from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
+from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate import (
     SIM_RUN_ID,
     Progress,
@@ -60,19 +60,7 @@ from diloco.simulate_protocol import (
     ProtocolTotals,
     per_second,
 )
-from diloco.simulate_volunteer import (
-    CLIENT_MAX_WAIT_S,
-    CLIENT_MIN_HEARTBEAT_S,
-    CLIENT_MIN_WAIT_S,
-    EPOCH,
-    LOST_LEASE_CODES,
-    RETRY_JOIN_CODES,
-    Volunteer,
-    build_volunteers,
-    still_welcome,
-)
-
-# the volunteers, as the client behaves (client.worker): diloco.simulate_volunteer
+from diloco.simulate_volunteer import EPOCH, Volunteer, build_volunteers
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
@@ -117,9 +105,7 @@ class _ProtocolRun:
             evaluate=Recorder(cfg, opts, data, device, None).evaluator(build_model(cfg.model)),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
-        self.heartbeat_every = timedelta(
-            seconds=max(CLIENT_MIN_HEARTBEAT_S, settings.heartbeat_interval_s)
-        )
+        self.heartbeat_every = timedelta(seconds=heartbeat_every(settings.heartbeat_interval_s))
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)
         self.volunteers = build_volunteers(cfg, opts, proto, device)
@@ -208,14 +194,14 @@ class _ProtocolRun:
             rate = self.cfg.tokens_per_step / v.step.total_seconds()
         answer = self.hub.join(self.now, v.name, tokens_per_s=rate)
         if isinstance(answer, Refusal):
-            if answer.code in RETRY_JOIN_CODES:
-                wait = float(answer.extra["retry_after_s"])
-                wait = min(max(wait, CLIENT_MIN_WAIT_S), CLIENT_MAX_WAIT_S)
-                self._later(v, timedelta(seconds=wait), self._join)
-            elif answer.code is not ErrorCode.RUN_NOT_ACTIVE:  # that one: the run is over
+            reaction = v.react(Request.JOIN, answer)
+            if reaction.do is Do.WAIT:
+                self._later(v, timedelta(seconds=reaction.wait_s), self._join)
+            elif reaction.do is not Do.STOP:  # STOP: the run is over
                 raise RuntimeError(f"{v.name}: join refused: {answer.code}: {answer.reason}")
             return
         v.lease, new = answer
+        v.granted(v.lease.round, self.cfg.rounds.max_staleness)
         v.started, v.task = self.now, v.task + 1
         self.downloads += new  # a renewed lease's checkpoint is in the client's cache
         self._later(v, v.lease.inner_steps * v.step, self._finish)
@@ -224,14 +210,13 @@ class _ProtocolRun:
     def _heartbeat(self, v: Volunteer) -> None:
         assert v.lease is not None
         answer = self.hub.heartbeat(self.now, v.name, v.lease.round)
-        if not isinstance(answer, Refusal):
+        reaction = v.react(Request.HEARTBEAT, answer)
+        if reaction.do is Do.CARRY_ON:  # renewed, or the work is merged late
             self._later(v, self.heartbeat_every, self._heartbeat)
             return
-        if answer.code not in LOST_LEASE_CODES:
+        if reaction.do is not Do.ABANDON:
+            assert isinstance(answer, Refusal)
             raise RuntimeError(f"{v.name}: heartbeat refused: {answer.code}: {answer.reason}")
-        if still_welcome(v.lease.round, answer, self.cfg.rounds.max_staleness):  # merged late
-            self._later(v, self.heartbeat_every, self._heartbeat)
-            return
         # the client stops at the end of the step in progress, unless that is the last one
         # (then it uploads, and the upload is refused)
         done = -(-(self.now - v.started) // v.step)  # steps begun, ceil
@@ -257,15 +242,15 @@ class _ProtocolRun:
             inner_steps=lease.inner_steps,
         )
         verdict = self.hub.admit_upload(v.name, lease.round, claim)
-        welcome = isinstance(verdict, Refusal) and still_welcome(
-            lease.round, verdict, cfg.rounds.max_staleness
-        )
-        if welcome:  # the round is closing: its work is merged once the next one opens
-            self._later(v, timedelta(seconds=LATE_RETRY_S), self._finish)
+        reaction = v.react(Request.UPLOAD, verdict)
+        if reaction.do is Do.SEND_AGAIN:  # the round is closing: merged once the next opens
+            self._later(v, timedelta(seconds=reaction.wait_s), self._finish)
             return
         v.lease = None
         late = verdict if isinstance(verdict, LateGrant) else None
         if isinstance(verdict, Refusal):
+            if reaction.do not in (Do.DROP, Do.REFUSED):  # an honest volunteer: a bug
+                raise RuntimeError(f"{v.name}: upload refused: {verdict.code}: {verdict.reason}")
             refusal = verdict
             self._spend(v, spent, wasted="refused")
             self.refused[refusal.code] += 1

@@ -1,29 +1,25 @@
 """A volunteer of ``diloco simulate --mode protocol`` (:mod:`diloco.simulate_events`): its
-state, and how it reacts to the hub's answers, as the client (``client.worker``) does."""
+state, and its reactions to the hub's answers: ``diloco.protocol.volunteer``'s, the very
+table the client (``client.worker``) follows."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import torch
 
 from diloco.architectures import build_model
 from diloco.config import RunConfig
-from diloco.protocol.late import welcome_late
-from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import Refusal
+from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
 from diloco.simulate import SimOptions
 from diloco.simulate_hub import HubLease
 from diloco.simulate_protocol import ProtocolOptions, VolunteerTotals
 from diloco.train import InnerTrainer
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
-# the client's reactions (client.worker): what ends a lease, how long it waits to rejoin
-LOST_LEASE_CODES = frozenset({ErrorCode.ROUND_CLOSED, ErrorCode.NO_LEASE, ErrorCode.RUN_NOT_ACTIVE})
-RETRY_JOIN_CODES = frozenset({ErrorCode.ALREADY_CONTRIBUTED, ErrorCode.ROUND_CLOSING})
-CLIENT_MIN_WAIT_S, CLIENT_MAX_WAIT_S, CLIENT_MIN_HEARTBEAT_S = 0.5, 120.0, 1.0
 
 
 @dataclass
@@ -40,13 +36,22 @@ class Volunteer:
     lease: HubLease | None = None
     started: datetime = EPOCH  # when it began training for `lease`
     arrivals: int = 0  # scheduled comings online not yet happened
+    state: VolunteerState = field(default_factory=VolunteerState)  # what its reactions recall
 
+    def react(self, to: Request, answer: object) -> Reaction:
+        """Its reaction to the hub's answer to ``to`` (``diloco.protocol.volunteer``, as
+        the client's): a ``Refusal``, or anything else for a success."""
+        if isinstance(answer, Refusal):
+            said = Answer(to, code=answer.code, body=answer.extra)
+        else:
+            said = Answer(to)
+        self.state, reaction = step(self.state, said)
+        return reaction
 
-def still_welcome(round: int, answer: Refusal, max_staleness: int) -> bool:
-    """A "round closed" answer about work for ``round`` that the run still takes late: the
-    volunteer finishes its steps and uploads (again, after ``LATE_RETRY_S``, while the
-    round is closing) instead of abandoning it."""
-    return welcome_late(round, answer.code, answer.extra.get("current_round"), max_staleness)
+    def granted(self, round: int, max_staleness: int) -> None:
+        """It holds a lease on ``round`` of a run that merges work ``max_staleness`` late."""
+        answer = Answer(Request.JOIN, body={"round": round, "max_staleness": max_staleness})
+        self.state, _ = step(self.state, answer)
 
 
 def build_volunteers(

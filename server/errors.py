@@ -95,11 +95,6 @@ class Gone(HubError):
     code = ErrorCode.GONE
 
 
-class LeaseNotFound(NotFound):
-    # releasing a lease this contributor never held (uploads without one: 409 NoLease)
-    code = ErrorCode.NO_LEASE
-
-
 class RoundClosed(HubError):
     status = 409
     code = ErrorCode.ROUND_CLOSED
@@ -121,6 +116,7 @@ class ReplayedUpload(HubError):
 
 
 class NoLease(HubError):
+    # an upload, heartbeat or release from a contributor that holds no lease on the round
     status = 409
     code = ErrorCode.NO_LEASE
 

@@ -87,12 +87,13 @@ ERRORS: dict[str, Errors] = {
     },
     "POST /api/v1/runs/{run_id}/rounds/{index}/heartbeat": {
         **CONTRIBUTOR,
-        404: ("run_not_found", "not_found"),  # no such run; no such round or lease of yours
-        409: ("round_closed", "run_not_active"),
+        **RUN,
+        409: ("round_closed", "no_lease", "run_not_active"),
     },
     "DELETE /api/v1/runs/{run_id}/rounds/{index}/lease": {
         **CONTRIBUTOR,
-        404: ("run_not_found", "no_lease"),
+        **RUN,
+        409: ("no_lease",),
     },
     "PUT /api/v1/runs/{run_id}/rounds/{index}/contribution": UPLOAD,
     # a direct upload's commit: the stored body, checked as a PUT's (its size is the store's)

@@ -373,8 +373,8 @@ def test_lease_release_errors(http):
     no_token = release(http, run["id"], 1, None)
     bad_index = release(http, run["id"], 0, holder)
 
-    assert (no_lease.status_code, no_lease.json()["error"]) == (404, "no_lease")
-    assert (other_round.status_code, other_round.json()["error"]) == (404, "no_lease")
+    assert (no_lease.status_code, no_lease.json()["error"]) == (409, "no_lease")
+    assert (other_round.status_code, other_round.json()["error"]) == (409, "no_lease")
     assert (unknown_run.status_code, unknown_run.json()["error"]) == (404, "run_not_found")
     assert (no_token.status_code, no_token.json()["error"]) == (401, "unauthorized")
     assert (bad_index.status_code, bad_index.json()["error"]) == (422, "invalid_request")
@@ -486,3 +486,45 @@ def test_metrics_count_downloads_by_route_template_and_status(http):
 
     counts = wait_for(counted, timeout=10, what="the downloads to be counted")
     assert not [route for (_, route, _) in counts if run["id"] in route]  # templates only
+
+
+def test_holding_no_lease_is_409_no_lease_for_a_heartbeat_an_upload_and_a_release(http):
+    # Prepare: a round 1 whose lease is the holder's; a stranger holds none
+    run = new_run(http)
+    holder, stranger = register(http, "holder-of-one"), register(http, "stranger-of-one")
+    lease = http.post(f"{API}/runs/{run['id']}/join", headers=auth(holder)).json()
+    round1 = f"{API}/runs/{run['id']}/rounds/1"
+
+    # Execute: the stranger names the holder's lease; the holder names one it never got
+    answers = {
+        "heartbeat": http.post(
+            f"{round1}/heartbeat", json={"lease_id": lease["lease_id"]}, headers=auth(stranger)
+        ),
+        "forged heartbeat": http.post(
+            f"{round1}/heartbeat", json={"lease_id": "lease_0000"}, headers=auth(holder)
+        ),
+        "upload": http.put(
+            f"{round1}/contribution",
+            content=b"x" * 64,
+            headers={**auth(stranger), "Content-Type": "application/octet-stream"},
+        ),
+        "release": release(http, run["id"], 1, stranger),
+    }
+    unknown_round = http.post(
+        f"{API}/runs/{run['id']}/rounds/9/heartbeat",
+        json={"lease_id": lease["lease_id"]},
+        headers=auth(holder),
+    )
+
+    # Assert: one code and status for "you hold no lease", with a sentence
+    for what, r in answers.items():
+        body = r.json()
+        assert (r.status_code, body["error"]) == (409, "no_lease"), (what, r.text)
+        assert "no lease" in body["detail"] or "no such lease" in body["detail"], (what, body)
+    assert unknown_round.status_code == 409, unknown_round.text
+    assert unknown_round.json()["error"] == "round_closed"
+    assert unknown_round.json()["current_round"] == 1
+    ok = http.post(
+        f"{round1}/heartbeat", json={"lease_id": lease["lease_id"]}, headers=auth(holder)
+    )
+    assert ok.status_code == 200, ok.text

@@ -197,30 +197,34 @@ def test_hardware_report_fits_the_server_bounds():
 def test_each_rejection_is_one_line_and_repeated_invalid_bodies_stop_the_worker(capsys):
     from client.api import ApiError, ServerAPI
     from client.progress import Reporter
+    from client.uploading import Refused
     from client.worker import _Worker
-    from client.worker_options import MAX_INVALID_IN_A_ROW, WorkerOptions
+    from client.worker_options import WorkerOptions
+    from diloco.protocol.messages import ErrorCode
+    from diloco.protocol.volunteer import MAX_INVALID_IN_A_ROW, Request
 
     worker = _Worker(
         WorkerOptions(server_url="http://127.0.0.1:9", device="cpu"),
         ServerAPI("http://127.0.0.1:9"),
         Reporter(quiet=True, bar=False),
     )
-    late = ApiError(409, "round_closed", "round 3 is closed; the open round is 4", {})
-    bad = ApiError(422, "invalid_contribution", "tensor 'wte.weight' has shape (1, 2)", {})
+    late = ApiError(409, ErrorCode.ROUND_CLOSED, "round 3 is closed; the open round is 4", {})
+    bad = ApiError(400, ErrorCode.WRONG_TENSORS, "tensor 'wte.weight' has shape (1, 2)", {})
+
+    def answered(head: str, err: ApiError) -> None:  # as Uploader.send hands it on
+        worker.uploads.reject(head, 100, Refused(err, worker.react.to(Request.UPLOAD, err)))
 
     for _ in range(5):  # the round moving on is normal: never fatal
-        worker.uploads.reject("round 3", 100, late)
+        answered("round 3", late)
     for _ in range(MAX_INVALID_IN_A_ROW - 1):
-        worker.uploads.reject("round 4", 100, bad)
+        answered("round 4", bad)
     with pytest.raises(ApiError, match="refused 3 contributions in a row"):
-        worker.uploads.reject("round 5", 100, bad)
+        answered("round 5", bad)
 
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 5 + MAX_INVALID_IN_A_ROW  # one line each, even with --quiet
     assert lines[0] == (
         "round 3  upload 100 B  rejected: round_closed: round 3 is closed; the open round is 4"
     )
-    assert lines[-1].endswith(
-        "rejected: invalid_contribution: tensor 'wte.weight' has shape (1, 2)"
-    )
+    assert lines[-1].endswith("rejected: wrong_tensors: tensor 'wte.weight' has shape (1, 2)")
     assert worker.summary.rejected == 5 + MAX_INVALID_IN_A_ROW

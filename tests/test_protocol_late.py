@@ -7,12 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from diloco.protocol.late import (
-    admit_late,
-    late_weight,
-    staleness_discount,
-    worth_finishing,
-)
+from diloco.protocol.late import admit_late, late_weight, staleness_discount
 from diloco.protocol.messages import ErrorCode, Receipt
 from diloco.protocol.rules import admit_upload
 from diloco.protocol.state import (
@@ -24,6 +19,7 @@ from diloco.protocol.state import (
     UploadFacts,
     UploadVerdict,
 )
+from diloco.protocol.volunteer import worth_finishing
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -195,23 +191,3 @@ def test_a_receipt_from_an_older_server_parses_as_fresh_work() -> None:
         }
     )
     assert late.late and late.merged_into_round == 3
-
-
-@pytest.mark.parametrize(
-    ("rounds", "code", "body", "welcome"),
-    [
-        ({"max_staleness": 1}, "round_closed", {"current_round": 2}, True),
-        ({"max_staleness": 1}, "round_closed", {"current_round": 3}, False),  # past the bound
-        ({}, "round_closed", {"current_round": 2}, False),  # a server from before late work
-        ({"max_staleness": 1}, "no_lease", {}, False),
-        ({"max_staleness": 1}, "round_closed", {"current_round": "2"}, False),  # not ours
-    ],
-)
-def test_the_client_keeps_training_only_for_work_the_run_still_takes(
-    rounds: dict, code: str, body: dict, welcome: bool
-) -> None:
-    from client.worker_options import still_welcome
-    from tests.test_client_unit import TINY, _tiny_lease
-
-    lease = _tiny_lease({**TINY, "rounds": rounds}, round=1)
-    assert still_welcome(lease, code, body) is welcome

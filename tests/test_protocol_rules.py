@@ -154,8 +154,12 @@ BEATS = [
     ),
     pytest.param(
         HeartbeatFacts(RunStatus.ACTIVE, None, current_round=7, lease_held=False),
-        refusal(ErrorCode.NOT_FOUND, "the run has no such round"),
-        id="an_unknown_round_is_not_found",
+        refusal(
+            ErrorCode.ROUND_CLOSED,
+            "the run has no such round; the current round is 7",
+            current_round=7,
+        ),
+        id="an_unknown_round_is_answered_as_an_uploads_is",
     ),
     pytest.param(
         HeartbeatFacts(RunStatus.PAUSED, OPEN, current_round=7, lease_held=True),
@@ -186,8 +190,8 @@ BEATS = [
     ),
     pytest.param(
         HeartbeatFacts(RunStatus.ACTIVE, OPEN, current_round=7, lease_held=False),
-        refusal(ErrorCode.NOT_FOUND, "you hold no such lease on round 7"),
-        id="someone_elses_lease_is_not_found",
+        refusal(ErrorCode.NO_LEASE, "you hold no such lease on round 7: join again"),
+        id="someone_elses_lease_is_no_lease",
     ),
 ]
 

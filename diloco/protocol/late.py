@@ -21,18 +21,15 @@ and base version are r's), and records the round it was merged into; round c's o
 takes c's own contributions and the late ones merged into it. Late work never counts
 towards c's quorum or target: a round closes on fresh work.
 
-Pure functions; the server (``server.rounds.ingest``), the simulator
-(``diloco.simulate_hub``) and the volunteer client (``client.worker``) all call them.
+Pure functions; the server (``server.rounds.ingest``) and the simulator
+(``diloco.simulate_hub``) call them. The volunteer's side (finish work whose round closed
+while it is still welcome: ``welcome_late``) is in ``diloco.protocol.volunteer``.
 """
 
 from __future__ import annotations
 
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.state import LateGrant, Refusal, RoundState, RoundView, UploadFacts
-
-# how long a volunteer waits before sending late work again when its round, or the round
-# in progress, is still closing (a close takes seconds; the next round then opens)
-LATE_RETRY_S = 2.0
 
 
 def staleness_discount(staleness: int) -> float:
@@ -114,20 +111,3 @@ def admit_late(facts: UploadFacts, rnd: RoundView) -> LateGrant | Refusal:
             "holder of a lease on its round",
         )
     return LateGrant(merged_into=current, staleness=staleness)
-
-
-def worth_finishing(lease_round: int, current_round: int | None, max_staleness: int) -> bool:
-    """The volunteer's side: its round ``lease_round`` closed (or is closing) while it
-    trained; is its work still welcome once done? Yes while the round in progress is at
-    most ``max_staleness`` rounds on (a closing round: 0 on), and the run takes late work."""
-    if max_staleness < 1 or current_round is None:
-        return False
-    return 0 <= current_round - lease_round <= max_staleness
-
-
-def welcome_late(lease_round: int, code: str, current_round: object, max_staleness: int) -> bool:
-    """The volunteer's reading of a refusal (a heartbeat's or an upload's) about its work
-    for ``lease_round``: a ``round_closed`` naming a ``current_round`` the work may still
-    join (``worth_finishing``) means finish it and upload, rather than abandon it."""
-    current = current_round if isinstance(current_round, int) else None
-    return code == ErrorCode.ROUND_CLOSED and worth_finishing(lease_round, current, max_staleness)

@@ -131,17 +131,25 @@ def admit_heartbeat(
     now: datetime, facts: HeartbeatFacts, *, ttl_s: float
 ) -> HeartbeatGrant | Refusal:
     """Keep a lease alive for ``ttl_s`` more seconds, or say why its holder should stop
-    training for it."""
+    training for it: a round the run does not have is answered as the upload's
+    ``admit_upload`` answers it, and a lease this contributor does not hold on the round
+    is ``no_lease``, as an upload's and a release's are."""
     require_aware("now", now)
     rnd = facts.round
     if rnd is None:
-        return Refusal(ErrorCode.NOT_FOUND, "the run has no such round")
+        return Refusal(
+            ErrorCode.ROUND_CLOSED,
+            f"the run has no such round; the current round is {facts.current_round}",
+            {"current_round": facts.current_round},
+        )
     if facts.run_status is not RunStatus.ACTIVE:
         return _not_active(facts.run_status)
     if rnd.state is not RoundState.OPEN:
         return round_closed(rnd.index, rnd.state, facts.current_round)
     if not facts.lease_held:
-        return Refusal(ErrorCode.NOT_FOUND, f"you hold no such lease on round {rnd.index}")
+        return Refusal(
+            ErrorCode.NO_LEASE, f"you hold no such lease on round {rnd.index}: join again"
+        )
     return HeartbeatGrant(expires_at=now + timedelta(seconds=ttl_s))
 
 

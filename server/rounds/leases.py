@@ -42,7 +42,7 @@ from server.checkpoints.service import version_keys
 from server.errors import (
     HubError,
     Internal,
-    LeaseNotFound,
+    NoLease,
     NotInvited,
     RunNotFound,
     Unauthorized,
@@ -379,4 +379,4 @@ async def release(
         .returning(LeaseRow.id)
     )
     if released is None:
-        raise LeaseNotFound(f"you hold no lease on round {index} of run {run_id}")
+        raise NoLease(f"you hold no lease on round {index} of run {run_id}")

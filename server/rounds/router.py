@@ -69,8 +69,8 @@ async def heartbeat(
     body: HeartbeatIn,
     request: Request,
 ) -> HeartbeatOut:
-    """Keep your lease live while you train (contributor token). 409 ``round_closed`` or
-    ``run_not_active``: stop training for this round."""
+    """Keep your lease live while you train (contributor token). 409 ``round_closed``,
+    ``no_lease`` or ``run_not_active``: stop training for this round."""
     return await leases.heartbeat(
         pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
@@ -92,7 +92,7 @@ async def release_lease(
     contributor: ContributorAuth,
 ) -> None:
     """Give up your lease on the round now (you are stopping), so that a round waiting only
-    for you can close. Idempotent; 404 no_lease if you never held one."""
+    for you can close. Idempotent; 409 ``no_lease`` if you never held one."""
     await runs_service.get(session=session, run_id=run_id)
     await leases.release(
         session=session,
