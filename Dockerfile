@@ -18,9 +18,10 @@ COPY server ./server
 COPY client ./client
 COPY migrations ./migrations
 COPY web ./web
-# the client wheel that GET /install.sh hands to volunteers: this very code and version
+# the client wheel that GET /install.sh hands to volunteers: this very code and version,
+# without the server (server.downloads.volunteer_project)
 RUN pip install ".[server]" \
-    && pip wheel --no-deps -w /opt/diloco/wheels . \
+    && python -m server.downloads.wheel . /opt/diloco/wheels \
     && useradd --create-home --uid 1000 diloco \
     && mkdir -p /data && chown diloco /data
 USER diloco

@@ -166,9 +166,7 @@ def register(
         if name and name != known:
             typer.echo(f"note: --name {name!r} is used only when registering; kept the old name")
     else:
-        from client.worker import default_name  # imports torch: only when registering
-
-        who = name or cfg.name or default_name()
+        who = name or cfg.name or identity.default_name()
         contributor_id, token = run_api(url, None, lambda api: api.register(who))
         try:
             path = credentials.save_credentials(url, Credentials(contributor_id, who, token))

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-from client import account_cli, export_cli, sample_cli, simulate_cli, volunteer_cli
+from client import (
+    account_cli,
+    export_cli,
+    sample_cli,
+    serve_cli,
+    simulate_cli,
+    volunteer_cli,
+)
 from client.account_cli import (
     Device,
     GpuMemoryOpt,
@@ -28,9 +35,6 @@ from client.account_cli import (
 from client.cli_support import ExitStatus, exit_status_for, fail
 from client.data_cli import data_app
 from client.run_cli import run_app
-
-if TYPE_CHECKING:  # imported where used: they load torch
-    pass
 
 app = typer.Typer(
     help="DiLoCo Hub: train language models with DiLoCo on volunteer compute.",
@@ -47,6 +51,31 @@ app.command()(volunteer_cli.me)
 app.command()(simulate_cli.simulate)
 app.command("plot")(simulate_cli.plot_cmd)
 app.command()(sample_cli.sample)
+app.command(hidden=not serve_cli.installed())(serve_cli.serve)
+
+
+def _package_version() -> str:
+    from importlib.metadata import version as pkg_version
+
+    return pkg_version("diloco-hub")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(_package_version())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 @app.command()
@@ -164,80 +193,6 @@ def join(
 
 
 @app.command()
-def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on.", envvar="DILOCO_HOST")] = (
-        "127.0.0.1"
-    ),
-    port: Annotated[int, typer.Option(help="Port to listen on.", envvar="DILOCO_PORT")] = 8000,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Checkpoints, uploads, embedded database (default: $XDG_DATA_HOME/diloco).",
-            envvar="DILOCO_DATA_DIR",
-        ),
-    ] = None,
-    database_url: Annotated[
-        str | None,
-        typer.Option(
-            help="Postgres URL (default: an embedded Postgres under the data dir).",
-            envvar="DILOCO_DATABASE_URL",
-            show_default=False,
-        ),
-    ] = None,
-    storage: Annotated[
-        str | None,
-        typer.Option(
-            help="Where checkpoints, uploads and shards live: file:///dir or "
-            "s3://bucket/prefix (credentials and endpoint from AWS_ACCESS_KEY_ID, "
-            "AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL; volunteers then transfer "
-            "straight to the bucket). Default: blobs/ under the data dir.",
-            envvar="DILOCO_STORAGE",
-            show_default=False,
-        ),
-    ] = None,
-    role: Annotated[
-        str,
-        typer.Option(
-            help="all: API, dashboard and round work; api: the API and dashboard only; "
-            "worker: decide and close rounds only (serves /healthz and /metrics). Several "
-            "processes may share one database.",
-            envvar="DILOCO_ROLE",
-        ),
-    ] = "all",
-) -> None:
-    """Run the server: REST API, dashboard and the background round work."""
-    from client.credentials import default_data_dir
-
-    try:
-        from server.main import serve as serve_app
-    except ModuleNotFoundError as err:
-        fail(
-            f"diloco serve needs the server extra ({err.name} is missing): "
-            "pip install 'diloco-hub[server]'",
-            ExitStatus.USAGE,
-        )
-    if role not in ("all", "api", "worker"):
-        fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
-    if storage:
-        from server.storage import parse_storage_url
-
-        try:
-            parse_storage_url(storage)
-        except ValueError as err:
-            fail(f"--storage: {err}", ExitStatus.USAGE)
-    status = serve_app(
-        host=host,
-        port=port,
-        data_dir=data_dir or default_data_dir(),
-        database_url=database_url,
-        role=role,
-        storage=storage,
-    )
-    if status:
-        raise typer.Exit(status)  # 128 + the signal that stopped it
-
-
-@app.command()
 def demo(
     config: Annotated[
         Path, typer.Option(help="Run config (TOML).", envvar="DILOCO_DEMO_CONFIG")
@@ -276,9 +231,7 @@ def demo(
 @app.command()
 def version() -> None:
     """Print the version."""
-    from importlib.metadata import version as pkg_version
-
-    typer.echo(pkg_version("diloco-hub"))
+    typer.echo(_package_version())
 
 
 def main() -> None:

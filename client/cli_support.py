@@ -9,6 +9,7 @@ could not be reached, or kept failing (connection errors, timeouts, 5xx), after 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import NoReturn, TypeVar
@@ -17,13 +18,8 @@ import typer
 
 from client.api import ApiError, DownloadError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.credentials import CredentialsError, ServerURLError
-from client.gpu import DoesNotFit, MemoryLimitError
 from client.lease import ProtocolError
-from client.training import DeviceError
-from diloco.checkpoint import CheckpointError
 from diloco.config import ConfigError
-from diloco.data import DataError
-from diloco.precision import PrecisionError
 
 T = TypeVar("T")
 
@@ -45,23 +41,39 @@ def fail(message: str, status: ExitStatus) -> NoReturn:
     raise typer.Exit(int(status))
 
 
+# Errors of modules that load torch, by module and class name: importing them here would make
+# every command pay for torch. An error of a module that was never imported cannot have been
+# raised, so only the loaded ones are looked up (``sys.modules``).
+_TORCH_BOUND_ERRORS: dict[ExitStatus, tuple[tuple[str, str], ...]] = {
+    ExitStatus.DATA: (("diloco.data", "DataError"), ("diloco.checkpoint", "CheckpointError")),
+    ExitStatus.USAGE: (
+        ("client.training", "DeviceError"),
+        ("diloco.precision", "PrecisionError"),
+        ("client.gpu", "DoesNotFit"),
+        ("client.gpu", "MemoryLimitError"),
+    ),
+}
+
+
+def _loaded_errors(status: ExitStatus) -> tuple[type[BaseException], ...]:
+    found = []
+    for module, name in _TORCH_BOUND_ERRORS[status]:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            found.append(cls)
+    return tuple(found)
+
+
 def exit_status_for(err: BaseException) -> ExitStatus | None:
     """The exit status for an error the CLI knows how to explain; None for a bug."""
     if isinstance(err, ApiError):
         return ExitStatus.UNREACHABLE if err.status >= 500 else ExitStatus.REFUSED
     if isinstance(err, ServerUnreachable):
         return ExitStatus.UNREACHABLE
-    if isinstance(err, DataError | CheckpointError | DownloadError):
+    if isinstance(err, (DownloadError, *_loaded_errors(ExitStatus.DATA))):
         return ExitStatus.DATA
     if isinstance(
-        err,
-        ConfigError
-        | CredentialsError
-        | ServerURLError
-        | DeviceError
-        | PrecisionError
-        | DoesNotFit
-        | MemoryLimitError,
+        err, (ConfigError, CredentialsError, ServerURLError, *_loaded_errors(ExitStatus.USAGE))
     ):
         return ExitStatus.USAGE
     if isinstance(err, ProtocolError):

@@ -16,23 +16,17 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from client.api import ApiError, ServerAPI, ServerUnreachable
-from client.dry_run import dry_run
-from client.gpu import (
-    DoesNotFit,
-    MemoryLimitError,
-    limit_memory,
-)
-from client.hardware import client_version, describe
 from client.http import RetryPolicy
 from client.measured_speed import MeasuredSpeed, save_speed
-from client.training import DeviceError, resolve_device
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.precision import Precision, PrecisionError, choose_precision
+
+if TYPE_CHECKING:  # the checks import torch when they run: `diloco doctor --help` does not
+    import torch
+
+    from diloco.precision import Precision
 
 Status = Literal["ok", "warn", "fail", "skip"]
 DOCTOR_RETRY = RetryPolicy(attempts=2, base_delay_s=0.5, max_delay_s=1.0, total_s=10.0)
@@ -153,6 +147,11 @@ class _Doctor:
         self.checks.append(Check(name, "skip", why))
 
     def check_device(self) -> None:
+        from client.gpu import MemoryLimitError, limit_memory
+        from client.hardware import describe
+        from client.training import DeviceError, resolve_device
+        from diloco.precision import PrecisionError, choose_precision
+
         try:
             self.device = resolve_device(self.device_name)
         except DeviceError as err:
@@ -175,6 +174,8 @@ class _Doctor:
         self.add("device", verdict, f"{hw.summary()}; trains in {self.precision}{scaled}")
 
     async def check_server(self) -> None:
+        from client.hardware import client_version
+
         started = time.perf_counter()
         try:
             health = await self.api.healthz()
@@ -227,6 +228,9 @@ class _Doctor:
         )
 
     async def check_dry_run(self) -> None:
+        from client.dry_run import dry_run
+        from client.gpu import DoesNotFit
+
         if self.cfg is None or self.device is None or self.precision is None:
             return self.skip("dry run", "needs a device and a run")
         cfg, device = self.cfg, self.device

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from client import credentials
 from client.api import ApiError, ServerAPI
 from client.credentials import Credentials
-from client.hardware import describe
-from client.progress import Reporter
+
+if TYPE_CHECKING:  # they load torch: `diloco register` and `diloco me` need none of it
+    import torch
+
+    from client.progress import Reporter
 
 
 def default_name() -> str:
@@ -65,6 +67,8 @@ async def sign_in(
 
 async def report_hardware(api: ServerAPI, device: torch.device, *, say: Reporter) -> None:
     """Put this machine's summary on our profile; a server without profiles is fine."""
+    from client.hardware import describe
+
     hardware = describe(device)
     say.info(f"hardware: {hardware.summary()}")
     try:

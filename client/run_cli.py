@@ -18,9 +18,7 @@ from rich.table import Table
 
 from client.api import ServerAPI
 from client.cli_support import ExitStatus, fail, run_api
-from client.dataset_upload import upload_dataset
 from diloco.config import ConfigError, RunConfig, load_config
-from diloco.manifest import ManifestError, read_manifest
 
 run_app = typer.Typer(
     help="Create and manage training runs on a server (writes need the admin token).",
@@ -110,6 +108,9 @@ def create(
 ) -> None:
     """Create a run from a TOML config; the data file or prepared dataset it names is
     uploaded with it (a dataset: only the files the server lacks, resumable)."""
+    from client.dataset_upload import upload_dataset  # numpy: only where a run is created
+    from diloco.manifest import ManifestError, read_manifest
+
     try:
         cfg = load_config(config)  # fail fast, naming the key, before anything is sent
     except ConfigError as err:
@@ -156,6 +157,7 @@ def _starting_weights(cfg: RunConfig, dataset: Path | None, scratch: Path) -> Pa
     from safetensors.torch import save_file
 
     from diloco.hf import HFError, load_initial
+    from diloco.manifest import read_manifest
 
     assert cfg.model.init is not None
     section = cfg.model

@@ -17,7 +17,6 @@ import typer
 
 from client.cli_support import ExitStatus, fail
 from diloco.config import ConfigError, RunConfig, load_config, parse_config
-from diloco.data import DataError
 
 if TYPE_CHECKING:  # imported where used: they load torch
     from diloco.simulate_protocol import Outage, ProtocolRound
@@ -256,6 +255,7 @@ def simulate(
     simulated clock) in one process and report eval loss and bytes."""
     import torch
 
+    from diloco.data import DataError
     from diloco.simulate import Downloads, Mode, RoundRecord, SimOptions, save_result
     from diloco.simulate import simulate as run_simulation
     from diloco.simulate_hub import HubSettings

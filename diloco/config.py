@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
-from diloco.model import GPTConfig
+if TYPE_CHECKING:  # the model loads torch; the config is read where torch is not wanted
+    from diloco.model import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,8 @@ class ModelSection(_Section):
         return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     def gpt_config(self) -> GPTConfig:
+        from diloco.model import GPTConfig
+
         return GPTConfig(
             n_layer=self.n_layer,
             n_head=self.n_head,

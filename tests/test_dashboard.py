@@ -95,6 +95,7 @@ def test_every_package_is_listed_and_the_wheel_carries_the_dashboard(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in (REPO / "web").iterdir():
         assert f"server/web/static/{f.name}" in names, f.name
+    assert "server/downloads/install.sh.in" in names  # package data of the server
 
     # installed, the router finds them there (no checkout next to it)
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")

@@ -310,15 +310,24 @@ def test_downloads_lists_the_wheel_with_the_sha256_of_its_bytes(hub, http):
     assert checksum.text == f"{entry['sha256']}  {entry['filename']}\n"
 
 
-def test_the_wheel_holds_the_client_the_algorithm_and_the_entry_point(http):
+def test_the_wheel_holds_the_client_the_algorithm_and_the_entry_point_and_no_server(http):
     _, body = served_wheel(http)
 
     with zipfile.ZipFile(io.BytesIO(body)) as z:
         names = set(z.namelist())
         [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = z.read(entry_points).decode()
+        [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        extras = {
+            line.split(":", 1)[1].strip()
+            for line in z.read(metadata).decode().splitlines()
+            if line.startswith("Provides-Extra:")
+        }
     assert {"client/cli.py", "client/worker.py", "diloco/model.py"} <= names
-    assert "server/downloads/install.sh.in" in names
+    assert {"diloco/protocol/rules.py", "client/serve_cli.py"} <= names
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"client", "diloco"}, tops  # no server/, migrations/ nor dashboard
+    assert "server" not in extras and "dev" not in extras
     assert "diloco = client.cli:main" in scripts
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
 
@@ -555,6 +564,6 @@ def test_a_slow_build_is_waited_for_then_reported_as_still_building(tmp_path, mo
 def test_the_docker_image_builds_the_wheel_it_serves():
     text = (REPO / "Dockerfile").read_text()
 
-    built = re.search(r"pip wheel --no-deps -w (\S+) \.", text)
+    built = re.search(r"python -m server\.downloads\.wheel \. (\S+)", text)
     served = re.search(r"DILOCO_CLIENT_WHEEL=(\S+)", text)
     assert built and served and built.group(1) == served.group(1)

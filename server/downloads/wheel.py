@@ -1,12 +1,13 @@
-"""The client wheel the server hands to volunteers: the server's own code and version.
+"""The client wheel the server hands to volunteers: the server's own code and version, less
+the server (``server.downloads.volunteer_project``: the client and the algorithm only).
 
 Where it comes from, the first that applies:
 
 1. ``DILOCO_CLIENT_WHEEL``: a prebuilt ``diloco_hub-<version>-*.whl``, or a directory
    holding one (the Docker image builds one). Another version than the server's is refused.
 2. The source tree the server runs from (a checkout: a ``pyproject.toml`` of diloco-hub
-   next to the ``server`` package). Its files are copied to a temp dir (the tree is never
-   written to), hashed, and built with ``pip wheel --no-deps --no-build-isolation``; the
+   next to the ``server`` package). The volunteer's files are copied to a temp dir (the tree
+   is never written to), hashed, and built with ``pip wheel --no-deps --no-build-isolation``; the
    wheel is kept under ``<data_dir>/downloads/<sha256 of the sources>/`` so a restart with
    unchanged sources serves it at once.
 3. Neither: unavailable, and the answer says what the operator can set.
@@ -36,14 +37,13 @@ from pathlib import Path
 
 from diloco.atomic import atomic_write, fsync_dir
 from diloco.protocol.messages import ErrorCode
+from server.downloads import volunteer_project
 from server.errors import HubError
 
 log = logging.getLogger("diloco.server.downloads")
 
-BUILD_RECIPE = b"pip-wheel-v1"  # part of the cache key: change it when the build changes
-TOP_FILES = ("pyproject.toml", "README.md")
-PACKAGE_DIRS = ("diloco", "server", "client", "migrations", "web")
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.py[co]", "*.egg-info", ".*")
+# part of the cache key: change it when the build changes (v2: the volunteer's packages only)
+BUILD_RECIPE = b"pip-wheel-v2"
 BUILD_TIMEOUT_S = 300.0
 RETRY_FAILED_AFTER_S = 60.0  # a failed build is tried again by a request after this long
 KEEP_CACHED = 3  # source hashes whose wheels are kept under <data_dir>/downloads/
@@ -179,7 +179,8 @@ class ClientWheel:
             raise _BuildError(
                 "this server runs from an installed package, not a source checkout, so it "
                 "cannot build the client wheel; the operator should set DILOCO_CLIENT_WHEEL to "
-                f"a diloco_hub-{self.version}-py3-none-any.whl (pip wheel --no-deps .)"
+                f"a diloco_hub-{self.version}-py3-none-any.whl (python -m server.downloads.wheel "
+                "CHECKOUT DIR builds one)"
             )
         return self._build(self.source_root)
 
@@ -189,7 +190,8 @@ class ClientWheel:
             if not found:
                 raise _BuildError(
                     f"DILOCO_CLIENT_WHEEL={path} holds no diloco_hub-{self.version}-*.whl; the "
-                    "operator should build one there (pip wheel --no-deps -w DIR .)"
+                    "operator should build one there (python -m server.downloads.wheel "
+                    "CHECKOUT DIR)"
                 )
             path = found[0]
         name = path.name
@@ -209,11 +211,7 @@ class ClientWheel:
         with tempfile.TemporaryDirectory(prefix="diloco-wheel-") as tmp:
             src, out = Path(tmp) / "src", Path(tmp) / "out"
             src.mkdir()
-            for name in TOP_FILES:
-                shutil.copy2(root / name, src / name)
-            for name in PACKAGE_DIRS:
-                if (root / name).is_dir():
-                    shutil.copytree(root / name, src / name, ignore=_IGNORE)
+            volunteer_project.stage(root, src)
             digest = tree_sha256(src)
             cache = self.cache_root / digest
             cached = sorted(cache.glob("diloco_hub-*.whl")) if cache.is_dir() else []
@@ -243,7 +241,8 @@ class ClientWheel:
         except subprocess.TimeoutExpired:
             raise _BuildError(
                 f"building the client wheel took more than {BUILD_TIMEOUT_S:.0f} s and was "
-                "stopped; the operator should build one (pip wheel --no-deps .) and set "
+                "stopped; the operator should build one (python -m server.downloads.wheel "
+                "CHECKOUT DIR) and set "
                 "DILOCO_CLIENT_WHEEL"
             ) from None
         output = (proc.stdout + proc.stderr).strip()
@@ -295,3 +294,30 @@ class ClientWheel:
         for old in dirs[KEEP_CACHED:]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m server.downloads.wheel CHECKOUT OUT_DIR``: build the volunteer wheel that
+    ``DILOCO_CLIENT_WHEEL`` can name (the Docker image does this once)."""
+    if len(argv) != 2:
+        print("usage: python -m server.downloads.wheel CHECKOUT OUT_DIR", file=sys.stderr)
+        return 2
+    root, out = Path(argv[0]).resolve(), Path(argv[1])
+    version = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    with tempfile.TemporaryDirectory(prefix="diloco-wheel-") as tmp:
+        source = ClientWheel(
+            data_dir=Path(tmp), version=version["version"], prebuilt=None, source_root=root
+        )
+        try:
+            built = source._build(root)
+        except _BuildError as err:
+            print(err, file=sys.stderr)
+            return 1
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built.path, out / built.filename)
+    print(out / built.filename)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
