@@ -120,7 +120,7 @@ def test_result_reports_rounds_tokens_and_bytes(corpus):
     assert all(r.accepted == 2 for r in diloco.rounds)
 
 
-def test_dropped_contributions_do_not_reach_the_outer_step(corpus):
+def test_dropped_contributions_are_not_counted_and_a_round_with_none_takes_no_step(corpus):
     cfg = tiny_config(corpus, rounds={"max_rounds": 8})
 
     result = simulate(cfg, SimOptions(workers=3, mode="diloco", drop_prob=0.5, seed=1))
