@@ -31,9 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from diloco.attacks import ATTACKS  # noqa: E402
+from tests.support.corpora import TINYSHAKESPEARE  # noqa: E402
 
-SHARED = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-EXCERPT = REPO / "examples" / "data" / "shakespeare-excerpt.txt"
 METHODS = ("mean", "clipped_mean", "centered_clip")
 DEFAULT_METHOD = "clipped_mean"
 WORKERS = 5
@@ -94,7 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--eval-windows", type=int, default=128)
-    ap.add_argument("--data", type=Path, default=SHARED if SHARED.exists() else EXCERPT)
+    ap.add_argument("--data", type=Path, default=TINYSHAKESPEARE)
     ap.add_argument("--quick", action="store_true", help="one attack, one round, two methods")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

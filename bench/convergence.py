@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import replace_section
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+sys.path.insert(0, str(REPO))
+from tests.support.corpora import TINYSHAKESPEARE as DEFAULT_DATA  # noqa: E402
 
 
 @dataclass(frozen=True)

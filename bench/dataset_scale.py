@@ -1,6 +1,6 @@
 """A dataset of a few GB through the whole path, never held in memory (issue 14, item 3).
 
-1. Generates ``--gb`` of jsonl text on disk, streamed (lines of the shared corpus with
+1. Generates ``--gb`` of jsonl text on disk, streamed (lines of tinyshakespeare with
    random words swapped in, so no two documents repeat).
 2. ``diloco data prepare`` in a subprocess, with a BPE tokenizer trained on the corpus's
    first megabytes (training on all of it would measure the trainer, not the pipeline).
@@ -34,9 +34,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tests.support.corpora import TINYSHAKESPEARE as CORPUS  # noqa: E402
 from tests.support.live import ADMIN_TOKEN, ServerProcess  # noqa: E402
 
-CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 GIB = 1 << 30
 
 

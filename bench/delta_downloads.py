@@ -5,6 +5,7 @@ start from the exact outer parameters x, the fp32 checkpoint) and ``downloads="d
 (workers start from θ, which the int8 deltas with error feedback define). Prints each
 seed's final eval loss (of θ; x's for information), the difference beside the limit
 (+0.2%), and the bytes a returning worker downloads per round, delta beside checkpoint.
+Exits 1 when the mean difference is over the limit.
 
     python bench/delta_downloads.py             # 2 seeds, ~6 min on one CPU thread (4 runs)
     python bench/delta_downloads.py --quick     # a smoke run (~20 s)
@@ -21,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+from tests.support.corpora import TINYSHAKESPEARE  # noqa: E402
+
 LIMIT = 0.002  # delta's final eval loss at most +0.2% above full's
 
 
@@ -55,7 +57,7 @@ def config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--data", type=Path, default=TINYSHAKESPEARE)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("-H", type=int, default=10, help="inner steps per round")
@@ -145,6 +147,8 @@ def main() -> None:
         f"{min(moves, default=0):.2f} to {max(moves, default=0):.2f}"
     )
     print(f"{rows[0][1].n_params:,} parameters")
+    if mean > LIMIT:
+        sys.exit(f"delta downloads cost {mean:+.3%} of final eval loss: over the +{LIMIT:.1%}")
 
 
 if __name__ == "__main__":

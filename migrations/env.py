@@ -1,9 +1,12 @@
 """Alembic environment: runs migrations over the async engine, under an advisory lock so
-that two servers starting at once on one database do not migrate it twice."""
+that two servers starting at once on one database do not migrate it twice. The database is
+``sqlalchemy.url`` (``server.migrate`` sets it), else ``DILOCO_DATABASE_URL``: so
+``alembic upgrade head`` from the repository root works as the server's own start does."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 from alembic import context
 from sqlalchemy import text
@@ -39,10 +42,18 @@ async def _run_async(url: str) -> None:
         await engine.dispose()
 
 
+def database_url_from_environment() -> str:
+    """``DILOCO_DATABASE_URL`` in the driver form the server uses (postgresql:// accepted)."""
+    from server.settings import Settings
+
+    url = os.environ.get("DILOCO_DATABASE_URL", "")
+    return Settings(database_url=url).database_url if url else ""
+
+
 def run_migrations_online() -> None:
-    url = config.get_main_option("sqlalchemy.url")
+    url = config.get_main_option("sqlalchemy.url") or database_url_from_environment()
     if not url:
-        raise RuntimeError("sqlalchemy.url is not set: pass the database URL to the migration")
+        raise RuntimeError("no database: set DILOCO_DATABASE_URL (or sqlalchemy.url)")
     asyncio.run(_run_async(url))
 
 

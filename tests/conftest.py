@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -51,19 +50,6 @@ def tiny_config(data_path: Path, **sections: dict) -> RunConfig:
 
 
 # ---------------------------------------------------------------- real servers and databases
-
-
-def _shared_data() -> Path:
-    """../shared/data next to the checkout; a fresh clone elsewhere finds the workspace's."""
-    candidates = [
-        Path(os.environ.get("DILOCO_SHARED_DATA", "/nonexistent")),
-        Path(__file__).resolve().parents[2] / "shared" / "data",
-        Path("/work/shared/data"),
-    ]
-    return next((c for c in candidates if c.is_dir()), candidates[1])
-
-
-SHARED_DATA = _shared_data()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from diloco.dataset import PrepareError, PrepareOptions, open_tokens, prepare, v
 from diloco.dataset_inputs import InputError
 from diloco.manifest import ManifestError, dataset_id, parse_manifest, read_manifest
 from diloco.tokenizer import TokenizerError, byte_tokenizer, load_file, train_bpe
-from tests.conftest import SHARED_DATA
+from tests.support.corpora import TINYSHAKESPEARE
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["First document: ROMEO and JULIET.\n", "Deuxième — ünïcödé ✓ 日本語", "", "third\n\n"]
@@ -125,9 +125,7 @@ def test_verify_names_a_changed_file(tmp_path):
 
 
 def test_a_bpe_trained_here_compresses_shakespeare_and_its_file_loads_again(tmp_path):
-    corpus = SHARED_DATA / "tinyshakespeare.txt"
-    if not corpus.exists():
-        pytest.skip(f"{corpus} is not there")
+    corpus = TINYSHAKESPEARE
     out = tmp_path / "ds"
 
     m = prepare([corpus], out, PrepareOptions(tokenizer="train:512")).manifest

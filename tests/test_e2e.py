@@ -1,11 +1,10 @@
 """End to end with real processes: `diloco serve`, `diloco run create`, `diloco join` x 3,
-on tinyshakespeare from ../shared/data, with a tiny model and a pinned seed; and a
+on tinyshakespeare (examples/data), with a tiny model and a pinned seed; and a
 volunteer that dies (SIGKILL, by the fault injector) right before its second upload,
 holding a live lease, so that its round must close at the deadline."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,16 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SHARED_DATA
 from tests.support.contribute import API
+from tests.support.corpora import TINYSHAKESPEARE
 from tests.support.live import ADMIN_TOKEN, Proc, ServerProcess, wait_for
-
-TINYSHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
-# CI must run these: there a missing corpus is a failure, not a skip
-pytestmark = pytest.mark.skipif(
-    not TINYSHAKESPEARE.exists() and not os.environ.get("CI"),
-    reason=f"{TINYSHAKESPEARE} is not there (set DILOCO_SHARED_DATA)",
-)
 
 
 def write_config(path: Path, *, steps: int, quorum: int, target: int, timeout_s: float,

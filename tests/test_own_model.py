@@ -9,7 +9,6 @@ model's, and `diloco sample` generates text from it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,16 +24,11 @@ from diloco.checkpoint import checkpoint_params_only
 from diloco.config import load_config
 from diloco.manifest import read_manifest
 from diloco.train import load_parameters
-from tests.conftest import SHARED_DATA
 from tests.support.contribute import API
+from tests.support.corpora import TINYSHAKESPEARE
 from tests.support.live import ADMIN_TOKEN, ServerProcess, wait_for
 from tests.test_e2e import Volunteers, create_run
 
-TINYSHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
-pytestmark = pytest.mark.skipif(
-    not TINYSHAKESPEARE.exists() and not os.environ.get("CI"),
-    reason=f"{TINYSHAKESPEARE} is not there (set DILOCO_SHARED_DATA)",
-)
 ROUNDS = 4
 BLOCK = 64
 

@@ -1,6 +1,7 @@
 """The simulator: determinism, and DiLoCo reducing to plain AdamW in its degenerate case."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,13 +31,21 @@ def test_same_seed_gives_identical_results(corpus):
         assert torch.equal(tensor, second.final_params[name])
 
 
-def test_another_seed_gives_other_results(corpus):
+def test_another_seed_gives_another_initial_model_and_other_batches(corpus):
     cfg = tiny_config(corpus)
+    opts = SimOptions(workers=2, seed=1)
 
-    a = simulate(cfg, SimOptions(workers=2, seed=1))
-    b = simulate(cfg, SimOptions(workers=2, seed=2))
+    a, again, b = simulate(cfg, opts), simulate(cfg, opts), simulate(cfg, replace(opts, seed=2))
 
-    assert a.final_eval_loss != b.final_eval_loss
+    # the same seed repeats bit for bit, so what differs below is the seed's doing
+    assert as_json_without_timing(a) == as_json_without_timing(again)
+    assert a.seed == 1 and b.seed == 2
+    assert a.initial_eval_loss != b.initial_eval_loss  # the initial model
+    assert all(ra.train_loss != rb.train_loss for ra, rb in zip(a.rounds, b.rounds, strict=True))
+    assert all(not torch.equal(t, b.final_params[name]) for name, t in a.final_params.items())
+    # the batches too: each worker's stream is drawn from the seed
+    first = [torch.randint(1 << 30, (8,), generator=stream_generator(s, 0)) for s in (1, 2)]
+    assert not torch.equal(*first)
 
 
 def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_for_step(corpus):
@@ -111,7 +120,7 @@ def test_result_reports_rounds_tokens_and_bytes(corpus):
     assert all(r.accepted == 2 for r in diloco.rounds)
 
 
-def test_dropped_contributions_do_not_reach_the_outer_step(corpus):
+def test_dropped_contributions_are_not_counted_and_a_round_with_none_takes_no_step(corpus):
     cfg = tiny_config(corpus, rounds={"max_rounds": 8})
 
     result = simulate(cfg, SimOptions(workers=3, mode="diloco", drop_prob=0.5, seed=1))
@@ -119,3 +128,60 @@ def test_dropped_contributions_do_not_reach_the_outer_step(corpus):
     accepted = [r.accepted for r in result.rounds]
     assert min(accepted) < 3 and sum(accepted) < 24
     assert all((r.update_norm is None) == (r.accepted == 0) for r in result.rounds)
+
+
+def trained_by_hand(cfg, *, seed: int, worker: int, workers: int) -> dict[str, torch.Tensor]:
+    """One worker's model after the first round's single AdamW step, as the simulator
+    trains it: the seed's initial model, shard ``worker`` of ``workers``, its own stream."""
+    torch.manual_seed(seed)
+    model = GPT(cfg.model.gpt_config())
+    data = split_tokens(
+        load_tokens(cfg.data.path),
+        val_fraction=cfg.data.val_fraction,
+        n_shards=workers,
+        block_size=cfg.model.block_size,
+        chunk_size=cfg.data.chunk_size,
+    )
+    opt = make_adamw(model, cfg.inner)
+    for group in opt.param_groups:
+        group["lr"] = cfg.inner.lr / cfg.inner.warmup_steps  # the warmup's first step
+    x, y = random_batch(
+        data.shards[worker],
+        batch_size=cfg.inner.batch_size,
+        block_size=cfg.model.block_size,
+        generator=stream_generator(seed, worker),
+    )
+    model(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+    opt.step()
+    return snapshot(model)
+
+
+def test_a_dropped_contribution_is_missing_from_the_outer_step_and_the_others_are_in_it(corpus):
+    # K=2, H=1, one round, the plain mean, outer lr 1 without momentum, fp32: the step lands
+    # on the mean of the trained models that reached it
+    cfg = tiny_config(
+        corpus,
+        inner={"steps": 1, "warmup_steps": 2},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        rounds={"max_rounds": 1},
+        compression={"kind": "none"},
+    )
+    plain_mean = cfg.aggregation.model_copy(update={"method": "mean"})
+    cfg = cfg.model_copy(update={"aggregation": plain_mean})
+    seed = 4  # its drop stream loses exactly one of the two uploads in round 1 at p = 0.5
+    worker = [trained_by_hand(cfg, seed=seed, worker=i, workers=2) for i in (0, 1)]
+
+    both = simulate(cfg, SimOptions(workers=2, seed=seed))
+    one = simulate(cfg, SimOptions(workers=2, seed=seed, drop_prob=0.5))
+
+    assert [r.accepted for r in both.rounds] == [2] and [r.accepted for r in one.rounds] == [1]
+    mean = {name: (worker[0][name] + worker[1][name]) / 2 for name in worker[0]}
+    assert_close(both.final_params, mean)
+    landed_on = [i for i in (0, 1) if close_to(one.final_params, worker[i])]
+    assert len(landed_on) == 1  # the one that arrived, and nothing of the dropped one
+    assert not close_to(one.final_params, mean)
+
+
+def close_to(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6) for name in b)

@@ -1,12 +1,20 @@
-"""Rounds: opening rounds, deadlines, what the protocol's rules see, round views.
-Leases (join, heartbeat, release) are in ``server.rounds.leases``, uploads in
-``server.rounds.ingest``, closes in ``server.rounds.closing``.
+"""Rounds: opening a round, restarting its deadline, what the protocol's rules see, and
+the round views. Leases (join, heartbeat, release) are in ``server.rounds.leases``, uploads
+in ``server.rounds.ingest``, closes in ``server.rounds.closing``.
 
-The rules are ``diloco.protocol.rules``; the transitions they decide are persisted here
-and in ``server.rounds.closing``: open -> closing (the sweeper's guarded UPDATE),
-closing -> closed (one short transaction that also publishes the checkpoint and opens the
-next round), closing -> open (too many contributions unreadable), open -> open with a
-later deadline (extension below quorum, or a resumed run).
+The rules are ``diloco.protocol.rules``; the round states they decide are written in four
+modules:
+
+- a round is inserted ``open`` here (``open_round``: at run creation, and by the close that
+  opens the next round);
+- open -> open with a later deadline: here when a paused run resumes
+  (``restart_deadline``), in ``server.rounds.sweeper`` when a round below quorum is
+  extended;
+- open -> closing: ``server.rounds.closing.mark_closing`` (the sweeper's guarded UPDATE);
+  the close's claim on a closing round is ``server.rounds.claims``;
+- closing -> closed (one short transaction that also publishes the checkpoint and opens the
+  next round) and closing -> open (too few readable contributions left) in
+  ``server.rounds.closing``.
 """
 
 from __future__ import annotations
