@@ -54,6 +54,7 @@ from diloco.train import (
     InnerTrainer,
     evaluate,
     load_parameters,
+    load_parameters_file,
     snapshot,
 )
 from diloco.wire import ContributionMeta, encode_contribution
@@ -206,21 +207,22 @@ class Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
-    def evaluator(self, scratch: LanguageModel) -> Callable[[Mapping[str, torch.Tensor]], float]:
-        """Eval loss of a parameter set (the guard's judge), in ``scratch`` on the same
-        validation windows as the round records."""
+    def evaluator(self, scratch: LanguageModel) -> Callable[[Path], float]:
+        """The close's judge: a parameters file's loss, in ``scratch``, on the judging
+        sample (the first ``[aggregation] judge_windows`` validation windows, as the
+        server judges on its run's)."""
 
-        def evaluate_params(params: Mapping[str, torch.Tensor]) -> float:
-            load_parameters(scratch, params)
+        def judge(params_path: Path) -> float:
+            load_parameters_file(scratch, params_path)
             return evaluate(
                 scratch,
                 self.data.val,
                 block_size=self.cfg.model.block_size,
-                max_windows=self.opts.eval_windows,
+                max_windows=self.cfg.aggregation.judge_windows,
                 device=self.device,
             )
 
-        return evaluate_params
+        return judge
 
     def close_round(
         self, model: LanguageModel, record_type: type[RoundRecord] = RoundRecord, **fields: Any

@@ -26,8 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.tensorfile import TensorFileReader
-from diloco.train import evaluate, parameters_of
+from diloco.train import evaluate, load_parameters_file
 from server.checkpoints.models import Checkpoint
 from server.metrics import EVAL_SECONDS
 from server.rounds import service as rounds_service
@@ -52,9 +51,7 @@ def evaluate_file(
         model = build_model(cfg.model)
     model.to_empty(device="cpu")
     model.tie_weights()
-    with TensorFileReader(params_path) as f:
-        for name, p in parameters_of(model).items():
-            f.read_into(name, 0, p.data.view(-1))
+    load_parameters_file(model, params_path)
     val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
     return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)
 
