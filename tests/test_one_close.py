@@ -74,7 +74,9 @@ def read(path: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_files(server: list[Path], simulator: VersionPaths) -> None:
-    for mine, theirs in zip(server, (simulator.params, simulator.state, simulator.delta)):
+    for mine, theirs in zip(
+        server, (simulator.params, simulator.state, simulator.delta), strict=True
+    ):
         a, b = read(mine), read(theirs)
         assert a.keys() == b.keys() and a, mine
         for name in a:
