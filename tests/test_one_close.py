@@ -15,7 +15,7 @@ from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
 from diloco.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.codec import Int8Codec, make_codec
 from diloco.config import RunConfig, parse_config
-from diloco.delta import DATA, SCALES, publish_change
+from diloco.delta import DATA, SCALES
 from diloco.faults import FaultInjector
 from diloco.robust import Source, robust_aggregate
 from diloco.simulate_server import SIM_RUN_ID, RoundDesk, open_round
@@ -29,6 +29,7 @@ from server.rounds.outer_step import StepInputs, Stored, apply_outer_step
 from server.runs.data import val_key
 from server.storage import LocalStorage
 from tests.conftest import server_run_config
+from tests.support.contribute import outer_reference
 
 RUN = SIM_RUN_ID  # the simulator's uploads name this run in their headers
 
@@ -150,42 +151,19 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
 # ---------------------------------------------------------------- the reference
 
 
-def sgd_reference(
-    base: dict[str, torch.Tensor],
-    aggregates: list[dict[str, torch.Tensor]],
-    lrs: list[float],
-    *,
-    momentum: float,
-    codec: Int8Codec,
-) -> tuple[dict, dict, dict, dict]:
-    """The outer step as its definition says: ``torch.optim.SGD(nesterov=True)`` with each
-    round's aggregate as the gradient, published through the int8 delta with error
-    feedback. The optimizer steps the residual r (so that r − lr·u is the value to
-    publish), θ moves by the decoded delta, r keeps what it left out. Also x, the same
-    SGD on the parameters with no quantisation at all: θ + r must track it."""
-    theta = {n: t.clone().reshape(-1) for n, t in base.items()}
-    residual = {n: torch.zeros_like(t, requires_grad=True) for n, t in theta.items()}
-    x = {n: t.clone().requires_grad_(True) for n, t in theta.items()}
-    published = torch.optim.SGD(
-        list(residual.values()), lr=lrs[0], momentum=momentum, nesterov=True, foreach=False
-    )
-    exact = torch.optim.SGD(list(x.values()), lr=lrs[0], momentum=momentum, nesterov=True)
+def exact_sgd(
+    base: dict[str, torch.Tensor], aggregates: list[dict], lrs: list[float], momentum: float
+) -> dict[str, torch.Tensor]:
+    """x: ``torch.optim.SGD(nesterov=True)`` on the parameters with each round's aggregate
+    as the gradient, nothing quantised (the spec's definition of the outer step)."""
+    x = {n: t.clone().requires_grad_(True) for n, t in base.items()}
+    sgd = torch.optim.SGD(list(x.values()), lr=lrs[0], momentum=momentum, nesterov=True)
     for g, lr in zip(aggregates, lrs, strict=True):
-        for opt in (published, exact):
-            opt.param_groups[0]["lr"] = lr
-        for n in theta:
-            residual[n].grad = g[n].reshape(-1).clone()
-            x[n].grad = g[n].reshape(-1).clone()
-        published.step()
-        exact.step()
-        with torch.no_grad():
-            for n, r in residual.items():  # r now holds d = r − lr·u: publish it
-                _, change = publish_change(r.detach().clone(), codec)
-                theta[n].add_(change)
-                r.sub_(change)
-    momentum_of = {n: published.state[r]["momentum_buffer"] for n, r in residual.items()}
-    r_out = {n: r.detach() for n, r in residual.items()}
-    return theta, momentum_of, r_out, {n: t.detach() for n, t in x.items()}
+        sgd.param_groups[0]["lr"] = lr
+        for n, p in x.items():
+            p.grad = g[n].clone()
+        sgd.step()
+    return {n: p.detach() for n, p in x.items()}
 
 
 def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(tmp_path):
@@ -226,16 +204,22 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
         versions.published(index, closed.judge_loss)
         history = [*history, *(u.norm for u in uploads)]
 
-    # Assert: bit for bit the SGD reference: θ, momentum, residual; θ + r tracks exact SGD
-    theta, momentum, residual, x = sgd_reference(
-        params, aggregates, lrs, momentum=cfg.outer.momentum, codec=Int8Codec(256)
-    )
+    # Assert: bit for bit the tests' reference (torch.optim.SGD stepping the residual, the
+    # int8 delta publishing it), round after round; and θ + r is plain SGD's x
+    want = None
+    theta = params
+    hyper = (0.0, cfg.outer.momentum, cfg.outer.nesterov)
+    for g, lr in zip(aggregates, lrs, strict=True):
+        want = outer_reference(theta, g, hyper=(lr, *hyper[1:]), codec=Int8Codec(256), state=want)
+        theta = want.params
+    assert want is not None
+    x = exact_sgd(params, aggregates, lrs, cfg.outer.momentum)
     state = read(versions.latest.state)
     for n, t in read(versions.latest.params).items():
-        assert torch.equal(t.reshape(-1), theta[n]), n
-        assert torch.equal(state[MOMENTUM_PREFIX + n].reshape(-1), momentum[n]), n
-        assert torch.equal(state[RESIDUAL_PREFIX + n].reshape(-1), residual[n]), n
-        torch.testing.assert_close(theta[n] + residual[n], x[n], rtol=0, atol=1e-6)
+        assert torch.equal(t, want.params[n]), n
+        assert torch.equal(state[MOMENTUM_PREFIX + n], want.momentum[n]), n
+        assert torch.equal(state[RESIDUAL_PREFIX + n], want.residual[n]), n
+        torch.testing.assert_close(t + want.residual[n], x[n], rtol=0, atol=1e-6)
     delta = read(versions.latest.delta)
     assert {DATA + n for n in params} | {SCALES + n for n in params} == delta.keys()
     assert json.loads(TensorFileReader(versions.latest.params).metadata["param_names"]) == list(
