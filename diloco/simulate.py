@@ -1,9 +1,9 @@
 """``diloco simulate``: DiLoCo, data-parallel and single-worker training in one process.
 
 The DiLoCo mode runs the very code the platform runs: each worker's inner loop
-(:mod:`diloco.train`), Δ through the codec and the wire format and back
-(:mod:`diloco.exchange`), token-weighted aggregation and the Nesterov outer step
-(:mod:`diloco.outer`). The baselines use the same model, data and inner optimizer:
+(:mod:`diloco.train`), Δ through the codec and the wire format (:mod:`diloco.exchange`),
+the server's checks at upload and the server's close (:mod:`diloco.simulate_server`,
+:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta, the guard). The baselines use the same model, data and inner optimizer:
 
 - ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
   as many steps as a DiLoCo worker takes in total; communication is counted as a
@@ -22,9 +22,10 @@ round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generat
 round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
 bit; the default is kept so that published benchmarks reproduce.
 
-Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the exact
-outer parameters (``downloads="full"``: the fp32 checkpoint, the default) or from the
-parameters published by int8 deltas (``downloads="delta"``: :mod:`diloco.simulate_delta`).
+Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the
+published parameters θ (as the server publishes them: through the close's int8 delta);
+``downloads="delta"`` counts what they download as those deltas rather than the fp32
+checkpoint (:mod:`diloco.simulate_delta`).
 """
 
 from __future__ import annotations

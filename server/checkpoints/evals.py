@@ -45,8 +45,10 @@ EVAL_CLAIM_S = 600.0
 def evaluate_file(
     storage: Storage, *, run_id: str, cfg: RunConfig, params_path: Path, windows: int
 ) -> float:
-    """The eval loss of the parameters in ``params_path``, read straight into the model's
-    own memory (one copy of the model)."""
+    """The eval loss of the parameters in ``params_path`` on the first ``windows`` eval
+    windows of the run's validation data, read straight into the model's own memory (one
+    copy of the model). A version's full eval, here; the close's judge
+    (``server.rounds.outer_step``) on ``[aggregation] judge_windows``."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     model.to_empty(device="cpu")
