@@ -102,7 +102,9 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         judge = _judge(storage, inputs)
         base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
         closed = close_round(close, evaluate=judge, base_judge_loss=base_loss, hit=faults.hit)
-        base_loss = base_loss if closed.base_judge_loss is None else closed.base_judge_loss
+        if closed.base_judge_loss is not None:  # measured by this close: kept for a retry
+            base_loss = closed.base_judge_loss
+            JUDGED.put(inputs.run_id, inputs.version - 1, base_loss)
         if not closed.committed:
             return OuterResult(
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
