@@ -67,16 +67,6 @@ class OuterOptimizer:
             sq += float((p - before[n]).pow(2).sum())
         return sq**0.5
 
-    def clone(self) -> OuterOptimizer:
-        """An independent copy, parameters and momentum: a step tried on it can be thrown
-        away (``diloco.guard``) without touching this one."""
-        group = self.sgd.param_groups[0]
-        twin = OuterOptimizer(
-            self.params, lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"]
-        )
-        twin.load_state_dict(self.state_dict())
-        return twin
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: the SGD state (momentum buffers)."""
         return {"names": list(self.params), "sgd": self.sgd.state_dict()}
