@@ -3,7 +3,8 @@
 The DiLoCo mode runs the very code the platform runs: each worker's inner loop
 (:mod:`diloco.train`), Δ through the codec and the wire format (:mod:`diloco.exchange`),
 the server's checks at upload and the server's close (:mod:`diloco.simulate_server`,
-:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta, the guard). The baselines use the same model, data and inner optimizer:
+:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta, the guard). The
+baselines use the same model, data and inner optimizer:
 
 - ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
   as many steps as a DiLoCo worker takes in total; communication is counted as a
