@@ -1,11 +1,11 @@
-"""Delta downloads: what starting each round from θ (published by int8 deltas) costs.
+"""Delta downloads: the bytes a returning worker downloads, delta beside checkpoint.
 
-The same config and seeds twice through ``diloco.simulate``: ``downloads="full"`` (workers
-start from the exact outer parameters x, the fp32 checkpoint) and ``downloads="delta"``
-(workers start from θ, which the int8 deltas with error feedback define). Prints each
-seed's final eval loss (of θ; x's for information), the difference beside the limit
-(+0.2%), and the bytes a returning worker downloads per round, delta beside checkpoint.
-Exits 1 when the mean difference is over the limit.
+The same config and seeds twice through ``diloco.simulate``: ``downloads="full"`` and
+``downloads="delta"``. The simulator runs the server's close, which publishes θ through
+the int8 delta with error feedback either way, so both train identically from θ (the
+difference printed is 0 by construction; x = θ + r's loss is shown for information);
+what differs is the bytes a returning worker downloads per round. Exits 1 when the mean
+difference is over the limit.
 
     python bench/delta_downloads.py             # 2 seeds, ~6 min on one CPU thread (4 runs)
     python bench/delta_downloads.py --quick     # a smoke run (~20 s)

@@ -278,6 +278,17 @@ def state_metadata(
     }
 
 
+def write_initial_state(
+    path: Path, *, names: list[str], hparams: Mapping[str, Any], metadata: Mapping[str, str]
+) -> None:
+    """Version 0's outer state file: no momentum yet and no residual (the first close reads
+    both as zeros)."""
+    meta = state_metadata(version=0, names=names, hparams=hparams, metadata=metadata)
+    meta["outer_momentum"] = "false"
+    with TensorFileWriter(Path(path), [], meta, digest=False) as out:
+        out.commit()
+
+
 @dataclass(frozen=True)
 class OuterStateFile:
     """Where a version's momentum and residual are, read range by range. A version without

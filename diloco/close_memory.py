@@ -9,11 +9,11 @@ import math
 from diloco.architectures import mlp_width, parameter_shapes
 from diloco.config import RunConfig
 
-# fp32 copies of the model alive at once at the peak of a close (server.rounds.outer_step,
+# fp32 copies of the model alive at once at the peak of a close (diloco.close,
 # diloco.outer_pass), counted from the code: the pass itself holds a few chunks, never the
-# model; centered_clip keeps its clipped mean (1), and the eval of a suspicious step (or,
-# after publishing, of any version: server.checkpoints.evals) reads the model into its own
-# memory (1).
+# model; centered_clip keeps its clipped mean (1), and the judge's eval of every step (or,
+# after publishing, the full eval of any version: server.checkpoints.evals) reads the
+# model into its own memory (1).
 CLOSE_MODEL_COPIES = 2
 EVAL_BATCH = 32  # validation windows per eval forward (diloco.train.evaluate), as a close runs it
 # allocator slack and small tensors, plus the pass's chunk buffers (the uploads' share is

@@ -247,14 +247,19 @@ class AggregationSection(_Section):
     # contributions than this adds the norms of the run's last `history` aggregated ones
     reference_min: int = Field(3, ge=1, le=1000)
     history: int = Field(32, ge=0, le=10_000)
-    # the guard: a step whose eval loss passes base eval loss x this (or that is not
-    # finite) is never published; the round tries again without the least-aligned
-    # contribution. A first Nesterov step (first_round = "nesterov") can raise the loss by
-    # half: keep room.
+    # the guard: every step is evaluated before it is published, on the first
+    # judge_windows eval windows of the validation data (the same tokens each time, so the
+    # base and the step are compared alike; the full eval of a published version comes
+    # after it). A step whose loss there passes the base version's x max_loss_ratio (or
+    # that is not finite) is never published; the round tries again without the
+    # contribution farthest from the aggregate. A first Nesterov step
+    # (first_round = "nesterov") can raise the loss by half: keep room. judge_windows 0:
+    # steps are published unjudged (only a non-finite one is caught)
     max_loss_ratio: float = Field(2.0, ge=1.0, le=1000.0)
-    # a step is published at once and evaluated afterwards, unless its update is longer
-    # than suspect_multiple x the round's median contribution (what an attacker that a
-    # plain mean follows makes): then it is evaluated, and judged, before publishing
+    judge_windows: int = Field(8, ge=0, le=4096)
+    # no longer read: every step is judged (judge_windows). Accepted so that run configs
+    # written when only a step this many times longer than the round's median was judged
+    # still load
     suspect_multiple: float = Field(1.5, ge=1.0, le=1000.0)
 
 

@@ -36,7 +36,7 @@ POINTS = frozenset(
         "close.claim",  # a worker has claimed a closing round and read its inputs
         "close.aggregate",  # the contributions are summed (the pass: files not yet committed)
         "close.step",  # the outer step is applied (the same pass)
-        "close.eval",  # the step is judged (evaluated first when it is suspicious)
+        "close.eval",  # the step is judged (evaluated on the judging sample when finite)
         "close.write",  # the version's files are written (fsynced), not yet published
         "close.publish",  # the transaction that publishes the version has committed
         "eval.version",  # a published version's eval loss is about to be measured

@@ -1,17 +1,18 @@
-"""Pseudo-gradients, their token-weighted aggregation, and the Nesterov outer step.
+"""Pseudo-gradients, and an in-memory Nesterov outer optimizer.
 
 - Δi = θ_old − θ_i: old minus new, so that Δ points *up* the loss like a gradient and
   the outer SGD step θ ← θ − lr·Δ moves towards the workers.
-- Aggregation is streaming: one contribution at a time is added into an fp32
-  accumulator, so memory is O(model), whatever the number of contributions.
-- The outer optimizer is a real ``torch.optim.SGD(nesterov=True)`` with Δ installed
-  as ``.grad``; its ``state_dict()`` (the momentum) is part of the run's durable state.
+- ``OuterOptimizer``: a real ``torch.optim.SGD(nesterov=True)`` with Δ installed as
+  ``.grad``, whose ``state_dict()`` is what ``diloco.checkpoint.save_checkpoint`` stores.
+  Neither the server nor ``diloco simulate`` steps with it: both run ``diloco.close``
+  (the chunked pass, with the int8 delta's error feedback); the tests hold that pass to
+  ``torch.optim.SGD`` (tests/test_one_close.py).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,52 +30,6 @@ def pseudo_gradient(old: Params, new: Params) -> dict[str, torch.Tensor]:
 
 class AggregationError(ValueError):
     """A contribution that does not fit the model, or aggregating nothing."""
-
-
-class Aggregator:
-    """Token-weighted mean of pseudo-gradients, accumulated one contribution at a time."""
-
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], device: str = "cpu") -> None:
-        self._sum = {
-            n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()
-        }
-        self.total_weight = 0.0
-        self.count = 0
-        self._broken = False
-
-    @torch.no_grad()
-    def add(self, delta: Params | Iterable[tuple[str, torch.Tensor]], weight: float) -> None:
-        """Add ``weight · Δ``; ``delta`` may be a mapping or a stream of (name, tensor)."""
-        if self._broken:
-            raise AggregationError("an earlier contribution failed midway; start a new Aggregator")
-        if not weight > 0:
-            raise AggregationError(f"weight must be positive, got {weight}")
-        items = delta.items() if isinstance(delta, Mapping) else delta
-        seen: set[str] = set()
-        self._broken = True  # until every tensor of this contribution is in
-        for name, tensor in items:
-            if name not in self._sum:
-                raise AggregationError(f"unknown tensor {name!r}")
-            if name in seen:
-                raise AggregationError(f"tensor {name!r} given twice")
-            acc = self._sum[name]
-            if tuple(tensor.shape) != tuple(acc.shape):
-                raise AggregationError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(acc.shape)}"
-                )
-            acc.add_(tensor.to(acc.device, torch.float32), alpha=weight)
-            seen.add(name)
-        if missing := self._sum.keys() - seen:
-            raise AggregationError(f"contribution lacks tensors {sorted(missing)}")
-        self._broken = False
-        self.total_weight += weight
-        self.count += 1
-
-    def result(self) -> dict[str, torch.Tensor]:
-        """Δ = Σ wi·Δi / Σ wi."""
-        if self.count == 0:
-            raise AggregationError("no contributions to aggregate")
-        return {n: s / self.total_weight for n, s in self._sum.items()}
 
 
 class OuterOptimizer:
@@ -111,16 +66,6 @@ class OuterOptimizer:
             p.grad = None
             sq += float((p - before[n]).pow(2).sum())
         return sq**0.5
-
-    def clone(self) -> OuterOptimizer:
-        """An independent copy, parameters and momentum: a step tried on it can be thrown
-        away (``diloco.guard``) without touching this one."""
-        group = self.sgd.param_groups[0]
-        twin = OuterOptimizer(
-            self.params, lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"]
-        )
-        twin.load_state_dict(self.state_dict())
-        return twin
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: the SGD state (momentum buffers)."""

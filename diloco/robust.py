@@ -5,8 +5,11 @@ finite values (an int8 frame with a finite but huge scale decodes to Inf), the p
 L2 norm is measured, and the decoded payload gets a digest (the same tensors replayed by
 someone else are recognised whatever header they come with).
 
-**Aggregation** (``robust_aggregate``), at the close, over the round's stored uploads, each
-read again as a stream (memory O(model) whatever the number of contributions):
+**Aggregation**, at the close, as the run's ``[aggregation] method`` says. The close
+(``diloco.close``) computes it in its chunked pass over the stored uploads
+(``diloco.outer_pass``) with ``clip_factors``, ``distances`` and ``centre_pulls`` from
+here; ``robust_aggregate`` is the same arithmetic on whole tensors, in memory, which the
+tests hold the pass to:
 
 - ``mean``: Σ wᵢΔᵢ / Σ wᵢ, the weights wᵢ the tokens each contribution counts for.
 - ``clipped_mean`` (the default): each Δᵢ is first scaled by
@@ -18,9 +21,10 @@ read again as a stream (memory O(model) whatever the number of contributions):
   and τ the median distance: a contribution far from the others in *direction* (a sign
   flip, noise) is bounded too, not only one that is long.
 
-Passes over the stored uploads: the weighted sum (1), the dot products with it for each
-contribution's cosine (2; the telemetry and the guard's culprit choice need it), and for
-``centered_clip`` the clipped distances (3). Norms come from the inspection at upload.
+``robust_aggregate`` reads each source three times: the weighted sum (1), the dot products
+with it for each contribution's cosine (2; the telemetry and the guard's culprit choice
+need it), and for ``centered_clip`` the clipped distances (3); the chunked pass does (1)
+and (2) in one. Norms come from the inspection at upload.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``diloco simulate``: DiLoCo, data-parallel and single-worker training in one process.
 
 The DiLoCo mode runs the very code the platform runs: each worker's inner loop
-(:mod:`diloco.train`), Δ through the codec and the wire format and back
-(:mod:`diloco.exchange`), token-weighted aggregation and the Nesterov outer step
-(:mod:`diloco.outer`). The baselines use the same model, data and inner optimizer:
+(:mod:`diloco.train`), Δ through the codec and the wire format (:mod:`diloco.exchange`),
+the server's checks at upload and the server's close (:mod:`diloco.simulate_server`,
+:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta, the guard). The
+baselines use the same model, data and inner optimizer:
 
 - ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
   as many steps as a DiLoCo worker takes in total; communication is counted as a
@@ -22,9 +23,10 @@ round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generat
 round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
 bit; the default is kept so that published benchmarks reproduce.
 
-Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the exact
-outer parameters (``downloads="full"``: the fp32 checkpoint, the default) or from the
-parameters published by int8 deltas (``downloads="delta"``: :mod:`diloco.simulate_delta`).
+Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the
+published parameters θ (as the server publishes them: through the close's int8 delta);
+``downloads="delta"`` counts what they download as those deltas rather than the fp32
+checkpoint (:mod:`diloco.simulate_delta`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from diloco.train import (
     InnerTrainer,
     evaluate,
     load_parameters,
+    load_parameters_file,
     snapshot,
 )
 from diloco.wire import ContributionMeta, encode_contribution
@@ -206,21 +209,22 @@ class Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
-    def evaluator(self, scratch: LanguageModel) -> Callable[[Mapping[str, torch.Tensor]], float]:
-        """Eval loss of a parameter set (the guard's judge), in ``scratch`` on the same
-        validation windows as the round records."""
+    def evaluator(self, scratch: LanguageModel) -> Callable[[Path], float]:
+        """The close's judge: a parameters file's loss, in ``scratch``, on the judging
+        sample (the first ``[aggregation] judge_windows`` validation windows, as the
+        server judges on its run's)."""
 
-        def evaluate_params(params: Mapping[str, torch.Tensor]) -> float:
-            load_parameters(scratch, params)
+        def judge(params_path: Path) -> float:
+            load_parameters_file(scratch, params_path)
             return evaluate(
                 scratch,
                 self.data.val,
                 block_size=self.cfg.model.block_size,
-                max_windows=self.opts.eval_windows,
+                max_windows=self.cfg.aggregation.judge_windows,
                 device=self.device,
             )
 
-        return evaluate_params
+        return judge
 
     def close_round(
         self, model: LanguageModel, record_type: type[RoundRecord] = RoundRecord, **fields: Any

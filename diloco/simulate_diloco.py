@@ -2,11 +2,13 @@
 
 Each round every worker trains H inner steps from θ(t−1) (:mod:`diloco.train`), sends Δ
 through the codec and the wire format, and the server's side of the round
-(:mod:`diloco.simulate_server`) checks each upload, aggregates robustly and applies the
-guarded Nesterov step. ``SimOptions.attacks`` turns workers into attackers
-(:mod:`diloco.attacks`), for ``bench/attacks.py``. ``SimOptions.downloads="delta"`` has
-workers start from the parameters published by int8 deltas (:mod:`diloco.simulate_delta`)
-rather than from the outer optimizer's exact ones.
+(:mod:`diloco.simulate_server`) checks each upload and closes the round with the server's
+own close (:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta with error
+feedback, every step judged before it is published). ``SimOptions.attacks`` turns workers
+into attackers (:mod:`diloco.attacks`), for ``bench/attacks.py``.
+``SimOptions.downloads="delta"`` counts what workers download as the deltas since the
+version they hold (:mod:`diloco.simulate_delta`); either way they start from the published
+θ, as a volunteer does.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ from safetensors.torch import save as safetensors_save
 
 from diloco.architectures import build_model
 from diloco.attacks import hostile_body
-from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.data import Dataset
 from diloco.model import LanguageModel
-from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import assign_lease
 from diloco.simulate import (
     Progress,
@@ -32,8 +32,9 @@ from diloco.simulate import (
     stream_generator,
     train_upload,
 )
-from diloco.simulate_delta import Ledger, Publisher
-from diloco.simulate_server import open_round
+from diloco.simulate_delta import DeltaReport, Ledger
+from diloco.simulate_server import SIM_RUN_ID, open_round
+from diloco.simulate_versions import Versions
 from diloco.train import InnerTrainer, load_parameters, parameters_of
 
 
@@ -46,23 +47,28 @@ def run_diloco(
     progress: Progress | None,
 ) -> Trained:
     """K workers, R rounds of H inner steps, Δ through codec + wire, and the server's side
-    of a round (:mod:`diloco.simulate_server`: checked uploads, the robust aggregate, the
-    guarded Nesterov step). ``model`` ends holding the final published parameters: the
-    outer optimizer's, or with delta downloads θ (then ``Trained.delta`` reports on both)."""
+    of a round (:mod:`diloco.simulate_server`: checked uploads, the server's close).
+    ``model`` ends holding the final published parameters θ (``Trained.delta`` reports
+    x = θ + r beside them with delta downloads)."""
+    versions = Versions(cfg, parameters_of(model), run_id=SIM_RUN_ID, delta_dir=opts.delta_dir)
+    try:
+        return _rounds(cfg, opts, data, device, progress, model, versions)
+    finally:
+        versions.cleanup()
+
+
+def _rounds(
+    cfg: RunConfig,
+    opts: SimOptions,
+    data: Dataset,
+    device: torch.device,
+    progress: Progress | None,
+    model: LanguageModel,
+    versions: Versions,
+) -> Trained:
     R, K = cfg.rounds.max_rounds, opts.workers
-    outer = OuterOptimizer(
-        parameters_of(model),
-        lr=cfg.outer.lr,
-        momentum=cfg.outer.momentum,
-        nesterov=cfg.outer.nesterov,
-    )
-    checkpoint_bytes = len(safetensors_save(outer.params))  # what a worker downloads per round
-    # delta downloads: θ, published by int8 deltas, is what workers download and start from
-    publisher = ledger = None
-    if opts.downloads == "delta":
-        codec = Int8Codec(cfg.compression.block_size)
-        publisher = Publisher(outer.params, codec, opts.delta_dir)
-        ledger = Ledger(publisher, checkpoint_bytes)
+    checkpoint_bytes = len(safetensors_save(versions.theta))  # what a worker downloads per round
+    ledger = Ledger(versions.sizes, checkpoint_bytes) if opts.downloads == "delta" else None
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
     trainers, streams = [], []
     for i in range(K):
@@ -73,15 +79,14 @@ def run_diloco(
         streams.append(batch_source(data.shards[i], cfg, stream_generator(opts.seed, i)))
     drops = stream_generator(opts.seed, 10_000)
     recorder = Recorder(cfg, opts, data, device, progress)
-    evaluate_params = recorder.evaluator(build_model(cfg.model))
-    base_loss = evaluate_params(outer.params)
+    judge = recorder.evaluator(build_model(cfg.model))
     history: list[float] = []  # norms of aggregated contributions: the clipping's reference
     earlier: dict[int, dict[str, torch.Tensor]] = {}  # each worker's Δ of the round before
     bytes_up = bytes_down = tokens = 0
     for r in range(R):
         desk = open_round(cfg, r + 1)
         losses, first_delta = [], None
-        start = outer.params if publisher is None else publisher.theta
+        start = versions.theta
         for i, trainer in enumerate(trainers):
             # this round's batches: the worker's own stream, or the i-th lease's
             next_batch = streams[i]
@@ -119,24 +124,15 @@ def run_diloco(
             if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
                 continue
             desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks)
-        # the guarded outer step, unless every contribution was lost or refused
-        update_norm, accepted, left_out = None, 0, 0
-        if desk.admitted:
-            stepped = desk.close(
-                outer, evaluate=evaluate_params, base_loss=base_loss, history=history
-            )
-            left_out = len(stepped.left_out)
-            if stepped.rejected is None:  # published: the next round starts from it
-                assert stepped.eval_loss is not None
-                outer, update_norm = stepped.outer, stepped.update_norm
-                base_loss, accepted = stepped.eval_loss, len(desk.admitted) - left_out
-                norms = [share.norm for share in stepped.aggregate.shares.values()]
-                history = [*history, *norms][-cfg.aggregation.history :]
-        if publisher is None:
-            load_parameters(model, outer.params)
-        else:  # version r+1: a delta towards x (only x's residual when no step was taken)
-            publisher.publish(outer.params)
-            load_parameters(model, publisher.theta)
+        # the server's close (no step when every contribution was lost or refused); version
+        # r+1 is published either way, the next round starts from it
+        stepped = desk.close(versions, evaluate=judge, history=history)
+        update_norm, left_out, accepted = stepped.update_norm, len(stepped.left_out), 0
+        if stepped.update_norm is not None:
+            accepted = len(stepped.shares)
+            norms = [share.norm for share in stepped.shares.values()]
+            history = [*history, *norms][-cfg.aggregation.history :]
+        load_parameters(model, versions.theta)
         recorder.close_round(
             model,
             round=r + 1,
@@ -147,8 +143,14 @@ def run_diloco(
             refused=sum(desk.refused.values()),
             left_out=left_out,
         )
-    if publisher is None or ledger is None:
+    if ledger is None:
         return Trained(recorder.records, bytes_up // K, bytes_down // K)
-    report = publisher.report(checkpoint_bytes)
-    down = ledger.bytes // K
-    return Trained(recorder.records, bytes_up // K, down, delta=report, outer_params=outer.params)
+    last = versions.sizes[versions.version]
+    report = DeltaReport(checkpoint_bytes, last, residual_norms=list(versions.residual_norms))
+    return Trained(
+        recorder.records,
+        bytes_up // K,
+        ledger.bytes // K,
+        delta=report,
+        outer_params=versions.exact(),
+    )

@@ -153,7 +153,7 @@ class _ProtocolRun:
         up, down = self.bytes_up // K, self.downloads * self.hub.checkpoint_bytes // K
         if (ledger := self.hub.ledger) is None:
             return Trained(self.recorder.records, up, down, self._totals())
-        report, x = ledger.publisher.report(ledger.checkpoint_bytes), self.hub.outer.params
+        report, x = self.hub.delta_report()
         return Trained(self.recorder.records, up, ledger.bytes // K, self._totals(), report, x)
 
     # ------------------------------------------------------------ volunteers coming and going

@@ -17,12 +17,14 @@ One method per server path (read them side by side):
 - ``decide``: ``server.rounds.sweeper.Sweeper._decide``: ``decide_close`` on the open
   round; CLOSE marks it closing, EXTEND moves its deadline and counts the extension.
 - ``close``: ``server.rounds.closing`` and ``outer_step``: the round's contributions in the
-  order they arrived, through the wire format and the codec into the robust aggregate, the
-  guarded outer step (``diloco.guard``), then ``close_effects`` (counts, loss, credit,
+  order they arrived, written to files as the server stores them, then the server's own
+  close (``diloco.close``: robust aggregate, Nesterov step, int8 delta with error
+  feedback, every step judged before it is published; the versions in a temp dir of the
+  hub's, :mod:`diloco.simulate_versions`), then ``close_effects`` (counts, loss, credit,
   the next round). A step the guard rejects is not published (the server would retry the
-  round with backoff; here it closes without a step). With delta downloads every close
-  also publishes an int8 delta towards x (:mod:`diloco.simulate_delta`), and leases
-  download θ, the parameters the deltas define.
+  round with backoff; here it closes without a step, and the version is unchanged).
+  Leases download θ, the published parameters; with delta downloads they are counted as
+  the deltas since the version a volunteer holds (:mod:`diloco.simulate_delta`).
 
 What the simulator leaves out: no blob is ever unreadable (no exclusions), no close fails
 (no retries), no run is paused or cancelled.
@@ -31,16 +33,15 @@ What the simulator leaves out: no blob is ever unreadable (no exclusions), no cl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import torch
 from safetensors.torch import save as safetensors_save
 
-from diloco.codec import Int8Codec
 from diloco.config import RunConfig
 from diloco.model import LanguageModel
-from diloco.outer import OuterOptimizer
 from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
@@ -71,9 +72,10 @@ from diloco.protocol.state import (
     UploadVerdict,
 )
 from diloco.simulate import SIM_RUN_ID, SimOptions, Upload
-from diloco.simulate_delta import Ledger, Publisher
+from diloco.simulate_delta import DeltaReport, Ledger
 from diloco.simulate_rows import Closed, HubLease, HubSettings, RoundLog, Stored
 from diloco.simulate_server import RoundDesk
+from diloco.simulate_versions import Versions
 from diloco.train import load_parameters, parameters_of
 
 __all__ = ["Closed", "Hub", "HubLease", "HubSettings", "RoundLog", "Stored"]
@@ -91,10 +93,10 @@ class Hub:
         opts: SimOptions,
         n_shards: int,
         now: datetime,
-        evaluate: Callable[[Mapping[str, torch.Tensor]], float],
+        evaluate: Callable[[Path], float],
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
-        self.evaluate = evaluate  # the guard's judge: eval loss of a parameter set
+        self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
         self.leasing = LeasePolicy.of(
@@ -103,23 +105,17 @@ class Hub:
             sweep_interval_s=settings.sweep_interval_s,
         )
         self.status = RunStatus.ACTIVE
-        # checkpoint 0: the model's parameters and a fresh outer momentum
-        self.outer = OuterOptimizer(
-            parameters_of(model),
-            lr=cfg.outer.lr,
-            momentum=cfg.outer.momentum,
-            nesterov=cfg.outer.nesterov,
+        # version 0: the model's parameters and an outer state with no momentum yet
+        self.files = Versions(
+            cfg, parameters_of(model), run_id=SIM_RUN_ID, delta_dir=opts.delta_dir
         )
         self.version = 0
-        self.base_loss = evaluate(self.outer.params)  # the published version's eval loss
         self.history: list[float] = []  # aggregated norms: the clipping's reference
-        self.checkpoint_bytes = len(safetensors_save(self.outer.params))
-        # delta downloads: θ, published by int8 deltas towards x; what each volunteer holds
-        self.publisher, self.ledger = None, None
-        if opts.downloads == "delta":
-            codec = Int8Codec(cfg.compression.block_size)
-            self.publisher = Publisher(self.outer.params, codec, opts.delta_dir)
-            self.ledger = Ledger(self.publisher, self.checkpoint_bytes)
+        self.checkpoint_bytes = len(safetensors_save(self.files.theta))
+        # delta downloads: what each volunteer holds, and the deltas since
+        self.ledger = (
+            Ledger(self.files.sizes, self.checkpoint_bytes) if opts.downloads == "delta" else None
+        )
         self.n_params = model.num_parameters()
         self.rounds: dict[int, RoundView] = {}
         self.logs: dict[int, RoundLog] = {}
@@ -130,8 +126,8 @@ class Hub:
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
-        """θ of the latest version: what a lease downloads (x, or the deltas' θ)."""
-        return self.outer.params if self.publisher is None else self.publisher.theta
+        """θ of the latest version: what a lease downloads."""
+        return self.files.theta
 
     def params_of(self, version: int) -> dict[str, torch.Tensor]:
         """θ of ``version``: what a lease on round ``version + 1`` trained from."""
@@ -308,22 +304,13 @@ class Hub:
         rnd, log = self.rounds[self.current], self.logs[self.current]
         assert rnd.state is RoundState.CLOSING
         stepped = log.desk.close(
-            self.outer,
-            evaluate=self.evaluate,
-            base_loss=self.base_loss,
-            history=self.history,
-            quorum=self.cfg.rounds.quorum,
+            self.files, evaluate=self.evaluate, history=self.history, quorum=self.cfg.rounds.quorum
         )
-        # a rejected step publishes nothing: the version stays, nobody is credited
-        in_step = {} if stepped.rejected else stepped.aggregate.shares
-        if stepped.rejected is None:
-            assert stepped.eval_loss is not None
-            self.outer, self.base_loss = stepped.outer, stepped.eval_loss
-            norms = [share.norm for share in in_step.values()]
-            self.history = [*self.history, *norms][-self.cfg.aggregation.history :]
-        if self.publisher is not None:  # only x's residual when the step was rejected
-            self.publisher.publish(self.outer.params)
-            assert self.publisher.version == rnd.index
+        # a rejected step publishes nothing new: the version is unchanged, nobody is credited
+        in_step = stepped.shares
+        norms = [share.norm for share in in_step.values()]
+        self.history = [*self.history, *norms][-self.cfg.aggregation.history :]
+        assert self.files.version == rnd.index
         load_parameters(self.model, self.params)
         self.version = rnd.index
         self.versions[self.version] = {n: t.clone() for n, t in self.params.items()}
@@ -350,4 +337,12 @@ class Hub:
         if effects.next_round is not None:
             following = effects.next_round
             self._open(following.index, following.opened_at, following.deadline)
-        return Closed(closed, log, effects, stepped.update_norm)
+        return Closed(closed, log, effects, stepped.update_norm or 0.0)
+
+    def delta_report(self) -> tuple[DeltaReport, dict[str, torch.Tensor]]:
+        """What delta downloads cost, and x = θ + r (the exact outer iterate), at the end."""
+        assert self.ledger is not None
+        files = self.files
+        last = files.sizes.get(files.version, 0)
+        report = DeltaReport(self.checkpoint_bytes, last, residual_norms=list(files.residual_norms))
+        return report, files.exact()

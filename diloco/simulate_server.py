@@ -7,31 +7,35 @@
   a replay of another's tensors refused (``admit_payload``), its weight capped at what
   a lease allows (``upload_weight``) and, for late work merged into this round from an
   earlier one (``origin``), discounted by its staleness (``late_weight``).
-- ``RoundDesk.close``: the guarded step (``diloco.guard``) over the robust aggregate
-  (``diloco.robust``), from a copy of the global optimizer.
+- ``RoundDesk.close``: the server's close itself (``diloco.close.close_round``: the
+  robust aggregate, the outer step, the int8 delta with error feedback, every step judged
+  before it is published), on the admitted bodies written to files beside the run's
+  versions (``diloco.simulate_versions``).
 
 Both modes of ``diloco simulate`` that train through the wire format use it, so an attack
-in the simulator meets exactly the defences it meets on a server.
+in the simulator meets the defences it meets on a server: the same checks at upload and
+the same close. What differs is where the files live and the judging sample: the first
+``[aggregation] judge_windows`` windows of the simulator's validation data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-
-import torch
+from pathlib import Path
 
 from diloco.architectures import parameter_shapes
+from diloco.close import CloseInputs, StepRejected, Upload, close_round
 from diloco.codec import make_codec
 from diloco.config import RunConfig
-from diloco.guard import Stepped, guarded_step
-from diloco.outer import OuterOptimizer
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
-from diloco.protocol.state import Refusal, RoundState, RoundView, UploadClaim
-from diloco.robust import Source, UploadInspector, robust_aggregate
+from diloco.protocol.state import Refusal, RoundState, RoundView, StepVerdict, UploadClaim
+from diloco.robust import Share, Source, UploadInspector
+from diloco.simulate_versions import Versions
 from diloco.wire import ContributionDecoder, NonFiniteWireError, WireFormatError
 
 SIM_RUN_ID = "simulate"  # the run id in every simulated upload's header
@@ -107,27 +111,66 @@ class RoundDesk:
 
     def close(
         self,
-        outer: OuterOptimizer,
+        versions: Versions,
         *,
-        evaluate: Callable[[Mapping[str, torch.Tensor]], float],
-        base_loss: float | None,
+        evaluate: Callable[[Path], float],
         history: list[float],
         quorum: int = 1,
     ) -> Stepped:
-        """The guarded step from ``outer`` (left untouched: the result is a copy)."""
-        shapes, codec = _model(self.cfg)
-        return guarded_step(
-            [a.source for a in self.admitted],
-            start=outer.clone,
-            aggregate=lambda sources: robust_aggregate(
-                sources, shapes=shapes, codec=codec, policy=self.cfg.aggregation, history=history
-            ),
-            evaluate=evaluate,
-            base_loss=base_loss,
-            max_loss_ratio=self.cfg.aggregation.max_loss_ratio,
+        """The server's close on the admitted uploads, from ``versions``' latest version;
+        it publishes this round's version there (an unchanged one when the guard rejects
+        every step, or when nothing was admitted). ``evaluate``: a parameters file's loss
+        on the judging sample."""
+        index = self.round.index
+        if not self.admitted:
+            versions.unchanged(index)
+            return Stepped({}, None, None, {})
+        folder = versions.root / f"uploads-{index}"
+        folder.mkdir(exist_ok=True)
+        uploads: list[Upload] = []
+        for a in self.admitted:
+            path = folder / f"{len(uploads)}.upload"
+            with open(path, "wb") as f:
+                for chunk in a.source.chunks():
+                    f.write(chunk)
+            uploads.append(Upload(a.source.id, path, a.source.weight, a.source.norm))
+        inputs = CloseInputs(
+            run_id=SIM_RUN_ID,
+            version=index,
+            cfg=self.cfg,
+            base_params=versions.latest.params,
+            base_state=versions.latest.state,
+            uploads=uploads,
+            history=list(history),
             quorum=quorum,
-            lr=self.cfg.outer.lr_at(self.round.index),
+            out=versions.paths(index),
         )
+        try:
+            closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)
+        except StepRejected as err:
+            versions.unchanged(index)
+            return Stepped({}, None, None, err.left_out, rejected=err.verdict)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if closed.base_judge_loss is not None:
+            versions.judge_loss = closed.base_judge_loss
+        versions.published(index, closed.judge_loss)
+        left_out = {
+            i: why for i, why in closed.excluded.items() if closed.exclusion_codes[i] == "guard"
+        }
+        return Stepped(closed.shares, closed.update_norm, closed.judge_loss, left_out)
+
+
+@dataclass
+class Stepped:
+    """What a simulated close did: the step published (its contributions' shares), or
+    none (``rejected``: the guard's last verdict)."""
+
+    shares: dict[str, Share]  # by upload id: what each aggregated contribution put in
+    update_norm: float | None  # ‖θ_new − θ_base‖ (None: no step)
+    judge_loss: float | None  # the step's loss on the judging sample
+    left_out: dict[str, str]  # upload id -> why the guard left it out
+    rejected: StepVerdict | None = None
 
 
 def open_round(cfg: RunConfig, index: int) -> RoundDesk:

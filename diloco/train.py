@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from diloco.close_memory import EVAL_BATCH
 from diloco.config import InnerSection
 from diloco.data import eval_batches
 from diloco.precision import MixedPrecision, Precision, choose_precision
+from diloco.tensorfile import TensorFileReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +54,18 @@ def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> Non
         raise KeyError(f"parameter names differ: missing {sorted(missing)}, extra {sorted(extra)}")
     for name, p in own.items():
         p.copy_(params[name])
+
+
+@torch.no_grad()
+def load_parameters_file(model: nn.Module, path: Path) -> None:
+    """Read a version's parameters file (``diloco.checkpoint.write_params``' layout) into
+    the model in place, tensor by tensor (straight into the model's memory on the CPU)."""
+    with TensorFileReader(path) as f:
+        for name, p in parameters_of(model).items():
+            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+                f.read_into(name, 0, p.data.view(-1))
+            else:
+                p.copy_(f.tensor(name).view(p.shape))
 
 
 @torch.no_grad()

@@ -15,6 +15,10 @@ import torch
 
 from diloco.attacks import ATTACKS, Attack, hostile_body
 from diloco.config import parse_config
+from diloco.data import random_batch
+from diloco.exchange import encode_delta
+from diloco.model import GPT
+from diloco.train import load_parameters
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
@@ -170,5 +174,68 @@ def test_the_guard_discards_a_step_an_attacker_blows_up_and_publishes_without_it
     assert [c["contributor_name"] for c in excluded] == ["guard-attacker"]
     assert excluded[0]["excluded"].startswith("guard: the step with it was discarded (eval loss")
     assert excluded[0]["credit"] == 0 and not excluded[0]["aggregated"]
+    (round1, *_) = http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
+    assert round1["accepted"] == 2
+
+
+def loss_raising_delta(http: httpx.Client, work: Work, norm: float) -> dict[str, torch.Tensor]:
+    """The direction in which the loss climbs fastest at the base version (the gradient,
+    on a batch of the attacker's own shard), at ``norm``: Δ = −norm·∇L/‖∇L‖, so that the
+    outer step θ − Δ climbs. A normal-norm upload that no clipping can tell apart."""
+    lease = work.lease
+    cfg = parse_config(lease["config"])
+    model = GPT(cfg.model.gpt_config())
+    load_parameters(model, fetch_params(http, lease["checkpoint"]["url"]))
+    raw = http.get(lease["shard"]["url"]).content
+    shard = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+        -1, lease["shard"]["chunk_len"]
+    )
+    gen = torch.Generator().manual_seed(lease["seed"])
+    x, y = random_batch(shard, batch_size=8, block_size=cfg.model.block_size, generator=gen)
+    model(x, y).backward()
+    grad = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    size = math.sqrt(sum(float(g.pow(2).sum()) for g in grad.values()))
+    return {n: -g * (norm / size) for n, g in grad.items()}
+
+
+def test_a_normal_norm_upload_that_raises_the_loss_is_never_published(http: httpx.Client) -> None:
+    # Prepare: the default clipped mean; the guard at ratio 1 (a round of one inner step
+    # lowers the judging loss by under 1% on this model, and the attack raises it by about
+    # as much: any rise is refused)
+    config = server_run_config(rounds={"quorum": 2, "target": 3, "max_rounds": 3})
+    config["aggregation"] = {"max_loss_ratio": 1.0}
+    run = create_run(http, config)
+    honest = [register(http, f"normal-{i}") for i in range(2)]
+    attacker = register(http, "normal-attacker")
+    base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")
+    works = {token: train(http, token, run["id"], steps=1) for token in [*honest, attacker]}
+    mine = works[attacker]
+    honest_norm = math.sqrt(sum(float(t.pow(2).sum()) for t in mine.delta.values()))
+    cfg = parse_config(run["config"])
+    encoded, _ = encode_delta(
+        loss_raising_delta(http, mine, honest_norm),
+        kind=cfg.compression.kind,
+        block_size=cfg.compression.block_size,
+    )
+    body = Work(mine.lease, mine.meta, encoded).body()
+
+    # Execute
+    for token in honest:
+        assert upload(http, token, works[token]).status_code == 201
+    assert upload(http, attacker, mine, body=body).status_code == 201  # nothing to refuse
+    wait_for(lambda: version(http, run["id"]) == 1, timeout=60, what="round 1")
+
+    # Assert: its norm is an honest one's; the round closed without it, saying why
+    listed = http.get(f"{API}/runs/{run['id']}/rounds/1/contributions").json()["contributions"]
+    by_name = {c["contributor_name"]: c for c in listed}
+    norms = [by_name[f"normal-{i}"]["norm"] for i in range(2)]
+    assert by_name["normal-attacker"]["norm"] <= 1.02 * max(norms)
+    excluded = [c for c in listed if c["excluded"]]
+    assert [c["contributor_name"] for c in excluded] == ["normal-attacker"]
+    assert excluded[0]["excluded"].startswith("guard: the step with it was discarded (eval loss")
+    assert excluded[0]["credit"] == 0 and not excluded[0]["aggregated"]
+    published = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/1")
+    expected = reference_step(run, base, [works[t] for t in honest]).params
+    assert all(torch.equal(published[n], expected[n]) for n in expected)
     (round1, *_) = http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
     assert round1["accepted"] == 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from diloco.outer import AggregationError, Aggregator, OuterOptimizer, pseudo_gradient
+from diloco.outer import AggregationError, OuterOptimizer, pseudo_gradient
 
 
 def test_pseudo_gradient_is_old_minus_new():
@@ -68,58 +68,6 @@ def test_outer_state_for_other_names_is_refused():
 
     with pytest.raises(AggregationError, match="other parameter names"):
         b.load_state_dict(a.state_dict())
-
-
-def test_aggregate_is_the_token_weighted_mean():
-    agg = Aggregator({"w": (2,)})
-
-    agg.add({"w": torch.tensor([1.0, 0.0])}, weight=100)
-    agg.add({"w": torch.tensor([0.0, 4.0])}, weight=300)
-
-    assert_close(agg.result()["w"], torch.tensor([0.25, 3.0]))
-    assert agg.count == 2 and agg.total_weight == 400
-
-
-def test_aggregate_accepts_a_stream_of_named_tensors():
-    agg = Aggregator({"a": (1,), "b": (1,)})
-
-    agg.add(iter([("a", torch.tensor([2.0])), ("b", torch.tensor([4.0]))]), weight=2)
-
-    assert_close(agg.result(), {"a": torch.tensor([2.0]), "b": torch.tensor([4.0])})
-
-
-@pytest.mark.parametrize(
-    ("delta", "message"),
-    [
-        ({"w": torch.zeros(3)}, r"tensor 'w' has shape \(3,\), expected \(2,\)"),
-        ({"w": torch.zeros(2), "x": torch.zeros(1)}, "unknown tensor 'x'"),
-        ({}, r"lacks tensors \['w'\]"),
-    ],
-)
-def test_aggregate_rejects_contributions_that_do_not_fit(delta, message):
-    agg = Aggregator({"w": (2,)})
-
-    with pytest.raises(AggregationError, match=message):
-        agg.add(delta, weight=1)
-
-
-def test_a_failed_contribution_poisons_the_accumulator_instead_of_half_applying():
-    agg = Aggregator({"a": (1,), "b": (1,)})
-    with pytest.raises(AggregationError):
-        agg.add(iter([("a", torch.tensor([1.0])), ("b", torch.zeros(5))]), weight=1)
-
-    with pytest.raises(AggregationError, match="failed midway"):
-        agg.add({"a": torch.zeros(1), "b": torch.zeros(1)}, weight=1)
-
-
-def test_aggregating_nothing_is_an_error():
-    with pytest.raises(AggregationError, match="no contributions"):
-        Aggregator({"w": (1,)}).result()
-
-
-def test_non_positive_weight_is_an_error():
-    with pytest.raises(AggregationError, match="weight must be positive"):
-        Aggregator({"w": (1,)}).add({"w": torch.zeros(1)}, weight=0)
 
 
 def test_the_outer_lr_schedule_of_a_runs_first_rounds():

@@ -23,6 +23,7 @@ from diloco.protocol.rules import (
     close_retry_at,
     decide_after_exclusions,
     judge_step,
+    should_judge,
     upload_weight,
 )
 from diloco.protocol.state import (
@@ -462,3 +463,16 @@ STEPS = [
 @pytest.mark.parametrize(("base", "new", "finite", "expected"), STEPS)
 def test_judge_step(base: float | None, new: float, finite: bool, expected: StepVerdict) -> None:
     assert judge_step(base, new, finite=finite, max_loss_ratio=2.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("finite", "judge_windows", "expected"),
+    [
+        pytest.param(True, 8, True, id="every_finite_step_whatever_its_norm"),
+        pytest.param(True, 1, True, id="one_window_is_a_sample"),
+        pytest.param(False, 8, False, id="not_finite_is_discarded_unseen"),
+        pytest.param(True, 0, False, id="judging_turned_off"),
+    ],
+)
+def test_should_judge(finite: bool, judge_windows: int, expected: bool) -> None:
+    assert should_judge(finite=finite, judge_windows=judge_windows) is expected

@@ -49,7 +49,10 @@ def test_another_seed_gives_another_initial_model_and_other_batches(corpus):
 
 
 def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_for_step(corpus):
-    # K=1, H=1, outer lr 1, no momentum, no compression: θ ← θ − (θ − θ1) = θ1 every round
+    # K=1, H=1, outer lr 1, no momentum, no upload compression: θ ← θ − (θ − θ1) = θ1 every
+    # round, up to the int8 delta that publishes each version (the server's close): θ
+    # lags the exact step by its residual, under half a quantisation step a value (error
+    # feedback carries it into the next version rather than letting it grow)
     rounds = 6
     cfg = tiny_config(
         corpus,
@@ -94,7 +97,7 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
         expected_eval = evaluate(model, data.val, block_size=cfg.model.block_size)
         assert result.rounds[step].eval_loss == pytest.approx(expected_eval, rel=1e-5, abs=1e-6)
 
-    assert_close(result.final_params, snapshot(model))
+    assert_close(result.final_params, snapshot(model), rtol=0, atol=1e-3)
 
 
 def test_result_reports_rounds_tokens_and_bytes(corpus):

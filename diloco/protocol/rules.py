@@ -13,8 +13,9 @@ A round's life, top to bottom in this file:
 4. ``decide_close``: the sweeper asks about each open round: close, extend or wait.
 5. ``decide_after_exclusions``: a closing round some of whose contributions could not be
    read closes on the others if they still make quorum, else it reopens.
-6. ``judge_step``: the guard, commit or discard: a step that is not finite or raises
-   the eval loss too far is never published.
+6. ``should_judge`` then ``judge_step``: the guard, commit or discard: every step is
+   evaluated on a small fixed sample before it is published, and one that is not finite
+   or raises that loss too far is never published.
 7. ``close_effects``: what a close changes besides the checkpoint (counts, loss, credit,
    the run's completion, the next round); ``close_retry_at`` when a failed close is tried
    again.
@@ -325,6 +326,14 @@ def decide_after_exclusions(
 
 
 # ---------------------------------------------------------------- 5b. the guard
+
+
+def should_judge(*, finite: bool, judge_windows: int) -> bool:
+    """Whether a step is evaluated before it is published: every finite one, on the run's
+    judging sample of ``judge_windows`` eval windows (``[aggregation] judge_windows``; 0
+    turns judging off: steps are published at once and only a non-finite one is caught).
+    A step that is not finite is discarded without an eval."""
+    return finite and judge_windows > 0
 
 
 def judge_step(

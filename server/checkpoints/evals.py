@@ -26,8 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.architectures import build_model
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.tensorfile import TensorFileReader
-from diloco.train import evaluate, parameters_of
+from diloco.train import evaluate, load_parameters_file
 from server.checkpoints.models import Checkpoint
 from server.metrics import EVAL_SECONDS
 from server.rounds import service as rounds_service
@@ -46,15 +45,15 @@ EVAL_CLAIM_S = 600.0
 def evaluate_file(
     storage: Storage, *, run_id: str, cfg: RunConfig, params_path: Path, windows: int
 ) -> float:
-    """The eval loss of the parameters in ``params_path``, read straight into the model's
-    own memory (one copy of the model)."""
+    """The eval loss of the parameters in ``params_path`` on the first ``windows`` eval
+    windows of the run's validation data, read straight into the model's own memory (one
+    copy of the model). A version's full eval, here; the close's judge
+    (``server.rounds.outer_step``) on ``[aggregation] judge_windows``."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     model.to_empty(device="cpu")
     model.tie_weights()
-    with TensorFileReader(params_path) as f:
-        for name, p in parameters_of(model).items():
-            f.read_into(name, 0, p.data.view(-1))
+    load_parameters_file(model, params_path)
     val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
     return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)
 

@@ -18,8 +18,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.checkpoint import state_metadata, write_params
-from diloco.tensorfile import TensorFileWriter
+from diloco.checkpoint import write_initial_state, write_params
 from server.checkpoints.models import Checkpoint
 from server.errors import Gone, NotFound
 from server.staging import Stage
@@ -84,12 +83,11 @@ def write_initial(
     residual (both read as zeros by the first close)."""
     keys = version_keys(run_id, 0)
     meta = {"run_id": run_id}
-    state_meta = state_metadata(version=0, names=list(params), hparams=hparams, metadata=meta)
-    state_meta["outer_momentum"] = "false"
     with Stage(storage) as stage:
         sha = write_params(stage.output(keys.params), params, version=0, metadata=meta)
-        with TensorFileWriter(stage.output(keys.state), [], state_meta, digest=False) as out:
-            out.commit()
+        write_initial_state(
+            stage.output(keys.state), names=list(params), hparams=hparams, metadata=meta
+        )
         stage.publish()
     return VersionFiles(0, keys.params, keys.state, sha, storage.size(keys.params))
 

@@ -8,8 +8,9 @@ many worker processes share the database.
 2. **Compute** (``server.rounds.outer_step``, in a thread): no transaction, row lock or
    pooled connection is held while the contributions are summed, the step applied and
    the version's files written (temp name, fsync, rename: a rewrite after a crash writes
-   the same bytes). The eval loss is measured after publishing, off the critical path
-   (``server.checkpoints.evals``), except for a step the guard finds suspicious.
+   the same bytes). Every step is judged on a small fixed sample before it is published
+   (``diloco.close``); the version's full eval loss is measured after publishing, off the
+   critical path (``server.checkpoints.evals``).
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
    ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
@@ -36,7 +37,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.faults import FaultInjector
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
-from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
@@ -93,7 +93,6 @@ async def close_claimed(
                 apply_outer_step,
                 storage,
                 inputs,
-                eval_windows=settings.eval_windows,
                 faults=faults,
             ),
         )
@@ -168,7 +167,6 @@ async def _read_inputs(
         cfg=cfg,
         base_params_key=base.params_key,
         base_state_key=base.state_key,
-        base_eval_loss=base.eval_loss,
         contributions=[
             Stored(c.id, c.blob_key, float(rounds_service.step_weight(c)), c.norm or 0.0)
             for c in rows
@@ -207,7 +205,7 @@ async def _publish(
             "accepted": effects.accepted,
             "tokens": effects.tokens,
             "train_loss": effects.train_loss,
-            "eval_loss": result.eval_loss,
+            "eval_loss": None,  # pending: server.checkpoints.evals measures it
             "update_norm": result.update_norm,
             "claim_token": None,
             "claim_expires_at": None,
@@ -234,15 +232,7 @@ async def _publish(
                 "computed; computing it again without them"
             )
         await _exclude(session, result)
-        session.add(
-            checkpoints_service.row_for(
-                result.files, run_id=claim.run_id, eval_loss=result.eval_loss
-            )
-        )
-        if result.base_eval_loss is not None:  # measured by this close: the base's own figure
-            await evals.fill_in(
-                session, run_id=claim.run_id, version=claim.index - 1, loss=result.base_eval_loss
-            )
+        session.add(checkpoints_service.row_for(result.files, run_id=claim.run_id, eval_loss=None))
         if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it
             await session.execute(
                 update(Contribution),
@@ -311,22 +301,21 @@ def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> No
     CLOSE_SECONDS.observe(seconds)
     for stage, spent in result.seconds.items():
         CLOSE_STAGE_SECONDS.labels(stage).observe(spent)
+    judged = (
+        "unjudged"
+        if result.judge_loss is None
+        else f"judged {result.judge_loss:.4f} against the base's {result.base_judge_loss:.4f}"
+    )
     log.info(
-        "run %s round %d closed (%s): %s, update norm %.4g, %.2f s (attempt %d)",
+        "run %s round %d closed (%s): %s, eval pending, update norm %.4g, %.2f s (attempt %d)",
         claim.run_id,
         claim.index,
         code,
-        eval_phrase(result.eval_loss),
+        judged,
         result.update_norm or float("nan"),
         seconds,
         claim.attempt,
     )
-
-
-def eval_phrase(eval_loss: float | None) -> str:
-    """A close's eval loss as its log line says it: measured before publishing, or
-    pending (the eval runs after the version is published, off the close's path)."""
-    return "eval pending" if eval_loss is None else f"eval loss {eval_loss:.4f}"
 
 
 __all__ = ["Checkpoint", "Claim", "claim_next", "close_claimed", "mark_closing"]

@@ -225,27 +225,39 @@ def outer_reference(
     codec: Int8Codec,
     state: Reference | None = None,
 ) -> Reference:
-    """The outer step and the published change on whole tensors, written out from the
-    formulas (docs/protocol.md): the Nesterov step from the aggregate ``delta``, with the
-    base's momentum and residual (``state``; none for the first step), through the int8
-    delta with error feedback."""
+    """The tests' one reference of the outer step, in plain torch: ``torch.optim.SGD``
+    (Nesterov as configured) with the aggregate ``delta`` as the gradient, from the base's
+    momentum and residual (``state``; none for the first step), published through the int8
+    delta with error feedback. The optimizer steps the residual r, so that r − lr·u is the
+    value d to publish; θ moves by decode(quantise(d)) and r keeps d − that."""
     lr, momentum, nesterov = hyper
+    residual = {
+        n: (
+            torch.zeros(t.numel()) if state is None else state.residual[n].reshape(-1).clone()
+        ).requires_grad_(True)
+        for n, t in base.items()
+    }
+    sgd = torch.optim.SGD(
+        list(residual.values()), lr=lr, momentum=momentum, nesterov=nesterov, foreach=False
+    )
+    for n, r in residual.items():
+        r.grad = delta[n].reshape(-1).float().clone()
+        if state is not None:
+            sgd.state[r]["momentum_buffer"] = state.momentum[n].reshape(-1).clone()
+    sgd.step()
     out = Reference({}, {}, {})
-    for name, theta in base.items():
-        g = delta[name].reshape(-1)
-        if state is None:
-            m, r = g.clone(), torch.zeros_like(g)
-        else:
-            m = state.momentum[name].reshape(-1).mul(momentum).add_(g)
-            r = state.residual[name].reshape(-1).clone()
-        u = torch.add(g, m, alpha=momentum) if nesterov else m
-        d = torch.add(r, u, alpha=-lr)
-        _, change = publish_change(d, codec)
-        new = theta.reshape(-1).float().clone()
-        apply_change(new, change)
-        out.params[name] = new.view(theta.shape)
-        out.momentum[name] = m.view(theta.shape)
-        out.residual[name] = (d - change).view(theta.shape)
+    with torch.no_grad():
+        for name, theta in base.items():
+            r = residual[name]
+            _, change = publish_change(r.detach().clone(), codec)
+            new = theta.reshape(-1).float().clone()
+            apply_change(new, change)
+            r.sub_(change)
+            out.params[name] = new.view(theta.shape)
+            # no momentum (μ = 0): SGD keeps no buffer; the state file holds m = g then
+            buffer = sgd.state[r].get("momentum_buffer", r.grad)
+            out.momentum[name] = buffer.clone().view(theta.shape)
+            out.residual[name] = r.detach().clone().view(theta.shape)
     return out
 
 

@@ -1,0 +1,371 @@
+"""A round's close: robust aggregate, outer step, int8 delta, judged before it is published.
+
+The one implementation of the close. The server (``server.rounds.outer_step``) calls
+``close_round`` on the files it staged and publishes what it commits; ``diloco simulate``
+calls it on files it wrote with the real wire encoder in a temp dir of its own
+(``diloco.simulate_server``). Only where the files live and how the judge evaluates
+differ.
+
+- The contributions are read back from their files, chunk by chunk (``diloco.outer_pass``),
+  and combined as the run's ``[aggregation]`` says (``diloco.robust``: clipped to a
+  multiple of the round's median norm by default), each weighted by the tokens it counts
+  for. ``mean`` and ``clipped_mean`` take one pass that sums, steps and writes the new
+  version; ``centered_clip`` needs the clipped mean first (one more pass, and the model's
+  size in memory for it).
+- The version's files: parameters, outer state (momentum and delta residual), and the
+  int8 delta from the base version (``diloco.delta``): the published parameters are the
+  base's plus the decoded delta, and what the quantisation left out is carried in the
+  residual. Memory stays a few chunks a contribution: nothing of the model's size is held
+  but by ``centered_clip``.
+- Every step is judged before anything is published (``diloco.protocol.rules``:
+  ``should_judge`` then ``judge_step``): one that is not finite, or whose loss on the
+  run's small fixed judging sample (``[aggregation] judge_windows``) passes
+  ``max_loss_ratio`` times the base version's, is discarded and tried again without the
+  contribution farthest from the aggregate, as long as the others make quorum; else
+  ``StepRejected``. The full eval of a published version is the caller's, later.
+- A contribution whose file cannot be read (missing, damaged: its trailer digest fails)
+  is left out with the reason and the pass started over without it;
+  ``decide_after_exclusions`` then says whether the others still make a step.
+
+Given the same inputs it writes the same bytes, so a close that a crash interrupts is
+simply done again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco import delta as deltas
+from diloco.checkpoint import (
+    OuterStateFile,
+    open_outer_state,
+    params_entries,
+    params_metadata,
+    state_entries,
+    state_metadata,
+)
+from diloco.codec import Int8Codec, make_codec
+from diloco.config import RunConfig
+from diloco.outer_pass import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.protocol.rules import decide_after_exclusions, judge_step, should_judge
+from diloco.protocol.state import Action, Decision, StepVerdict
+from diloco.robust import Share, SourceUnreadable, centre_pulls, clip_factors, cosine, distances
+from diloco.tensorfile import TensorFileReader, TensorFileWriter
+
+log = logging.getLogger("diloco.rounds")
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A contribution of the round as the close reads it."""
+
+    id: str
+    path: Path  # its stored body (``diloco.wire``); may be missing or damaged
+    weight: float  # the tokens it counts for
+    norm: float  # ‖Δ‖, measured when it was accepted
+
+
+@dataclass(frozen=True)
+class VersionPaths:
+    """Where a version's three files are (or go)."""
+
+    params: Path
+    state: Path
+    delta: Path
+
+
+@dataclass(frozen=True)
+class CloseInputs:
+    run_id: str
+    version: int  # the version this close publishes (= the round's index)
+    cfg: RunConfig
+    base_params: Path  # the base version's parameters
+    base_state: Path  # its outer state (momentum, residual)
+    uploads: list[Upload]  # in the order they were accepted: the sums' order
+    history: list[float]  # norms of the run's latest aggregated contributions
+    quorum: int
+    out: VersionPaths  # where the new version is written (temp names until committed)
+
+
+class StepRejected(Exception):
+    """The guard discarded every step it could make with quorum: nothing is published."""
+
+    def __init__(self, verdict: StepVerdict, left_out: Mapping[str, str]) -> None:
+        tried = f"; left out {sorted(left_out)} first" if left_out else ""
+        super().__init__(f"{verdict.reason}{tried}")
+        self.verdict, self.left_out = verdict, dict(left_out)
+
+
+@dataclass(frozen=True)
+class Closed:
+    excluded: dict[str, str]  # upload id -> why it was left out (unreadable, guard)
+    exclusion_codes: dict[str, str]  # upload id -> blob_unreadable | guard
+    # decide_after_exclusions' verdict when a blob was unreadable (None: none was)
+    decision: Decision | None
+    committed: bool  # False: no step (below quorum once the unreadable were left out)
+    params_sha256: str | None  # the new version's files, when committed
+    delta_sha256: str | None
+    update_norm: float | None  # ‖θ_new − θ_base‖, the published change
+    judge_loss: float | None  # the published step's loss on the judging sample (None: unjudged)
+    base_judge_loss: float | None  # the base's, measured here (None: given, or not needed)
+    verdict: StepVerdict | None  # the guard's word on the published step
+    shares: dict[str, Share]  # what each aggregated contribution put in
+    # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
+    # judge, write (fsync and rename); tries added up
+    seconds: dict[str, float]
+
+
+def close_round(
+    inputs: CloseInputs,
+    *,
+    evaluate: Callable[[Path], float],
+    base_judge_loss: float | None = None,
+    hit: Callable[[str], None] = lambda point: None,
+) -> Closed:
+    """Aggregate, step under the guard and commit ``inputs.out`` (module docstring).
+    ``evaluate``: a parameters file's loss on the run's judging sample (the same tokens
+    every call); ``base_judge_loss``: the base version's, when the caller knows it;
+    ``hit``: the close's fault points (``close.aggregate``, ``close.step``,
+    ``close.eval``). Raises ``StepRejected`` when no step passes the guard."""
+    clock = _StageClock()
+    base = _open_base(inputs)
+    try:
+        clock.lap("load")
+        return _close(inputs, base, clock, evaluate, base_judge_loss, hit)
+    finally:
+        base.close()
+
+
+@dataclass
+class _Base:
+    """The base version, open for reading, and what every try of the step shares."""
+
+    params: TensorFileReader
+    state: OuterStateFile
+    shapes: dict[str, tuple[int, ...]]
+    upload_codec: dict
+    delta_codec: Int8Codec
+    hyper: Hyper
+
+    def close(self) -> None:
+        self.params.close()
+        self.state.reader.close()
+
+
+@dataclass
+class _Tried:
+    out: Outputs
+    result: PassResult
+    shares: dict[str, Share] = field(default_factory=dict)
+
+
+def _open_base(inputs: CloseInputs) -> _Base:
+    cfg = inputs.cfg
+    params = TensorFileReader(inputs.base_params)
+    try:
+        state = open_outer_state(inputs.base_state)
+    except BaseException:
+        params.close()
+        raise
+    names = json.loads(params.metadata["param_names"])
+    return _Base(
+        params,
+        state,
+        {n: params.entries[n].shape for n in names},
+        make_codec(cfg.compression.kind, cfg.compression.block_size).describe(),
+        Int8Codec(cfg.compression.block_size),
+        Hyper(cfg.outer.lr_at(inputs.version), cfg.outer.momentum, cfg.outer.nesterov),
+    )
+
+
+def _close(
+    inputs: CloseInputs,
+    base: _Base,
+    clock: _StageClock,
+    evaluate: Callable[[Path], float],
+    base_loss: float | None,
+    hit: Callable[[str], None],
+) -> Closed:
+    unreadable: dict[str, str] = {}
+    left_out: dict[str, str] = {}
+    decision, measured_base = None, None
+    policy = inputs.cfg.aggregation
+    while True:
+        kept = [u for u in inputs.uploads if u.id not in unreadable | left_out]
+        if unreadable:
+            decision = decide_after_exclusions(
+                inputs.version,
+                kept=len(kept) + len(left_out),
+                excluded=unreadable,
+                quorum=inputs.quorum,
+            )
+            if decision.action is not Action.CLOSE:
+                codes = dict.fromkeys(unreadable, "blob_unreadable")
+                return Closed(
+                    unreadable, codes, decision, False, None, None, None, None, measured_base,
+                    None, {}, clock.seconds,
+                )  # fmt: skip
+        try:
+            tried = _try_step(inputs, base, kept, clock)
+        except SourceUnreadable as err:
+            unreadable[err.source_id] = err.reason
+            log.warning("run %s round %d: %s", inputs.run_id, inputs.version, err)
+            continue
+        hit("close.aggregate")
+        hit("close.step")
+        result, loss = tried.result, None
+        if should_judge(finite=result.finite, judge_windows=policy.judge_windows):
+            if base_loss is None:
+                measured_base = base_loss = evaluate(inputs.base_params)
+            loss = evaluate(tried.out.params.temp_path)
+            clock.lap("judge")
+        verdict = (
+            judge_step(base_loss, loss, finite=result.finite, max_loss_ratio=policy.max_loss_ratio)
+            if loss is not None or not result.finite
+            else StepVerdict(True, "ok", "published unjudged; eval loss pending")
+        )
+        hit("close.eval")
+        if verdict.ok:
+            break
+        tried.out.abort()
+        if len(kept) - 1 < inputs.quorum:
+            raise StepRejected(verdict, left_out)
+        culprit = max(kept, key=lambda u: tried.shares[u.id].distance)
+        left_out[culprit.id] = f"the step with it was discarded ({verdict.reason})"
+        log.warning(
+            "run %s round %d: %s; trying again without %s",
+            inputs.run_id, inputs.version, verdict.reason, culprit.id,
+        )  # fmt: skip
+    params_sha, delta_sha = tried.out.commit()
+    clock.lap("write")
+    codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
+    return Closed(
+        unreadable | left_out,
+        codes,
+        decision,
+        True,
+        params_sha,
+        delta_sha,
+        math.sqrt(tried.result.change_sq),
+        loss,
+        measured_base,
+        verdict,
+        tried.shares,
+        clock.seconds,
+    )
+
+
+def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _StageClock) -> _Tried:
+    """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
+    version's files written to temp names, and what each contribution put in. sha256 runs
+    on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
+    policy = inputs.cfg.aggregation
+    norms = {u.id: u.norm for u in kept}
+    total = sum(u.weight for u in kept)
+    _, clip = clip_factors(norms, inputs.history, policy)
+    coefficients = [u.weight * clip[u.id] / total for u in kept]
+    with contextlib.ExitStack() as stack:
+        hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
+        out = _outputs(inputs, base, hasher)
+
+        def open_uploads() -> list[UploadFile]:  # read from the start, hashed from the start
+            return [
+                stack.enter_context(
+                    contextlib.closing(
+                        UploadFile(u.id, u.path, base.shapes, base.upload_codec, hasher)
+                    )
+                )
+                for u in kept
+            ]
+
+        step = Step(base.hyper, base.params, base.state, base.delta_codec, out)
+        block = base.delta_codec.block_size
+        try:
+            uploads = open_uploads()
+            if policy.method != "centered_clip":
+                result = run_pass(uploads, coefficients, base.shapes, block_size=block, step=step)
+                dots, v_sq, factors = result.dots, result.g_sq, clip
+            else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
+                first = run_pass(uploads, coefficients, base.shapes, block_size=block, keep=True)
+                dots, v_sq = first.dots, first.g_sq
+                factors = centre_pulls(distances(norms, dots, v_sq))
+                pulls = [u.weight * factors[u.id] / total for u in kept]
+                centre = (first.kept, 1.0 - sum(pulls))
+                result = run_pass(
+                    open_uploads(), pulls, base.shapes, block_size=block, center=centre, step=step
+                )
+            out.params.settle()  # before its hashing thread goes
+        except BaseException:
+            out.abort()
+            raise
+    clock.lap("pass")
+    for part, spent in result.seconds.items():  # where the pass's time went
+        clock.seconds[f"pass_{part}"] = clock.seconds.get(f"pass_{part}", 0.0) + spent
+    dist = distances(norms, dots, v_sq)
+    v_norm = math.sqrt(v_sq)
+    shares = {
+        u.id: Share(u.weight, u.norm, factors[u.id], cosine(u.norm, dots[u.id], v_norm), dist[u.id])
+        for u in kept
+    }
+    return _Tried(out, result, shares)
+
+
+def _outputs(inputs: CloseInputs, base: _Base, hasher: ThreadPoolExecutor) -> Outputs:
+    names = list(base.shapes)
+    meta = {"run_id": inputs.run_id}
+    hp = base.hyper
+    hparams = {"lr": hp.lr, "momentum": hp.momentum, "nesterov": hp.nesterov}
+    delta_meta = deltas.metadata(
+        run_id=inputs.run_id,
+        version=inputs.version,
+        base_version=inputs.version - 1,
+        names=names,
+        codec=base.delta_codec,
+    )
+    writers: list[TensorFileWriter] = []
+    try:
+        writers.append(
+            TensorFileWriter(
+                inputs.out.params,
+                params_entries(base.shapes),
+                params_metadata(version=inputs.version, names=names, metadata=meta),
+                hasher=hasher,
+            )
+        )
+        writers.append(
+            TensorFileWriter(
+                inputs.out.state,
+                state_entries(base.shapes),
+                state_metadata(version=inputs.version, names=names, hparams=hparams, metadata=meta),
+                digest=False,
+            )
+        )
+        writers.append(
+            TensorFileWriter(
+                inputs.out.delta, deltas.entries(base.shapes, base.delta_codec), delta_meta
+            )
+        )
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return Outputs(*writers)
+
+
+class _StageClock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now
