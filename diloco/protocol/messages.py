@@ -81,14 +81,15 @@ class ErrorCode(StrEnum):
     STORAGE_FAILED = "storage_failed"
 
 
+# the schema of every error answer in the server's OpenAPI (server.openapi)
 class ErrorBody(BaseModel):
     """Every error answer: a stable code, a sentence a person can act on, and sometimes more
     fields (``current_round``, ``status``, ``retry_after_s``, ``expected``...)."""
 
     model_config = ConfigDict(extra="allow")
 
-    error: str
-    detail: str
+    error: str = Field(description="a stable code: branch on this")
+    detail: str = Field(description="a sentence a person can act on")
 
 
 _Count = Annotated[int, Field(ge=0, le=1 << 62)]
