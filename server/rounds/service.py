@@ -17,6 +17,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import parameter_shapes
+from diloco.codec import make_codec
 from diloco.config import RunConfig, parse_config
 from diloco.protocol.rules import decide_close
 from diloco.protocol.state import (
@@ -27,7 +28,7 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
 )
-from diloco.wire_header import DIGEST_BYTES, PREFIX
+from diloco.wire_header import PREFIX, body_bytes, specs_for
 from server.contributors.models import Contributor
 from server.errors import NotFound
 from server.rounds.models import Contribution, Lease, Round
@@ -62,17 +63,9 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
 
 def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:
     """The exact frame bytes of a contribution for this model and codec, plus header room."""
-    block = cfg.compression.block_size
-    frames = 0
-    for shape in model_shapes(cfg).values():
-        numel = 1
-        for d in shape:
-            numel *= d
-        if cfg.compression.kind == "int8":
-            frames += numel + 4 * -(-numel // block)
-        else:
-            frames += 4 * numel
-    return PREFIX.size + frames + DIGEST_BYTES + settings.upload_slack_bytes
+    codec = make_codec(cfg.compression.kind, cfg.compression.block_size)
+    specs = specs_for(codec, model_shapes(cfg))
+    return body_bytes(PREFIX.size + settings.upload_slack_bytes, specs)
 
 
 # ---------------------------------------------------------------- rounds
