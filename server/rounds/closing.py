@@ -34,7 +34,6 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
-from diloco.protocol.late import late_weight
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import evals
@@ -170,18 +169,14 @@ async def _read_inputs(
         base_params_key=base.params_key,
         base_state_key=base.state_key,
         base_eval_loss=base.eval_loss,
-        contributions=[Stored(c.id, c.blob_key, float(_weight(c)), c.norm or 0.0) for c in rows],
+        contributions=[
+            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0) for c in rows
+        ],
         history=[h for h in history if h is not None],
         quorum=cfg.rounds.quorum,
     )
-    aggregated = [Aggregated(c.id, c.contributor_id, _weight(c), c.loss) for c in rows]
+    aggregated = [Aggregated(c.id, c.contributor_id, c.counted_weight, c.loss) for c in rows]
     return inputs, aggregated
-
-
-def _weight(c: Contribution) -> int:
-    """The tokens it counts for in the step and in credit: its weight when accepted (rows
-    from before weights were measured: their claim), discounted by its staleness."""
-    return late_weight(c.tokens if c.weight is None else c.weight, c.staleness)
 
 
 async def _publish(

@@ -5,6 +5,7 @@ from datetime import datetime
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
+    ColumnElement,
     Float,
     ForeignKey,
     ForeignKeyConstraint,
@@ -16,8 +17,9 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import InstrumentedAttribute, Mapped, mapped_column
 
+from diloco.protocol.late import late_weight
 from server.db import Base
 
 
@@ -171,6 +173,25 @@ class Contribution(Base):
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes
     blob_deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    @property
+    def counted_weight(self) -> int:
+        """The tokens it counts for in its step and in credit: its weight when accepted
+        (rows from before weights were measured: their claim), discounted by its staleness."""
+        return late_weight(self.tokens if self.weight is None else self.weight, self.staleness)
+
+    @classmethod
+    def counted_weight_sql(cls) -> ColumnElement[int]:
+        """``counted_weight`` in SQL, for sums over many rows."""
+        return late_weight_sql(func.coalesce(cls.weight, cls.tokens), cls.staleness)
+
+
+def late_weight_sql(
+    weight: ColumnElement[int], staleness: ColumnElement[int] | InstrumentedAttribute[int]
+) -> ColumnElement[int]:
+    """``diloco.protocol.late.late_weight`` in SQL: ⌈w / (1 + s)⌉ = (w + s) // (1 + s) in
+    integer division, 0 for a weight of 0 or less (a test holds the two to the same answers)."""
+    return (func.greatest(weight, 0) + staleness) // (1 + staleness)
 
 
 class UploadRejection(Base):

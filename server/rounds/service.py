@@ -255,11 +255,7 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
         select(
             Contribution.merged_into_round,
             func.count(Contribution.id),
-            # late_weight in SQL: ⌈w / (1 + s)⌉ = (w + s) / (1 + s) in integer division
-            func.sum(
-                (func.coalesce(Contribution.weight, Contribution.tokens) + Contribution.staleness)
-                / (1 + Contribution.staleness)
-            ),
+            func.sum(Contribution.counted_weight_sql()),
             func.avg(Contribution.loss),
             func.count(Contribution.id).filter(late),
         )
