@@ -153,10 +153,6 @@ class Settings(BaseSettings):
         return url
 
     @property
-    def lease_ttl(self) -> float:
-        return self.lease_ttl_s
-
-    @property
     def close_memory_budget(self) -> int:
         """``close_memory_budget_bytes``, or half of the physical memory when unset."""
         if self.close_memory_budget_bytes is not None:

@@ -60,14 +60,6 @@ def _forge(header: dict[str, Any] | bytes, frames: bytes) -> bytes:
     return prefix + hashlib.sha256(prefix).digest()
 
 
-def _feed_in(body: bytes, size: int, decoder: ContributionDecoder) -> list[str]:
-    names = []
-    for i in range(0, len(body), size):
-        names += [name for name, _ in decoder.feed(body[i : i + size])]
-    decoder.finish()
-    return names
-
-
 def _assert_same(got: dict[str, EncodedTensor], sent: dict[str, EncodedTensor]) -> None:
     assert list(got) == list(sent)
     for name, t in sent.items():
