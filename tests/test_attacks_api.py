@@ -15,6 +15,7 @@ import torch
 
 from diloco.attacks import ATTACKS, Attack, hostile_body
 from diloco.config import parse_config
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
@@ -117,7 +118,7 @@ def test_one_attacker_is_refused_or_bounded(
     # version's momentum: round 2, for the stale attack, carries round 1's)
     state = None
     if index > 1:
-        checkpoints = server.data_dir / "blobs" / "runs" / run["id"] / "checkpoints"
+        checkpoints = server.data_dir / "blobs" / keys.checkpoints(run["id"])
         state = read_outer_state(checkpoints / f"{index - 1}.state.safetensors")
     honest_norm = update_norm(reference_step(run, base, works, state).params, base)
     assert moved <= 2.0 * honest_norm, (attack, moved, honest_norm)

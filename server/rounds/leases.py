@@ -37,8 +37,8 @@ from diloco.protocol.state import (
     RoundView,
     RunStatus,
 )
+from server import keys
 from server.auth import UNKNOWN_TOKEN, banned, hash_token
-from server.checkpoints.service import version_keys
 from server.errors import (
     HubError,
     Internal,
@@ -54,7 +54,6 @@ from server.rounds import sizing
 from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
 from server.runs import coverage
-from server.runs.data import shard_object
 from server.settings import Settings
 from server.storage import Storage
 
@@ -258,7 +257,7 @@ def _lease_answer(
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
     dataset = row["dataset_id"]
-    checkpoint_key = version_keys(run_id, version).params
+    checkpoint_key = keys.version(run_id, version).params
     return Lease(
         lease_id=lease["id"],
         run_id=run_id,
@@ -277,7 +276,7 @@ def _lease_answer(
             url=read_url(
                 settings,
                 storage,
-                shard_object(run_id, dataset, index),
+                keys.training_shard(run_id, dataset, index),
                 f"{API}/runs/{run_id}/shards/{index}",
             ),
             sha256=shard["sha256"],

@@ -56,6 +56,7 @@ from diloco.robust import Share, SourceUnreadable, centre_pulls, clip_factors, c
 from diloco.tensorfile import TensorFileReader, TensorFileWriter
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.keys import version as version_keys
 from server.staging import Stage
 from server.storage import Storage
 
@@ -320,7 +321,7 @@ def _try_step(
 
 
 def _outputs(stage: Stage, inputs: StepInputs, base: _Base, hasher: ThreadPoolExecutor) -> Outputs:
-    keys = checkpoints_service.version_keys(inputs.run_id, inputs.version)
+    keys = version_keys(inputs.run_id, inputs.version)
     names = list(base.shapes)
     meta = {"run_id": inputs.run_id}
     writers: list[TensorFileWriter] = []

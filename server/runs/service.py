@@ -21,6 +21,7 @@ from diloco.close_memory import close_memory_bytes
 from diloco.config import RunConfig
 from diloco.hf import HFError, load_initial
 from diloco.train import parameters_of
+from server import keys
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
 from server.datasets import service as datasets_service
@@ -279,7 +280,7 @@ def eval_val_bytes(cfg: RunConfig, settings: Settings, itemsize: int) -> int:
 
 def _discard_files(storage: Storage, run_id: str) -> None:
     try:
-        count = storage.delete_prefix(f"runs/{run_id}/")
+        count = storage.delete_prefix(keys.run(run_id))
     except OSError as err:
         log.error(
             "creating run %s failed, then removing its files: %s (the janitor will)", run_id, err
