@@ -183,9 +183,9 @@ async def apply(
         removals: list[tuple[str, Sequence[str], str]] = []  # (kind, keys, what and why)
         why = dict(decided.versions)
         async with sessions() as session, session.begin():
-            for version, keys in await _mark_versions(session, run.id, list(why), now):
+            for version, files in await _mark_versions(session, run.id, list(why), now):
                 removals.append(
-                    ("retired_checkpoint", keys, f"run {run.id} version {version}: {why[version]}")
+                    ("retired_checkpoint", files, f"run {run.id} version {version}: {why[version]}")
                 )
         grace = policy.contribution_grace_s
         if decided.contributions and grace is not None:
