@@ -118,7 +118,7 @@ class _ProtocolRun:
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
         self.heartbeat_every = timedelta(
-            seconds=max(CLIENT_MIN_HEARTBEAT_S, settings.heartbeat_interval_s)
+            seconds=max(CLIENT_MIN_HEARTBEAT_S, cfg.rounds.heartbeat_interval_s)
         )
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)

@@ -33,7 +33,6 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
         database_url=database_url,
         faults="eval.version=fail@2*10",
         close_retry_base_s=0.3,
-        eval_windows=EVAL_WINDOWS,
     )
     try:
         yield proc.wait_ready()
@@ -44,7 +43,10 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 def test_a_version_is_published_with_its_eval_pending_and_the_eval_fills_it_in(server):
     # Prepare: a run whose round 1 closes on one upload
     http = server.client()
-    run = create_run(http, server_run_config(rounds={"quorum": 1, "max_rounds": 3}))
+    config = server_run_config(rounds={"quorum": 1, "max_rounds": 3})
+    config["eval"] = {"windows": EVAL_WINDOWS}  # the run's, recorded with it
+    run = create_run(http, config)
+    assert run["config"]["eval"] == {"windows": EVAL_WINDOWS}
     token = register(http, "only")
     assert upload(http, token, train(http, token, run["id"], steps=2)).status_code == 201
 

@@ -93,7 +93,7 @@ async def close_claimed(
                 apply_outer_step,
                 storage,
                 inputs,
-                eval_windows=settings.eval_windows,
+                eval_windows=inputs.cfg.eval.windows,
                 faults=faults,
             ),
         )

@@ -73,7 +73,8 @@ _ME = """me AS (UPDATE contributors SET last_seen_at = $2
 
 HEARTBEAT_FACTS = f"""
 WITH {_ME}
-SELECT run.status AS run_status, r.index, r.state, r.opened_at, r.deadline, r.extensions,
+SELECT run.status AS run_status, run.config::text AS config,
+       r.index, r.state, r.opened_at, r.deadline, r.extensions,
        (SELECT max(index) FROM rounds WHERE run_id = $3 AND state <> 'closed') AS current,
        EXISTS (SELECT 1 FROM leases l WHERE l.id = $5 AND l.run_id = $3
                AND l.round_index = $4 AND l.contributor_id = me.id) AS held
@@ -187,7 +188,7 @@ async def join(
             )
         facts = JoinFacts(RunStatus(row["run_status"]), view, row["contributed"], held)
         policy = LeasePolicy.of(
-            ttl_s=settings.lease_ttl_s,
+            ttl_s=_run_config(row["config"]).rounds.lease_ttl_s,
             n_shards=row["n_shards"],
             sweep_interval_s=settings.sweep_interval_s,
         )
@@ -294,7 +295,7 @@ def _lease_answer(
         deadline=rnd.deadline,
         deadline_in_s=(rnd.deadline - now).total_seconds(),
         lease_expires_at=lease["expires_at"],
-        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
         upload=upload_target(
             settings,
@@ -352,7 +353,8 @@ async def heartbeat(
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
         rnd = _round_view(row)
         facts = HeartbeatFacts(RunStatus(row["run_status"]), rnd, row["current"], row["held"])
-        grant = admit_heartbeat(now, facts, ttl_s=settings.lease_ttl_s)
+        ttl_s = _run_config(row["config"]).rounds.lease_ttl_s
+        grant = admit_heartbeat(now, facts, ttl_s=ttl_s)
         if isinstance(grant, Refusal):
             raise refused(grant)
         await conn.execute(RENEW, lease_id, now, grant.expires_at, step, loss)

@@ -42,8 +42,8 @@ def run_config(run: Run) -> RunConfig:
     return parse_config(run.config)
 
 
-def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
-    return ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
+def close_policy(cfg: RunConfig) -> ClosePolicy:
+    return ClosePolicy.of(cfg.rounds)
 
 
 def view_of(rnd: Round) -> RoundView:
@@ -162,7 +162,7 @@ async def decide(
     *, session: AsyncSession, rnd: Round, cfg: RunConfig, settings: Settings, now: datetime
 ) -> tuple[int, Decision]:
     view, contributions, leases = await round_views(session=session, rnd=rnd)
-    decision = decide_close(now, view, contributions, leases, close_policy(cfg, settings))
+    decision = decide_close(now, view, contributions, leases, close_policy(cfg))
     counted = {c.contributor_id for c in contributions if not c.excluded}
     return len(counted), decision
 

@@ -275,7 +275,7 @@ async def create_on_dataset(
 
 def eval_val_bytes(cfg: RunConfig, settings: Settings, itemsize: int) -> int:
     """The validation tokens an eval reads (its windows), in bytes as read from storage."""
-    return (settings.eval_windows * cfg.model.block_size + 1) * itemsize
+    return (cfg.eval.windows * cfg.model.block_size + 1) * itemsize
 
 
 def _discard_files(storage: Storage, run_id: str) -> None:
