@@ -159,7 +159,7 @@ async def round_views(
 
 
 async def decide(
-    *, session: AsyncSession, rnd: Round, cfg: RunConfig, settings: Settings, now: datetime
+    *, session: AsyncSession, rnd: Round, cfg: RunConfig, now: datetime
 ) -> tuple[int, Decision]:
     view, contributions, leases = await round_views(session=session, rnd=rnd)
     decision = decide_close(now, view, contributions, leases, close_policy(cfg))
@@ -174,7 +174,7 @@ async def current_view(
     if rnd is None:
         return None
     cfg = run_config(run)
-    accepted, decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
+    accepted, decision = await decide(session=session, rnd=rnd, cfg=cfg, now=now)
     reason = decision.reason if rnd.state == RoundState.OPEN else closing_reason(rnd)
     if run.status != RunStatus.ACTIVE and rnd.state == RoundState.OPEN:
         reason = f"run is {run.status}"
