@@ -22,10 +22,7 @@ import math
 import os
 import random
 import secrets
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,21 +38,15 @@ sys.path.insert(0, str(REPO))
 from server.contributors.models import Contributor  # noqa: E402
 from server.rounds.models import Contribution, Lease, Round  # noqa: E402
 from server.runs.models import Run  # noqa: E402
+from tests.support.live import ADMIN_TOKEN, ServerProcess  # noqa: E402
 
 API = "/api/v1"
-ADMIN = "adm_bench"
 CHROMIUM = os.environ.get("DILOCO_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu",
     "--disable-background-networking", "--disable-component-update",
 ]  # fmt: skip
 NAMES = "alice bob carol dave erin frank grace heidi ivan judy mallory niaj olivia peggy".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -92,27 +83,12 @@ def database(tmp: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def server(tmp: Path, database_url: str) -> Iterator[str]:
-    """A real `diloco serve` on loopback; its base URL. Stopped by its PID."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "client.cli", "serve", "--port", str(port)]
-    cmd += ["--data-dir", str(tmp / "srv"), "--database-url", database_url]
-    env = {**os.environ, "DILOCO_ADMIN_TOKEN": ADMIN, "DILOCO_TORCH_THREADS": "1"}
-    with open(tmp / "server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start; see {tmp / 'server.log'}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+    """A real `diloco serve` on loopback (the tests' ``ServerProcess``); its base URL."""
+    proc = ServerProcess(data_dir=tmp / "srv", database_url=database_url)
+    try:
+        yield proc.wait_ready(timeout=120).url
+    finally:
+        proc.stop()
 
 
 def create_run(http: httpx.Client, *, contributors: int, max_rounds: int) -> dict:
@@ -129,7 +105,7 @@ def create_run(http: httpx.Client, *, contributors: int, max_rounds: int) -> dic
         f"{API}/runs",
         data={"config": json.dumps(config)},
         files={"data": ("shakespeare-excerpt.txt", data, "text/plain")},
-        headers={"Authorization": f"Bearer {ADMIN}"},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
     )
     r.raise_for_status()
     return dict(r.json())

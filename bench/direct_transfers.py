@@ -187,13 +187,13 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
                shapes: dict[str, tuple[int, ...]] | None, s3: S3Server | None,
                scratch: Path) -> tuple[Round, dict[str, tuple[int, ...]]]:  # fmt: skip
     n_layer, n_embd, n_head = shape
-    env = {"DILOCO_SWEEP_INTERVAL_S": "0.2", "DILOCO_EVAL_WINDOWS": str(EVAL_WINDOWS),
-           "DILOCO_RATE_REGISTER": "", "DILOCO_RATE_UPLOAD": ""}  # fmt: skip
+    env = {"DILOCO_SWEEP_INTERVAL_S": "0.2", "DILOCO_RATE_REGISTER": "", "DILOCO_RATE_UPLOAD": ""}
     if s3 is not None:
         env |= s3.env() | {"DILOCO_STORAGE": f"s3://{s3.bucket}/bench-{secrets.token_hex(4)}",
                            "DILOCO_SCRATCH_DIR": str(scratch)}  # fmt: skip
     with diloco_server(**env) as server:
-        run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k, data=data)
+        run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k,
+                         data=data, eval_windows=EVAL_WINDOWS)  # fmt: skip
         run_id = run["id"]
         if shapes is None:  # proxied: the checkpoint route serves it (not measured)
             ckpt = download(server, f"{API}/runs/{run_id}/checkpoints/0", ADMIN)

@@ -283,6 +283,8 @@ async def create_run(
             "target": args.uploaders,
             "timeout_s": 3600,  # never the reason to close here
             "max_rounds": 10,
+            "heartbeat_interval_s": args.interval,  # what the leases tell the volunteers
+            "lease_ttl_s": max(30.0, 3 * args.interval),
         },
     }
     form = aiohttp.FormData()
@@ -369,10 +371,7 @@ def main() -> None:
 
     results = []
     for n in [int(x) for x in args.volunteers.split(",")]:
-        env = {
-            "DILOCO_HEARTBEAT_INTERVAL_S": str(args.interval),
-            "DILOCO_TORCH_THREADS": str(args.torch_threads),
-        }
+        env = {"DILOCO_TORCH_THREADS": str(args.torch_threads)}
         with (
             tempfile.TemporaryDirectory(prefix="diloco-load-") as tmp,
             fresh_database(args.database_url) as db,

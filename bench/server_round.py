@@ -185,11 +185,12 @@ def bench_size(
     label: str, shape: tuple[int, int, int], k: int, data: Path, scratch: Path
 ) -> Figures:
     n_layer, n_embd, n_head = shape
-    env = {"DILOCO_SWEEP_INTERVAL_S": "0.2", "DILOCO_EVAL_WINDOWS": str(EVAL_WINDOWS)}
+    env = {"DILOCO_SWEEP_INTERVAL_S": "0.2"}
     fig = Figures([])
     with diloco_server(**env) as server:
         idle_rss = rss_mib(server.pid)
-        run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k, data=data)
+        run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k,
+                         data=data, eval_windows=EVAL_WINDOWS)  # fmt: skip
         run_id, n_params = run["id"], run["n_params"]
         model_mib = n_params * 4 / 2**20
         volunteers = [join(server, run_id, f"bench{i}") for i in range(k)]

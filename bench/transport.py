@@ -172,13 +172,14 @@ def multipart(fields: dict[str, tuple[str | None, bytes, str | None]]) -> tuple[
 
 
 def create_run(server: DilocoServer, *, n_layer: int, n_embd: int, n_head: int,
-               quorum: int, data: Path) -> dict:  # fmt: skip
+               quorum: int, data: Path, eval_windows: int = 64) -> dict:  # fmt: skip
     config = {
         "name": "bench-transport",
         "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": 128},
         "data": {"path": data.name},
         "inner": {"steps": 1},
         "rounds": {"quorum": quorum, "target": quorum, "timeout_s": 3600, "max_rounds": 10},
+        "eval": {"windows": eval_windows},  # validation windows the server scores per version
     }
     body, ctype = multipart({
         "config": (None, json.dumps(config).encode(), None),

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from diloco.protocol import messages
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -30,14 +32,9 @@ class Hardware:
     client_version: str
 
     def report(self) -> dict[str, Any]:
-        """The profile fields, with unknown ones left out (the server bounds every field)."""
-        limits = {"device": 16, "device_name": 128, "os": 128, "python": 32, "torch": 64}
-        out: dict[str, Any] = {}
-        for key, value in asdict(self).items():
-            if value is None:
-                continue
-            out[key] = value[: limits.get(key, 32)] if isinstance(value, str) else value
-        return out
+        """The profile fields, with unknown ones left out and each string cut to the bound
+        the server checks (``diloco.protocol.messages.Hardware``)."""
+        return messages.Hardware.clipped(asdict(self)).report()
 
     def summary(self) -> str:
         memory = f", {self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else ""

@@ -45,10 +45,6 @@ class ApiError(Exception):
         self._retry_after_header = retry_after_s  # a Retry-After header in seconds, if any
 
     @property
-    def retryable(self) -> bool:
-        return self.status >= 500 or self.status in TRY_AGAIN
-
-    @property
     def retry_after_s(self) -> float | None:
         """When the server said to come back (its ``Retry-After`` header, else the body's
         ``retry_after_s``), if it did."""

@@ -194,29 +194,12 @@ def simulate(
             show_default=False,
         ),
     ] = None,
-    lease_ttl_s: Annotated[
-        float, typer.Option(help="protocol: the hub's lease TTL.", envvar="DILOCO_LEASE_TTL_S")
-    ] = 30.0,
-    heartbeat_interval_s: Annotated[
-        float,
-        typer.Option(
-            help="protocol: volunteers' heartbeat interval.", envvar="DILOCO_HEARTBEAT_INTERVAL_S"
-        ),
-    ] = 10.0,
     sweep_interval_s: Annotated[
         float,
         typer.Option(
             help="protocol: how often the sweeper ticks.", envvar="DILOCO_SWEEP_INTERVAL_S"
         ),
     ] = 1.0,
-    max_extensions: Annotated[
-        int | None,
-        typer.Option(
-            help="protocol: deadline extensions below quorum (default: no limit).",
-            envvar="DILOCO_MAX_EXTENSIONS",
-            show_default=False,
-        ),
-    ] = None,
     close_s: Annotated[
         float,
         typer.Option(help="protocol: simulated seconds a close takes.", envvar="DILOCO_CLOSE_S"),
@@ -305,9 +288,6 @@ def simulate(
                 outages=tuple(_outage(o) for o in outage or ()),
                 hub=HubSettings(
                     sweep_interval_s=sweep_interval_s,
-                    heartbeat_interval_s=heartbeat_interval_s,
-                    lease_ttl_s=lease_ttl_s,
-                    max_extensions=max_extensions,
                     close_s=close_s,
                 ),
                 max_sim_s=max_sim_s,

@@ -219,6 +219,15 @@ class RoundsSection(_Section):
     # (1 + staleness) (diloco.protocol.late); 0 refuses late work. Past 10 versions a
     # contribution would weigh under a tenth of a fresh one: not worth the upload
     max_staleness: int = Field(1, ge=0, le=10)
+    # a round past its deadline below quorum is extended by timeout_s, at most this many
+    # times; then it waits for quorum, unextended. None: extend for ever
+    max_extensions: int | None = Field(None, ge=0, le=1_000_000)
+    # volunteers heartbeat this often (their lease says so); the client never heartbeats
+    # more often than once a second. The hub may ask for less often (an operator limit)
+    heartbeat_interval_s: float = Field(10.0, ge=1.0, le=3600.0)
+    # a lease lapses this long after its last heartbeat (its holder is taken for gone and
+    # its work no longer awaited): longer than a heartbeat interval, or every lease lapses
+    lease_ttl_s: float = Field(30.0, ge=1.0, le=86400.0)
 
     @model_validator(mode="after")
     def _target_not_below_quorum(self) -> RoundsSection:
@@ -226,7 +235,22 @@ class RoundsSection(_Section):
             raise ValueError(
                 f"target: target ({self.target}) must be at least quorum ({self.quorum})"
             )
+        if self.lease_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"lease_ttl_s: lease_ttl_s ({self.lease_ttl_s:g}) must be longer than "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g}), or every lease lapses "
+                "between two heartbeats"
+            )
         return self
+
+
+class EvalSection(_Section):
+    """How a version's eval loss is measured (the server's, after each close, and the
+    guard's before publishing a step it judges)."""
+
+    # validation windows of block_size + 1 tokens scored per version (fewer when the
+    # validation data holds fewer). The hub may cap it (an operator limit)
+    windows: int = Field(64, ge=1, le=1 << 20)
 
 
 class CompressionSection(_Section):
@@ -296,6 +320,7 @@ class RunConfig(_Section):
     compression: CompressionSection = CompressionSection()
     aggregation: AggregationSection = AggregationSection()
     retention: RetentionSection = RetentionSection()
+    eval: EvalSection = EvalSection()
 
     @property
     def total_inner_steps(self) -> int:

@@ -32,6 +32,7 @@ from diloco.manifest import (
     Source,
     TokenizerEntry,
     read_manifest,
+    shard_file,
     token_dtype,
 )
 from diloco.tokenizer import TextTokenizer, resolve
@@ -114,7 +115,7 @@ class TokenSink:
     def _train(self, part: np.ndarray) -> None:
         while part.size:
             if self.shard is None:
-                path = self.out / f"shard-{len(self.shards):05d}.bin"
+                path = self.out / shard_file(len(self.shards))
                 self.shard = _File(path, open(path, "wb"))  # noqa: SIM115
             room = self.opts.shard_tokens - self.shard.tokens
             head, part = part[:room], part[room:]

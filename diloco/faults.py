@@ -3,7 +3,7 @@
 Code calls ``faults.hit("close.write")`` after each stage it wants testable; a test arms
 the injector (in the style of torchft's ``EventInjector``), either in process::
 
-    faults = FaultInjector().fail_at("close.aggregate", times=2).die_at("close.write")
+    faults = FaultInjector().fail_at("close.aggregate", times=2)
 
 or in a child process through a setting (``DILOCO_FAULTS``), in the same words::
 
@@ -88,9 +88,6 @@ class FaultInjector:
 
     def fail_at(self, point: str, *, at: int = 1, times: int = 1) -> FaultInjector:
         return self._arm(point, "fail", at=at, times=times)
-
-    def die_at(self, point: str, *, at: int = 1) -> FaultInjector:
-        return self._arm(point, "die", at=at, times=1)
 
     def _arm(
         self, point: str, kind: Kind, *, at: int, times: int, seconds: float = STALL_S

@@ -35,6 +35,13 @@ VERSION: Literal[1] = 1
 MANIFEST = "manifest.json"
 TOKENIZER: Literal["tokenizer.json"] = "tokenizer.json"
 VAL = "val.bin"
+
+
+def shard_file(index: int) -> str:
+    """The file name of training shard ``index``."""
+    return f"shard-{index:05d}.bin"
+
+
 SHARD_NAME = re.compile(r"^shard-\d{5}\.bin$")
 MAX_SHARDS = 100_000  # shard-NNNNN
 MAX_VOCAB = 1 << 24  # past any tokenizer in use (Llama 3: 128,256)
@@ -109,8 +116,8 @@ class Manifest(_Part):
             )
         size = itemsize(self.dtype)
         for i, entry in enumerate(self.shards):
-            if entry.file != f"shard-{i:05d}.bin":
-                raise ValueError(f"shards[{i}].file must be shard-{i:05d}.bin, not {entry.file!r}")
+            if entry.file != shard_file(i):
+                raise ValueError(f"shards[{i}].file must be {shard_file(i)}, not {entry.file!r}")
             if entry.nbytes != entry.tokens * size:
                 raise ValueError(f"shards[{i}]: nbytes must be tokens x {size}")
             if entry.tokens > self.shard_tokens:

@@ -105,7 +105,7 @@ class _ProtocolRun:
             evaluate=Recorder(cfg, opts, data, device, None).evaluator(build_model(cfg.model)),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
-        self.heartbeat_every = timedelta(seconds=heartbeat_every(settings.heartbeat_interval_s))
+        self.heartbeat_every = timedelta(seconds=heartbeat_every(cfg.rounds.heartbeat_interval_s))
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)
         self.volunteers = build_volunteers(cfg, opts, proto, device)

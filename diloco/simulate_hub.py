@@ -98,9 +98,9 @@ class Hub:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
         self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
         # the very policies the server builds (diloco.protocol.state)
-        self.closing = ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
+        self.closing = ClosePolicy.of(cfg.rounds)
         self.leasing = LeasePolicy.of(
-            ttl_s=settings.lease_ttl_s,
+            ttl_s=cfg.rounds.lease_ttl_s,
             n_shards=n_shards,
             sweep_interval_s=settings.sweep_interval_s,
         )
@@ -199,7 +199,7 @@ class Hub:
             current_round=self.current,
             lease_held=log is not None and who in log.leases,
         )
-        grant = admit_heartbeat(now, facts, ttl_s=self.settings.lease_ttl_s)
+        grant = admit_heartbeat(now, facts, ttl_s=self.cfg.rounds.lease_ttl_s)
         if isinstance(grant, HeartbeatGrant):
             assert log is not None
             lease = log.leases[who]

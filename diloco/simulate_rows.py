@@ -17,24 +17,20 @@ from diloco.simulate_server import RoundDesk
 
 @dataclass(frozen=True)
 class HubSettings:
-    """The server settings that shape a round; the defaults are ``server.settings``'s."""
+    """The hub's own settings that shape a round (the defaults are ``server.settings``'s);
+    the run's heartbeats, lease TTL and extensions are its config's ``[rounds]``, as on a
+    real hub."""
 
     sweep_interval_s: float = 1.0  # how often the sweeper asks decide_close
-    heartbeat_interval_s: float = 10.0  # what leases tell volunteers
-    lease_ttl_s: float = 30.0  # a lease lapses this long after its last heartbeat
-    max_extensions: int | None = None  # deadline extensions below quorum (None: no limit)
     close_s: float = 0.0  # simulated seconds a close takes (aggregate, step, eval, write)
     n_shards: int | None = None  # training shards; None: one per volunteer, as diloco mode
 
     def __post_init__(self) -> None:
-        for name in ("sweep_interval_s", "heartbeat_interval_s", "lease_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        sweep = self.sweep_interval_s
+        if not (math.isfinite(sweep) and sweep > 0):
+            raise ValueError(f"sweep_interval_s: must be a positive number of seconds, got {sweep}")
         if not (math.isfinite(self.close_s) and self.close_s >= 0):
             raise ValueError(f"close_s: must be 0 or more seconds, got {self.close_s}")
-        if self.max_extensions is not None and self.max_extensions < 0:
-            raise ValueError(f"max_extensions: must be at least 0, got {self.max_extensions}")
         if self.n_shards is not None and self.n_shards < 1:
             raise ValueError(f"n_shards: must be at least 1, got {self.n_shards}")
 

@@ -16,7 +16,6 @@ trains on token ids and never needs it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +163,3 @@ def resolve(
             f"--tokenizer {spec}: no such file; give bytes, train:VOCAB or a tokenizer.json"
         )
     return load_file(path, eod_token=eod_token)
-
-
-def json_sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()

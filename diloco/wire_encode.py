@@ -13,7 +13,12 @@ import numpy as np
 import torch
 
 from diloco.codec import EncodedTensor
-from diloco.wire_header import DIGEST_BYTES, ContributionMeta, prefix_and_header, spec_of
+from diloco.wire_header import (
+    ContributionMeta,
+    body_bytes,
+    prefix_and_header,
+    spec_of,
+)
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -21,7 +26,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 def contribution_nbytes(meta: ContributionMeta, tensors: Mapping[str, EncodedTensor]) -> int:
     """The exact body size ``encode_contribution`` will produce (for Content-Length)."""
     specs = [spec_of(name, t) for name, t in tensors.items()]
-    return len(prefix_and_header(meta, specs)) + sum(s.frame_bytes for s in specs) + DIGEST_BYTES
+    return body_bytes(len(prefix_and_header(meta, specs)), specs)
 
 
 def _le_bytes(x: torch.Tensor) -> memoryview:

@@ -35,9 +35,11 @@ __all__ = [
     "NonFiniteWireError",
     "TensorSpec",
     "WireFormatError",
+    "body_bytes",
     "parse_header",
     "prefix_and_header",
     "spec_of",
+    "specs_for",
 ]
 
 MAGIC = b"DILOCO-C"
@@ -229,6 +231,22 @@ def spec_of(name: str, t: EncodedTensor) -> TensorSpec:
         )
     shape = tuple(int(d) for d in t.shape)
     return TensorSpec(name, shape, _DTYPE_NAMES[data.dtype], scales.numel())
+
+
+def specs_for(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
+    """The tensor specs of a contribution of parameters of these ``shapes`` in ``codec``,
+    known before anything is encoded (what ``spec_of`` gives of the encoded tensors)."""
+    dtype = _DTYPE_NAMES[codec.data_dtype]
+    return [
+        TensorSpec(name, tuple(shape), dtype, codec.n_scales(math.prod(shape)))
+        for name, shape in shapes.items()
+    ]
+
+
+def body_bytes(head_bytes: int, specs: list[TensorSpec]) -> int:
+    """A contribution body's size: ``head_bytes`` of prefix and header, then the frames of
+    ``specs`` and the digest."""
+    return head_bytes + sum(s.frame_bytes for s in specs) + DIGEST_BYTES
 
 
 def prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes:

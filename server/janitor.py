@@ -43,7 +43,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server import retention
+from server import keys, retention
 from server.metrics import JANITOR_ERRORS, JANITOR_PASSES, JANITOR_REMOVED
 from server.rounds.models import Contribution
 from server.runs.models import Run
@@ -51,8 +51,6 @@ from server.settings import Settings
 from server.storage import BlobInfo, Storage
 
 log = logging.getLogger("diloco.server.janitor")
-
-CREATION_CHECKPOINTS = frozenset({"checkpoints/0.safetensors", "checkpoints/0.state.safetensors"})
 
 
 @dataclass(frozen=True)
@@ -78,21 +76,13 @@ class Plan:
     kept: list[str]  # why an old folder without a run row is kept anyway
 
 
-def run_id_of(key: str) -> str | None:
-    parts = key.split("/")
-    return parts[1] if len(parts) >= 3 and parts[0] == "runs" else None
-
-
 def old_round_blobs(blobs: Iterable[BlobInfo], *, known_runs: set[str], cutoff: float) -> list[str]:
     """Keys of contribution blobs (``runs/<id>/rounds/<index>/<name>``) of runs that have a
     row, written before ``cutoff``: those the database must be asked about."""
     return [
         b.key
         for b in blobs
-        if b.modified <= cutoff
-        and run_id_of(b.key) in known_runs
-        and len(parts := b.key.split("/")) == 5
-        and parts[2] == "rounds"
+        if b.modified <= cutoff and keys.run_of(b.key) in known_runs and keys.is_contribution(b.key)
     ]
 
 
@@ -115,20 +105,18 @@ def plan(
     newest: dict[str, float] = {}  # run id -> its folder's newest mtime
     beyond_creation: dict[str, str] = {}  # run id -> a file a run creation never writes
     for info in scan.blobs + scan.unfinished:
-        run_id = run_id_of(info.key)
+        run_id = keys.run_of(info.key)
         if run_id is not None and run_id not in known_runs:
             newest[run_id] = max(newest.get(run_id, info.modified), info.modified)
     for info in scan.blobs:
-        run_id = run_id_of(info.key)
-        if run_id in newest:
-            rest = info.key.removeprefix(f"runs/{run_id}/")
-            if not rest.startswith("data/") and rest not in CREATION_CHECKPOINTS:
-                beyond_creation.setdefault(run_id, rest)
+        run_id = keys.run_of(info.key)
+        if run_id in newest and not keys.written_at_creation(info.key):
+            beyond_creation.setdefault(run_id, info.key.removeprefix(keys.run(run_id)))
     orphans: set[str] = set()
     for run_id, last in sorted(newest.items()):
         if last > cutoff:
             continue  # a creation may be under way
-        prefix = f"runs/{run_id}/"
+        prefix = keys.run(run_id)
         if trained := beyond_creation.get(run_id):
             kept.append(
                 f"{prefix} has no run row in this database but holds {trained}, more than a "
@@ -146,7 +134,7 @@ def plan(
         )
 
     for info in scan.unfinished:
-        if run_id_of(info.key) not in orphans and info.modified <= cutoff:
+        if keys.run_of(info.key) not in orphans and info.modified <= cutoff:
             reason = f"an unfinished write, last written {_ago(now - info.modified)} ago"
             removals.append(Removal("temp_file", info.key, reason))
     for info in scan.blobs:
@@ -154,7 +142,7 @@ def plan(
         if (
             len(parts) == 5
             and parts[2] == "incoming"
-            and run_id_of(info.key) not in orphans
+            and keys.run_of(info.key) not in orphans
             and info.modified <= cutoff
         ):
             reason = f"a direct upload never committed, put {_ago(now - info.modified)} ago"
@@ -194,12 +182,12 @@ class Janitor:
         now = time.time()
         cutoff = now - self.max_age
         scan = await asyncio.to_thread(self._scan)
-        on_disk = {r for i in scan.blobs + scan.unfinished if (r := run_id_of(i.key))}
+        on_disk = {r for i in scan.blobs + scan.unfinished if (r := keys.run_of(i.key))}
         referenced: set[str] = set()
         async with self.sessions() as session:
             known = set(await session.scalars(select(Run.id).where(Run.id.in_(on_disk))))
             asked = old_round_blobs(scan.blobs, known_runs=known, cutoff=cutoff)
-            for run_id in sorted({r for key in asked if (r := run_id_of(key))}):
+            for run_id in sorted({r for key in asked if (r := keys.run_of(key))}):
                 query = select(Contribution.blob_key).where(Contribution.run_id == run_id)
                 referenced |= set(await session.scalars(query))
         result = plan(
@@ -225,7 +213,7 @@ class Janitor:
                     except FileNotFoundError:
                         continue  # finished (and removed) meanwhile
         return Scan(
-            blobs=list(self.storage.list_blobs("runs/")),
+            blobs=list(self.storage.list_blobs(keys.RUNS)),
             unfinished=list(self.storage.list_unfinished("")),
             tmp_files=tmp_files,
         )

@@ -19,6 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from diloco.protocol.messages import ErrorBody
+
 Errors = dict[int, tuple[str, ...]]
 
 ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
@@ -200,17 +202,8 @@ SECURITY = {
     },
 }
 
-ERROR_BODY = {
-    "title": "ErrorBody",
-    "type": "object",
-    "required": ["error", "detail"],
-    "properties": {
-        "error": {"type": "string", "description": "a stable code: branch on this"},
-        "detail": {"type": "string", "description": "a sentence a person can act on"},
-    },
-    # some codes carry more: current_round, expected, status, retry_after_s, size
-    "additionalProperties": True,
-}
+# some codes carry more than error and detail: current_round, expected, status, retry_after_s
+ERROR_BODY = ErrorBody.model_json_schema()
 
 
 def _error_response(codes: tuple[str, ...]) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from diloco.config import RetentionSection
+from server import keys
 from server.checkpoints.models import Checkpoint
 from server.metrics import JANITOR_ERRORS, JANITOR_REMOVED
 from server.rounds import service as rounds_service
@@ -164,12 +165,12 @@ async def apply(
         policy = rounds_service.run_config(run).retention
         if policy.keep_last == 0 and policy.contribution_grace_s is None:
             continue
-        mine = {k for k in present if k.startswith(f"runs/{run.id}/")}
+        mine = {k for k in present if k.startswith(keys.run(run.id))}
         async with sessions() as session, session.begin():
             # each query names only the listed keys of its own folder
-            listed = {k for k in mine if k.startswith(f"runs/{run.id}/checkpoints/")}
+            listed = {k for k in mine if k.startswith(keys.checkpoints(run.id))}
             versions, open_bases = await _versions(session, run.id, policy, listed)
-            listed = {k for k in mine if k.startswith(f"runs/{run.id}/rounds/")}
+            listed = {k for k in mine if k.startswith(keys.rounds(run.id))}
             blobs = await _blobs(session, run.id, policy, listed)
         decided = plan(
             now=now,
@@ -182,9 +183,9 @@ async def apply(
         removals: list[tuple[str, Sequence[str], str]] = []  # (kind, keys, what and why)
         why = dict(decided.versions)
         async with sessions() as session, session.begin():
-            for version, keys in await _mark_versions(session, run.id, list(why), now):
+            for version, files in await _mark_versions(session, run.id, list(why), now):
                 removals.append(
-                    ("retired_checkpoint", keys, f"run {run.id} version {version}: {why[version]}")
+                    ("retired_checkpoint", files, f"run {run.id} version {version}: {why[version]}")
                 )
         grace = policy.contribution_grace_s
         if decided.contributions and grace is not None:
@@ -304,16 +305,16 @@ async def _mark_blobs(
 
 
 def _delete(storage: Storage, removals: Iterable[tuple[str, Sequence[str], str]]) -> None:
-    for kind, keys, why in removals:
+    for kind, doomed, why in removals:
         try:
-            for key in keys:
+            for key in doomed:
                 storage.delete(key)
         except OSError as err:  # the row is marked: the next pass's finish tries again
             JANITOR_ERRORS.inc()
-            log.error("retention: could not delete %s (%s): %s", ", ".join(keys), why, err)
+            log.error("retention: could not delete %s (%s): %s", ", ".join(doomed), why, err)
             continue
         JANITOR_REMOVED.labels(kind).inc()
-        log.info("retention: deleted %s: %s", ", ".join(keys), why)
+        log.info("retention: deleted %s: %s", ", ".join(doomed), why)
 
 
 async def counts(session: AsyncSession, run_id: str) -> dict[str, int]:

@@ -12,7 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from limits import parse_many
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -22,6 +22,15 @@ class Role(StrEnum):
     ALL = "all"  # the API and the round work (the default; a laptop needs nothing else)
     API = "api"  # the HTTP API and dashboard only: no round is decided or closed here
     WORKER = "worker"  # decides and closes rounds; serves only /healthz and /metrics
+
+
+# settings that moved into the run config (diloco.config), and where they went
+RETIRED = {
+    "HEARTBEAT_INTERVAL_S": "[rounds] heartbeat_interval_s",
+    "LEASE_TTL_S": "[rounds] lease_ttl_s",
+    "MAX_EXTENSIONS": "[rounds] max_extensions",
+    "EVAL_WINDOWS": "[eval] windows",
+}
 
 
 class Settings(BaseSettings):
@@ -51,13 +60,14 @@ class Settings(BaseSettings):
     # GET /runs/{id}/storage answers a listing at most this old (listing costs the store)
     storage_usage_max_age_s: float = Field(30.0, ge=0, le=86400)
 
-    # rounds (the bounds keep every deadline and expiry a representable date)
+    # rounds (the bounds keep every deadline and expiry a representable date). How a run's
+    # rounds behave (heartbeats, lease TTL, extensions, eval windows) is its run config's
+    # alone; the hub only sets limits on what a run config may ask (checked at creation)
     # how often the sweeper asks decide_close
     sweep_interval_s: float = Field(1.0, gt=0, le=3600)
-    heartbeat_interval_s: float = Field(10.0, gt=0, le=3600)  # what leases tell volunteers
-    # a lease lapses this long after its last heartbeat
-    lease_ttl_s: float = Field(30.0, gt=0, le=86400)
-    max_extensions: int | None = Field(None, ge=0)  # deadline extensions below quorum
+    # the most often volunteers may be asked to heartbeat: a run config whose [rounds]
+    # heartbeat_interval_s is shorter is refused (the hub's heartbeat load is volunteers / this)
+    min_heartbeat_interval_s: float = Field(1.0, ge=1.0, le=3600)
     role: Role = Role.ALL
     close_concurrency: int = Field(2, ge=1, le=64)  # rounds one process closes at a time
     close_nice: int = Field(10, ge=0, le=19)  # close threads run this much nicer (0: not)
@@ -77,7 +87,9 @@ class Settings(BaseSettings):
     # run's own model in fp32 (plus a header); 16 GiB is a 4B-parameter model
     max_init_bytes: int = Field(16 << 30, gt=0)
     upload_slack_bytes: int = Field(1 << 16, ge=0)  # header room above the exact body size
-    eval_windows: int = Field(64, ge=1)  # validation windows scored per checkpoint
+    # the most validation windows a run config's [eval] windows may ask the server to score
+    # per version (each eval costs the server that many forward passes)
+    max_eval_windows: int = Field(1024, ge=1)
     # torch's intra-op threads in the server. 1 by default: the server's threads (requests,
     # the close, the eval, upload digests) already share the cores, and an op split over
     # threads waits for the slowest one; with one core busy, the close's pass measured 4-10x
@@ -152,9 +164,16 @@ class Settings(BaseSettings):
             raise ValueError("database_url: must be a postgresql:// URL")
         return url
 
-    @property
-    def lease_ttl(self) -> float:
-        return self.lease_ttl_s
+    @model_validator(mode="after")
+    def _no_retired_variables(self) -> Settings:
+        """A variable that once set a run's behaviour is refused, not silently ignored."""
+        for name, moved in RETIRED.items():
+            if f"DILOCO_{name}" in os.environ:
+                raise ValueError(
+                    f"DILOCO_{name} is no longer a server setting: a run's {moved} is in its "
+                    "run config now (docs/operations.md); unset it"
+                )
+        return self
 
     @property
     def close_memory_budget(self) -> int:

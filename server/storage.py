@@ -16,9 +16,7 @@ leaves nothing behind. A crash leaves an unfinished write (a temp file, an incom
 multipart upload), which ``list_unfinished`` finds and the janitor (``server.janitor``)
 deletes once it is old.
 
-Layout: ``runs/<id>/data/`` (validation and training shards), ``runs/<id>/checkpoints/``
-(two files per version), ``runs/<id>/rounds/<index>/`` (contribution blobs, each named by
-its ``contributions.blob_key`` row).
+The layout of the keys (which object lives where) is ``server.keys``.
 """
 
 from __future__ import annotations

@@ -341,12 +341,13 @@ def test_a_volunteer_banned_while_it_trains_stops_at_its_next_heartbeat(
     from tests.support.pg import fresh_database
 
     with fresh_database(pg_admin_url) as url:
-        proc = ServerProcess(data_dir=tmp_path / "srv", database_url=url, heartbeat_interval_s=1)
+        proc = ServerProcess(data_dir=tmp_path / "srv", database_url=url)
         volunteer = None
         try:
             # Prepare: a volunteer training a round far too long to finish
             http = proc.wait_ready().client()
-            run = create_run(http, server_run_config(inner={"steps": 100_000}))
+            config = server_run_config(inner={"steps": 100_000}, rounds={"heartbeat_interval_s": 1})
+            run = create_run(http, config)
             token = register(http, "trains-then-banned")
             env = {**os.environ, "DILOCO_CONFIG_DIR": str(tmp_path / "config")}
             env.pop("DILOCO_HOME", None)

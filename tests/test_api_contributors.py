@@ -26,13 +26,10 @@ FLOPS = 6  # training FLOPs per parameter per token
 
 @pytest.fixture(scope="module")
 def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Leases live 10 minutes here: a round waits for a live lease unless it is released."""
     from tests.support.pg import fresh_database
 
     with fresh_database(pg_admin_url) as url:
-        proc = ServerProcess(
-            data_dir=tmp_path_factory.mktemp("srv"), database_url=url, lease_ttl_s=600
-        )
+        proc = ServerProcess(data_dir=tmp_path_factory.mktemp("srv"), database_url=url)
         try:
             yield proc.wait_ready()
         finally:
@@ -40,7 +37,9 @@ def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def new_run(http: httpx.Client, **rounds: object) -> dict:
-    return create_run(http, server_run_config(rounds={"quorum": 1, "timeout_s": 600, **rounds}))
+    """Leases live 10 minutes here: a round waits for a live lease unless it is released."""
+    rounds = {"quorum": 1, "timeout_s": 600, "lease_ttl_s": 600, **rounds}
+    return create_run(http, server_run_config(rounds=rounds))
 
 
 def board(http: httpx.Client, **params: object) -> dict:

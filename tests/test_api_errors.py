@@ -17,6 +17,7 @@ import msgpack
 import pytest
 
 from diloco.manifest import MANIFEST
+from diloco.protocol.messages import ErrorBody
 from diloco.wire import DIGEST_BYTES, PREFIX
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
@@ -443,6 +444,7 @@ def test_openapi_documents_our_error_body_on_every_error_status(http):
     error_body = spec["components"]["schemas"]["ErrorBody"]
     assert error_body["required"] == ["error", "detail"]
     assert error_body["additionalProperties"] is True
+    assert error_body == ErrorBody.model_json_schema()  # the model the clients import
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
             assert "500" in op["responses"], (method, path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -187,6 +188,37 @@ def test_bad_contributor_names_are_422(http, name):
 
     assert r.status_code == 422 and r.json()["error"] == "invalid_request"
     assert "name" in r.json()["detail"]
+
+
+def test_a_runs_heartbeats_lease_ttl_and_eval_are_its_configs_recorded_and_shown(http, data_file):
+    # Prepare: a config that asks for other heartbeats, leases, extensions and eval windows
+    rounds = {"heartbeat_interval_s": 3, "lease_ttl_s": 7, "max_extensions": 2}
+    config = server_run_config(rounds=rounds)
+    config["eval"] = {"windows": 16}
+
+    # Execute
+    run = create_run(http, data_file, config).json()
+    token = register(http, "paced")
+    lease = http.post(f"{API}/runs/{run['id']}/join", headers=auth(token)).json()
+
+    # Assert: recorded with the run, shown by GET /runs/{id}, and what its leases say
+    shown = http.get(f"{API}/runs/{run['id']}").json()["config"]
+    assert {k: shown["rounds"][k] for k in rounds} == rounds
+    assert shown["eval"] == {"windows": 16}
+    assert lease["heartbeat_interval_s"] == 3
+    issued = datetime.fromisoformat(lease["deadline"]) - timedelta(seconds=lease["deadline_in_s"])
+    ttl = datetime.fromisoformat(lease["lease_expires_at"]) - issued
+    assert ttl.total_seconds() == pytest.approx(7, abs=0.01)
+
+
+def test_a_config_past_the_hubs_limits_is_422_naming_the_key_and_the_limit(http, data_file):
+    config = server_run_config()
+    config["eval"] = {"windows": 100_000}  # the hub scores at most 1024 (its default)
+
+    r = create_run(http, data_file, config)
+
+    assert (r.status_code, r.json()["error"]) == (422, "invalid_config")
+    assert "eval.windows" in r.json()["detail"] and "DILOCO_MAX_EVAL_WINDOWS" in r.json()["detail"]
 
 
 def test_join_hands_out_a_lease_and_renews_it_on_a_second_join(http, data_file):

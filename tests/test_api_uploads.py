@@ -14,6 +14,7 @@ import torch
 
 from diloco.codec import EncodedTensor
 from diloco.wire import MAGIC
+from server import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, Work, auth, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
@@ -56,7 +57,7 @@ def volunteer(http: httpx.Client, run_id: str) -> Volunteer:
 def traces(server: ServerProcess, http: httpx.Client, run_id: str) -> tuple[int, list[str]]:
     """What an upload may leave: the round's accepted count and blob files on disk."""
     rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
-    blob_dir = server.log_path.parent / "blobs" / "runs" / run_id / "rounds"
+    blob_dir = server.log_path.parent / "blobs" / keys.rounds(run_id)
     files = sorted(p.name for p in blob_dir.rglob("*") if p.is_file()) if blob_dir.exists() else []
     return rounds[0]["accepted"], files
 
@@ -221,7 +222,7 @@ def test_accepted_blob_is_exactly_the_uploaded_body(server, http, run_id, volunt
     r = upload(http, volunteer.token, volunteer.work, body)
 
     assert r.status_code == 201
-    (blob,) = (server.log_path.parent / "blobs" / "runs" / run_id / "rounds" / "1").iterdir()
+    (blob,) = (server.log_path.parent / "blobs" / keys.rounds(run_id) / "1").iterdir()
     assert blob.read_bytes() == body
 
 
@@ -253,4 +254,4 @@ def test_unknown_or_closed_round_is_409_naming_the_current_round(server, http, d
     )
     assert (beat.status_code, beat.json()["current_round"]) == (409, 2)
     # nothing of the late upload on disk: only the accepted one of round 1
-    assert len(list((server.log_path.parent / "blobs/runs" / run_id / "rounds/1").iterdir())) == 1
+    assert len(list((server.log_path.parent / "blobs" / keys.rounds(run_id) / "1").iterdir())) == 1

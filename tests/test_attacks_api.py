@@ -19,6 +19,7 @@ from diloco.data import random_batch
 from diloco.exchange import encode_delta
 from diloco.model import GPT
 from diloco.train import load_parameters
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
@@ -121,7 +122,7 @@ def test_one_attacker_is_refused_or_bounded(
     # version's momentum: round 2, for the stale attack, carries round 1's)
     state = None
     if index > 1:
-        checkpoints = server.data_dir / "blobs" / "runs" / run["id"] / "checkpoints"
+        checkpoints = server.data_dir / "blobs" / keys.checkpoints(run["id"])
         state = read_outer_state(checkpoints / f"{index - 1}.state.safetensors")
     honest_norm = update_norm(reference_step(run, base, works, state).params, base)
     assert moved <= 2.0 * honest_norm, (attack, moved, honest_norm)

@@ -28,9 +28,7 @@ H = 1500  # inner steps: long enough (seconds) to stop the client in the middle 
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        data_dir=tmp_path / "srv", database_url=database_url, heartbeat_interval_s=1, n_shards=1
-    )
+    proc = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url, n_shards=1)
     try:
         yield proc.wait_ready()
     finally:
@@ -94,7 +92,13 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
     # Prepare: a run whose rounds close on one contribution, and a volunteer's dirs
     config = server_run_config(
         inner={"steps": H, "batch_size": 4, "warmup_steps": 2},
-        rounds={"quorum": 1, "target": 1, "timeout_s": 600, "max_rounds": 3},
+        rounds={
+            "quorum": 1,
+            "target": 1,
+            "timeout_s": 600,
+            "max_rounds": 3,
+            "heartbeat_interval_s": 1,
+        },
     )
     http = httpx.Client(base_url=server.url, timeout=30)
     run_id = create_run(http, config)["id"]
@@ -150,7 +154,7 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
 def test_max_hours_stops_mid_round_gives_the_lease_back_and_exits_0(server, database_url, tmp_path):
     config = server_run_config(
         inner={"steps": 50 * H, "batch_size": 4, "warmup_steps": 2},
-        rounds={"quorum": 1, "timeout_s": 600, "max_rounds": 2},
+        rounds={"quorum": 1, "timeout_s": 600, "max_rounds": 2, "heartbeat_interval_s": 1},
     )
     http = httpx.Client(base_url=server.url, timeout=30)
     run_id = create_run(http, config)["id"]

@@ -5,6 +5,7 @@ judgements of ``diloco doctor`` and the hardware summary."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from client.hardware import describe
 from client.optimizer_state import OptimizerStateError, load_state
 from client.training import LocalTrainer
 from diloco.config import parse_config
+from diloco.protocol.messages import Hardware
 from tests.test_client_unit import TINY, _global_params, _tiny_lease, never
 
 RUN = "run_0123456789ab"
@@ -187,8 +189,25 @@ def test_hardware_report_fits_the_server_bounds():
     hw = describe(torch.device("cpu"))
     report = hw.report()
     assert report["device"] == "cpu" and report["cpu_count"] >= 1
-    assert all(len(v) <= 128 for v in report.values() if isinstance(v, str))
+    assert Hardware.model_validate(report).report() == report  # what the server checks
     assert "cpu:" in hw.summary()
+
+
+def test_a_hardware_report_with_overlong_names_is_cut_to_the_servers_bounds():
+    long = describe(torch.device("cpu"))
+    long = dataclasses.replace(
+        long, device_name="G" * 300, os="L" * 200, client_version="1." * 40, memory_bytes=None
+    )
+
+    report = long.report()
+
+    assert Hardware.model_validate(report).report() == report
+    assert (len(report["device_name"]), len(report["os"]), len(report["client_version"])) == (
+        128,
+        128,
+        32,
+    )
+    assert "memory_bytes" not in report  # unknown: left out, not sent as null
 
 
 # ---------------------------------------------------------------- rejected contributions

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
@@ -90,9 +91,7 @@ def _assert_published_once_and_exact(
     assert published.keys() == expected.params.keys()
     for name, tensor in expected.params.items():
         assert torch.equal(published[name], tensor), name
-    state = read_outer_state(
-        server.data_dir / "blobs" / "runs" / run_id / "checkpoints" / "1.state.safetensors"
-    )
+    state = read_outer_state(server.data_dir / "blobs" / keys.version(run_id, 1).state)
     assert state.momentum.keys() == state.residual.keys() == expected.params.keys()
     for name in expected.params:
         assert torch.equal(state.momentum[name], expected.momentum[name]), name

@@ -63,6 +63,36 @@ def test_target_below_quorum_is_an_invalid_combination():
         parse_config(minimal(rounds={"quorum": 2, "target": 1}))
 
 
+def test_a_runs_heartbeats_lease_ttl_extensions_and_eval_windows_are_its_configs():
+    cfg = parse_config(minimal())
+    tuned = parse_config(
+        minimal(
+            rounds={"heartbeat_interval_s": 2, "lease_ttl_s": 5, "max_extensions": 3},
+            eval={"windows": 8},
+        )
+    )
+
+    assert (cfg.rounds.heartbeat_interval_s, cfg.rounds.lease_ttl_s) == (10.0, 30.0)
+    assert (cfg.rounds.max_extensions, cfg.eval.windows) == (None, 64)
+    assert (tuned.rounds.heartbeat_interval_s, tuned.rounds.lease_ttl_s) == (2.0, 5.0)
+    assert (tuned.rounds.max_extensions, tuned.eval.windows) == (3, 8)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"rounds": {"heartbeat_interval_s": 10, "lease_ttl_s": 10}},
+         r"rounds\.lease_ttl_s: lease_ttl_s \(10\) must be longer than heartbeat_interval_s"),
+        ({"rounds": {"heartbeat_interval_s": 0.5}}, r"rounds\.heartbeat_interval_s: .*1"),
+        ({"rounds": {"max_extensions": -1}}, r"rounds\.max_extensions: .*0"),
+        ({"eval": {"windows": 0}}, r"eval\.windows: .*1"),
+    ],
+)  # fmt: skip
+def test_a_lease_that_would_lapse_between_heartbeats_or_a_bad_bound_is_refused(section, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(minimal(**section))
+
+
 def test_heads_must_divide_width():
     with pytest.raises(ConfigError, match=r"model\.n_head: n_embd \(100\) must be a multiple"):
         parse_config(minimal(model={"n_embd": 100, "n_head": 3}))

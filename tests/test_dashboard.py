@@ -20,6 +20,7 @@ import pytest
 
 from diloco.attacks import hostile_body
 from diloco.config import parse_config
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ADMIN_TOKEN, wait_for
@@ -311,7 +312,7 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
     with server.client() as http:
         config = server_run_config(rounds={"quorum": 1, "target": 2, "max_rounds": 5})
         failing, leaving = create_run(http, config), create_run(http, config)
-        base = server.data_dir / "blobs" / "runs" / failing["id"] / "checkpoints"
+        base = server.data_dir / "blobs" / keys.checkpoints(failing["id"])
         (base / "0.state.safetensors").unlink()
         token = register(http, "closer")
         work = train(http, token, failing["id"], steps=1)
@@ -319,9 +320,7 @@ def test_a_failing_close_and_a_left_out_contribution_are_shown_with_their_reason
         # both hold leases before the first upload, so the round waits for the second
         works = {t: train(http, t, leaving["id"], steps=1) for t in (first, second)}
         assert upload(http, first, works[first]).status_code == 201
-        (blob,) = (server.data_dir / "blobs" / "runs" / leaving["id"] / "rounds" / "1").glob(
-            "*.bin"
-        )
+        (blob,) = (server.data_dir / "blobs" / keys.rounds(leaving["id"]) / "1").glob("*.bin")
         blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
         assert upload(http, second, works[second]).status_code == 201
         assert upload(http, token, work).status_code == 201

@@ -252,12 +252,12 @@ def test_units_of_expired_leases_wait_until_every_unit_was_handed_out_once(
     from tests.support.live import ServerProcess, wait_for
 
     folder, manifest = dataset
-    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url,
-                           lease_ttl_s=2, heartbeat_interval_s=1)  # fmt: skip
+    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url)
     try:
         with server.wait_ready().client() as http:
             ident = upload_all(http, folder, manifest)
-            run_id = create(http, dataset_config(ident)).json()["id"]
+            leases = {"lease_ttl_s": 2, "heartbeat_interval_s": 1}
+            run_id = create(http, dataset_config(ident, rounds=leases)).json()["id"]
             n_units = len(manifest.shards) - 1
             tokens = [register(http, f"exp{i}") for i in range(n_units + 2)]
             expired = [join(http, t, run_id)["data_range"]["unit"] for t in tokens[:2]]

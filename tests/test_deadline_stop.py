@@ -25,9 +25,7 @@ TIMEOUT_S = 30  # the round's deadline, from its opening (the run's creation)
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        data_dir=tmp_path / "srv", database_url=database_url, heartbeat_interval_s=1, n_shards=1
-    )
+    proc = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url, n_shards=1)
     try:
         yield proc.wait_ready()
     finally:
@@ -38,7 +36,7 @@ def test_a_volunteer_that_slows_down_uploads_fewer_steps_before_the_deadline(ser
     # Prepare: rounds that close on one contribution; a volunteer slowed from step 30 on
     config = server_run_config(
         inner={"steps": H, "batch_size": 4, "warmup_steps": 2},
-        rounds={"quorum": 1, "timeout_s": TIMEOUT_S, "max_rounds": 3},
+        rounds={"quorum": 1, "timeout_s": TIMEOUT_S, "max_rounds": 3, "heartbeat_interval_s": 1},
     )
     http = httpx.Client(base_url=server.url, timeout=30)
     run_id = create_run(http, config)["id"]

@@ -17,6 +17,7 @@ from safetensors.torch import load as safetensors_load
 from diloco.config import parse_config
 from diloco.model import GPT
 from diloco.train import evaluate, load_parameters
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for
@@ -32,7 +33,6 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
         database_url=database_url,
         faults="eval.version=fail@2*10",
         close_retry_base_s=0.3,
-        eval_windows=EVAL_WINDOWS,
     )
     try:
         yield proc.wait_ready()
@@ -43,7 +43,10 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 def test_a_version_is_published_with_its_eval_pending_and_the_eval_fills_it_in(server):
     # Prepare: a run whose round 1 closes on one upload
     http = server.client()
-    run = create_run(http, server_run_config(rounds={"quorum": 1, "max_rounds": 3}))
+    config = server_run_config(rounds={"quorum": 1, "max_rounds": 3})
+    config["eval"] = {"windows": EVAL_WINDOWS}  # the run's, recorded with it
+    run = create_run(http, config)
+    assert run["config"]["eval"] == {"windows": EVAL_WINDOWS}
     token = register(http, "only")
     assert upload(http, token, train(http, token, run["id"], steps=2)).status_code == 201
 
@@ -80,7 +83,7 @@ def test_a_version_is_published_with_its_eval_pending_and_the_eval_fills_it_in(s
     cfg = parse_config(run["config"])
     model = GPT(cfg.model.gpt_config())
     load_parameters(model, safetensors_load(published.content))
-    val_path = server.data_dir / "blobs" / "runs" / run["id"] / "data" / "val.bin"
+    val_path = server.data_dir / "blobs" / keys.val(run["id"])
     val = torch.from_numpy(np.fromfile(val_path, dtype=np.uint8))
     expected = evaluate(model, val, block_size=cfg.model.block_size, max_windows=EVAL_WINDOWS)
     assert round1["eval_loss"] == pytest.approx(expected, rel=1e-6)

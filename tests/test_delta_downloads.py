@@ -32,6 +32,7 @@ from diloco.checkpoint import checkpoint_params_only, write_params
 from diloco.codec import Int8Codec
 from diloco.delta import apply_delta, read_delta, write_delta
 from diloco.protocol.messages import CheckpointRef, Lease
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for
@@ -98,11 +99,11 @@ def publish(
     """TEST SETUP, in place of a close: version ``version`` = ``base`` + a random int8
     change, as the files and the ``checkpoints`` row a close writes (``delta=False``: a
     version published before deltas existed)."""
-    folder = hub.blobs / "runs" / run_id / "checkpoints"
+    folder = hub.blobs / keys.checkpoints(run_id)
     gen = torch.Generator().manual_seed(version)
     codec = Int8Codec(256)
     encoded = {n: codec.encode(1e-3 * torch.randn(p.shape, generator=gen)) for n, p in base.items()}
-    delta_key = f"runs/{run_id}/checkpoints/{version}.delta.safetensors"
+    delta_key = keys.version(run_id, version).delta
     delta_sha = write_delta(
         hub.blobs / delta_key, encoded, run_id=run_id, version=version, base_version=version - 1,
         codec=codec,
@@ -110,7 +111,7 @@ def publish(
     params = {n: p.clone() for n, p in base.items()}
     shapes = {n: tuple(p.shape) for n, p in base.items()}
     apply_delta(params, read_delta(hub.blobs / delta_key, shapes))
-    params_key = f"runs/{run_id}/checkpoints/{version}.safetensors"
+    params_key = keys.version(run_id, version).params
     sha = write_params(hub.blobs / params_key, params, version=version, metadata={"run_id": run_id})
     nbytes, delta_nbytes = (folder / f"{version}.safetensors").stat().st_size, None
     if delta:
@@ -383,7 +384,7 @@ def test_a_corrupted_delta_makes_the_volunteer_download_the_full_checkpoint(
     # announces the corrupted file's sha256, so the download checks out and only the
     # rebuilt checkpoint's sha256 can tell
     run_id, token, versions = _run_with_versions(hub, "catcher-corrupt", 3)
-    delta = hub.blobs / "runs" / run_id / "checkpoints" / "3.delta.safetensors"
+    delta = hub.blobs / keys.version(run_id, 3).delta
     body = bytearray(delta.read_bytes())
     body[-1] ^= 0x01  # the last byte: an int8 of the last parameter's delta
     delta.write_bytes(body)

@@ -43,6 +43,8 @@ quorum = {quorum}
 target = {target}
 timeout_s = {timeout_s}
 max_rounds = {max_rounds}
+heartbeat_interval_s = 1
+lease_ttl_s = 120  # a killed volunteer's lease outlives the round deadline
 """
     )
     return path
@@ -102,8 +104,6 @@ def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         data_dir=tmp_path / "srv",
         database_url=database_url,
-        heartbeat_interval_s=1,
-        lease_ttl_s=120,  # a killed volunteer's lease outlives the round deadline
         n_shards=4,
     )
     try:

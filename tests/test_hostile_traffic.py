@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, Work, auth, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
@@ -88,7 +89,7 @@ def stalled_upload(server: ServerProcess, token: str, lease: dict, length: int) 
 
 
 def blob_files(server: ServerProcess, run_id: str) -> list[Path]:
-    rounds = server.data_dir / "blobs" / "runs" / run_id / "rounds"
+    rounds = server.data_dir / "blobs" / keys.rounds(run_id)
     return [p for p in rounds.rglob("*") if p.is_file()] if rounds.exists() else []
 
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from server import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import (
     API,
@@ -98,9 +99,7 @@ def test_a_late_contribution_is_merged_into_the_open_round_with_half_its_weight(
     round1 = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
     assert receipt["contribution_id"] in {c["id"] for c in round1}
     # the published version is the in-process reference with those weights, bit for bit
-    state = read_outer_state(
-        server.data_dir / "blobs" / "runs" / run_id / "checkpoints" / "1.state.safetensors"
-    )
+    state = read_outer_state(server.data_dir / "blobs" / keys.version(run_id, 1).state)
     history = [c["norm"] for c in round1 if c["merged_into_round"] == 1]  # a's, the reference
     expected = reference_step(
         run, base, [late_work, fresh_b], state, staleness=[1, 0], round=2, history=history

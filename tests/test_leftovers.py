@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
@@ -125,7 +126,7 @@ def test_a_run_creation_that_fails_after_writing_leaves_no_files(database_url, t
     assert r.status_code == 507, r.text
     assert r.json()["error"] == "storage_failed" and "File too large" in r.json()["detail"]
     assert runs == []
-    assert sorted(p.name for p in (data_dir / "blobs" / "runs").iterdir()) == [small["id"]]
+    assert sorted(p.name for p in (data_dir / "blobs" / keys.RUNS).iterdir()) == [small["id"]]
     assert files_under(data_dir / "tmp") == []
     wrote = re.search(r"creating run (run_\w+) failed; the (\d+) files it wrote are removed", log)
     assert wrote is not None and int(wrote.group(2)) > 0, log[-3000:]  # it failed after writing
@@ -140,7 +141,7 @@ def test_leftovers_from_before_a_restart_are_collected_when_the_server_starts(
     # Prepare: what a killed server left: a half-created run, a half-received upload
     data_dir = tmp_path / "srv"
     blobs = data_dir / "blobs"
-    half_run = blobs / "runs" / "run_00000000dead"
+    half_run = blobs / keys.run("run_00000000dead")
     plant(half_run / "data" / "val.bin")
     plant(half_run / "checkpoints" / ".0.safetensors.tmp-0a1b2c3d4e5f")
     old_upload = plant(data_dir / "tmp" / "tmpk2j3h4.txt")
@@ -174,7 +175,7 @@ def test_a_periodic_pass_removes_exactly_the_stale_and_orphan_leftovers(database
             run = create_run(http, server_run_config(rounds={"quorum": 2}))
             token = register(http, "alice")
             assert upload(http, token, train(http, token, run["id"])).status_code == 201
-        run_dir = blobs / "runs" / run["id"]
+        run_dir = blobs / keys.run(run["id"])
         run_files = files_under(run_dir)
         for path in run_files:
             make_old(path)
@@ -182,18 +183,16 @@ def test_a_periodic_pass_removes_exactly_the_stale_and_orphan_leftovers(database
         stale = [
             plant(run_dir / "checkpoints" / ".1.safetensors.tmp-0a1b2c3d4e5f"),
             plant(run_dir / "rounds" / "1" / "ctr_ghost-00000000.bin"),
-            plant(blobs / "runs" / "run_00000000dead" / "data" / "val.bin"),
+            plant(blobs / keys.val("run_00000000dead")),
             plant(data_dir / "tmp" / "tmpold.txt"),
         ]
         young = [
             plant(run_dir / "rounds" / "1" / ".ctr_late-0000.bin.tmp-0a1b2c3d4e5f", age=0),
             plant(run_dir / "rounds" / "1" / "ctr_late-11111111.bin", age=0),
-            plant(blobs / "runs" / "run_0000000fresh" / "data" / "val.bin", age=0),
+            plant(blobs / keys.val("run_0000000fresh"), age=0),
             plant(data_dir / "tmp" / "tmpnew.txt", age=0),
         ]
-        trained_no_row = plant(
-            blobs / "runs" / "run_00000trained" / "checkpoints" / "5.safetensors"
-        )
+        trained_no_row = plant(blobs / keys.version("run_00000trained", 5).params)
 
         # Execute: wait for the stale ones to go, then for two more whole passes
         wait_for(lambda: not any(p.exists() for p in stale), timeout=60, what="the stale leftovers")
@@ -222,7 +221,7 @@ def test_a_leftover_that_cannot_be_removed_is_logged_and_the_others_still_go(
 ):
     # Prepare: two half-created runs; the first in the janitor's order cannot be removed
     data_dir = tmp_path / "srv"
-    runs = data_dir / "blobs" / "runs"
+    runs = data_dir / "blobs" / keys.RUNS
     stuck = plant(runs / "run_0000000stuck" / "data" / "val.bin")
     loose = plant(runs / "run_1111111loose" / "data" / "val.bin")
 

@@ -23,10 +23,10 @@ from diloco.simulate_versions import Versions
 from diloco.tensorfile import TensorFileReader
 from diloco.train import parameters_of
 from diloco.wire import ContributionMeta, encode_contribution
+from server import keys as server_keys
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.rounds.outer_step import StepInputs, Stored, apply_outer_step
-from server.runs.data import val_key
 from server.storage import LocalStorage
 from tests.conftest import server_run_config
 from tests.support.contribute import outer_reference
@@ -94,7 +94,7 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
     checkpoints_service.write_initial(
         storage, run_id=RUN, params=params, hparams={"lr": 0.7, "momentum": 0.9, "nesterov": True}
     )
-    val = storage.local_file(val_key(RUN))
+    val = storage.local_file(server_keys.val(RUN))
     val.parent.mkdir(parents=True, exist_ok=True)
     val.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1))
                     .to(torch.uint8).numpy().tobytes())  # fmt: skip
@@ -123,7 +123,7 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
             stored.append(
                 Stored(admitted.source.id, key, admitted.source.weight, admitted.source.norm)
             )
-        base = checkpoints_service.version_keys(RUN, index - 1)
+        base = server_keys.version(RUN, index - 1)
 
         # Execute: the server's close, then the simulator's, on the same uploads
         result = apply_outer_step(
@@ -141,7 +141,7 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
         assert result.judge_loss == stepped.judge_loss and result.judge_loss is not None
         assert result.shares == stepped.shares
         assert result.update_norm == stepped.update_norm
-        keys = checkpoints_service.version_keys(RUN, index)
+        keys = server_keys.version(RUN, index)
         server_files = [storage.local_file(k) for k in (keys.params, keys.state, keys.delta)]
         assert_same_files(server_files, versions.paths(index))
         history = [*history, *(s.norm for s in result.shares.values())]

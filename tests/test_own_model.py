@@ -44,9 +44,7 @@ def diloco(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        data_dir=tmp_path / "srv", database_url=database_url, heartbeat_interval_s=1
-    )
+    proc = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url)
     try:
         yield proc.wait_ready()
     finally:
@@ -84,6 +82,7 @@ quorum = 2
 target = 2
 timeout_s = 120
 max_rounds = {ROUNDS}
+heartbeat_interval_s = 1
 """
     )
     return path

@@ -24,8 +24,6 @@ from tests.support.tcpproxy import Balancer
 from tests.test_e2e import Volunteers, create_run, write_config
 
 COMMON = {
-    "heartbeat_interval_s": 1,
-    "lease_ttl_s": 120,
     "n_shards": 4,
     "claim_ttl_s": 3,  # a dead replica's claim lapses quickly
     "close_retry_base_s": 0.2,

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for
@@ -50,7 +51,7 @@ def contribute(http: httpx.Client, token: str, run_id: str) -> dict:
 
 
 def blob_of(server: ServerProcess, run_id: str, index: int, contributor_id: str) -> Path:
-    (blob,) = (server.data_dir / "blobs" / "runs" / run_id / "rounds" / str(index)).glob(
+    (blob,) = (server.data_dir / "blobs" / keys.rounds(run_id) / str(index)).glob(
         f"{contributor_id}-*.bin"
     )
     return blob
@@ -140,7 +141,7 @@ def test_a_run_whose_close_keeps_failing_never_holds_up_another_run(server):
     http = server.client()
     run_a, run_b = new_run(http, quorum=1, target=1), new_run(http, quorum=1, target=1)
     a, b = register(http, "a"), register(http, "b")
-    state = server.data_dir / "blobs" / "runs" / run_a / "checkpoints" / "0.state.safetensors"
+    state = server.data_dir / "blobs" / keys.version(run_a, 0).state
     state.unlink()
 
     # Execute: A's round starts closing (and failing); B closes three rounds meanwhile

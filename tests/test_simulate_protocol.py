@@ -14,7 +14,6 @@ import torch
 
 from diloco.protocol.messages import ErrorCode
 from diloco.simulate import SimOptions, simulate
-from diloco.simulate_hub import HubSettings
 from diloco.simulate_protocol import Outage, ProtocolOptions
 from diloco.train import InnerTrainer
 from tests.conftest import tiny_config
@@ -184,11 +183,15 @@ def test_heartbeat_after_the_close_stops_the_straggler_at_the_end_of_its_step(co
     cfg = tiny_config(
         corpus,
         inner={"steps": 4},
-        rounds={"max_rounds": 3, "timeout_s": 30.0, "max_staleness": 0},
+        rounds={
+            "max_rounds": 3,
+            "timeout_s": 30.0,
+            "max_staleness": 0,
+            "heartbeat_interval_s": 25.0,  # the run config's, as on a hub
+            "lease_ttl_s": 75.0,
+        },
     )
-    proto = ProtocolOptions(
-        speeds=(1, 0.25), step_s=5.0, hub=HubSettings(heartbeat_interval_s=25.0)
-    )
+    proto = ProtocolOptions(speeds=(1, 0.25), step_s=5.0)
 
     result = simulate(cfg, SimOptions(workers=2, mode="protocol", eval_windows=8), protocol=proto)
 

@@ -60,14 +60,6 @@ def _forge(header: dict[str, Any] | bytes, frames: bytes) -> bytes:
     return prefix + hashlib.sha256(prefix).digest()
 
 
-def _feed_in(body: bytes, size: int, decoder: ContributionDecoder) -> list[str]:
-    names = []
-    for i in range(0, len(body), size):
-        names += [name for name, _ in decoder.feed(body[i : i + size])]
-    decoder.finish()
-    return names
-
-
 def _assert_same(got: dict[str, EncodedTensor], sent: dict[str, EncodedTensor]) -> None:
     assert list(got) == list(sent)
     for name, t in sent.items():
@@ -113,6 +105,20 @@ def test_chunks_respect_chunk_size_and_add_up_to_the_announced_size(chunk_size: 
     assert sum(len(c) for c in chunks) == contribution_nbytes(meta, tensors)
     (header_len,) = struct.unpack("<I", b"".join(chunks)[8:12])
     assert contribution_nbytes(meta, tensors) == 8 + 4 + header_len + frames + 32
+
+
+@pytest.mark.parametrize("kind", ["int8", "none"])
+def test_the_specs_known_from_shapes_are_those_of_the_encoded_tensors(kind: str) -> None:
+    # Prepare: what the server bounds an upload with, before anything is encoded
+    meta, tensors = _contribution(kind)
+
+    # Execute
+    specs = wire_header.specs_for(make_codec(kind, block_size=BLOCK), SHAPES)
+
+    # Assert
+    assert specs == [wire_header.spec_of(name, t) for name, t in tensors.items()]
+    header = len(wire_header.prefix_and_header(meta, specs))
+    assert wire_header.body_bytes(header, specs) == contribution_nbytes(meta, tensors)
 
 
 def test_decode_contribution_accepts_one_buffer() -> None:

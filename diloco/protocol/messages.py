@@ -12,10 +12,12 @@ field is an error that names it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field
 
 from diloco.config import NO_CONTROL_CHARS
@@ -79,14 +81,54 @@ class ErrorCode(StrEnum):
     STORAGE_FAILED = "storage_failed"
 
 
+# the schema of every error answer in the server's OpenAPI (server.openapi)
 class ErrorBody(BaseModel):
     """Every error answer: a stable code, a sentence a person can act on, and sometimes more
     fields (``current_round``, ``status``, ``retry_after_s``, ``expected``...)."""
 
     model_config = ConfigDict(extra="allow")
 
-    error: str
-    detail: str
+    error: str = Field(description="a stable code: branch on this")
+    detail: str = Field(description="a sentence a person can act on")
+
+
+_Count = Annotated[int, Field(ge=0, le=1 << 62)]
+
+
+class Hardware(BaseModel):
+    """What a volunteer client reports about its machine (``PATCH /contributors/me``); every
+    field optional, every string bounded (they end up on the dashboard)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    device: str | None = Field(None, max_length=16, pattern=NO_CONTROL_CHARS)  # cuda|mps|cpu
+    device_name: str | None = Field(None, max_length=128, pattern=NO_CONTROL_CHARS)
+    memory_bytes: _Count | None = None  # memory of the training device
+    ram_bytes: _Count | None = None
+    cpu_count: int | None = Field(None, ge=0, le=4096)
+    os: str | None = Field(None, max_length=128, pattern=NO_CONTROL_CHARS)
+    python: str | None = Field(None, max_length=32, pattern=NO_CONTROL_CHARS)
+    torch: str | None = Field(None, max_length=64, pattern=NO_CONTROL_CHARS)
+    client_version: str | None = Field(None, max_length=32, pattern=NO_CONTROL_CHARS)
+
+    @classmethod
+    def clipped(cls, values: Mapping[str, Any]) -> Hardware:
+        """The report of what a machine says about itself: unknown (None) values left out,
+        each string cut to its field's bound (a long GPU name is not a reason to refuse)."""
+        kept: dict[str, Any] = {}
+        for key, value in values.items():
+            if value is None:
+                continue
+            if isinstance(value, str):
+                field = cls.model_fields[key]
+                bounds = [m.max_length for m in field.metadata if isinstance(m, MaxLen)]
+                value = value[: min(bounds)] if bounds else value
+            kept[key] = value
+        return cls(**kept)
+
+    def report(self) -> dict[str, Any]:
+        """The JSON body's ``hardware``: the fields that were given."""
+        return self.model_dump(exclude_unset=True)
 
 
 class _Message(BaseModel):

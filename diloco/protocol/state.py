@@ -137,13 +137,13 @@ class ClosePolicy:
         return timedelta(seconds=self.timeout_s if self.extension_s is None else self.extension_s)
 
     @classmethod
-    def of(cls, rounds: RoundsSection, *, max_extensions: int | None) -> ClosePolicy:
-        """The policy of a run's ``[rounds]`` config and the server's extension limit."""
+    def of(cls, rounds: RoundsSection) -> ClosePolicy:
+        """The policy of a run's ``[rounds]`` config."""
         return cls(
             quorum=rounds.quorum,
             target=rounds.target,
             timeout_s=rounds.timeout_s,
-            max_extensions=max_extensions,
+            max_extensions=rounds.max_extensions,
         )
 
 

@@ -103,7 +103,7 @@ async def evaluate_next(
                 run_id=run_id,
                 cfg=cfg,
                 params_path=stage.input(params_key),
-                windows=settings.eval_windows,
+                windows=cfg.eval.windows,
             )
 
     try:

@@ -7,13 +7,13 @@ from fastapi import APIRouter, Query, Request, Response
 from diloco.config import INT32_MAX
 from diloco.delta import catch_up as plan_catch_up
 from diloco.protocol.messages import CatchUpPlan, CheckpointRef, DeltaRef
+from server import keys
 from server.checkpoints import service
 from server.checkpoints.models import Checkpoint
 from server.db import SessionDep
 from server.errors import InvalidRequest, NotFound
 from server.files import read_url, serve_blob
 from server.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
-from server.runs import data as run_data
 from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage import Storage
@@ -162,7 +162,7 @@ async def shard(
         raise NotFound(f"run {run_id} has shards 0..{run.n_shards - 1}, not {index}")
     return serve_blob(
         request,
-        run_data.shard_object(run_id, run.dataset_id, index),
+        keys.training_shard(run_id, run.dataset_id, index),
         etag=run.shards[index]["sha256"],
         media_type="application/octet-stream",
         headers={"X-Chunk-Len": str(run.chunk_len)},

@@ -19,28 +19,13 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.checkpoint import write_initial_state, write_params
+from server import keys
 from server.checkpoints.models import Checkpoint
 from server.errors import Gone, NotFound
 from server.staging import Stage
 from server.storage import Storage
 
 API = "/api/v1"
-
-
-@dataclass(frozen=True)
-class VersionKeys:
-    params: str
-    state: str
-    delta: str
-
-
-def version_keys(run_id: str, version: int) -> VersionKeys:
-    folder = f"runs/{run_id}/checkpoints"
-    return VersionKeys(
-        f"{folder}/{version}.safetensors",
-        f"{folder}/{version}.state.safetensors",
-        f"{folder}/{version}.delta.safetensors",
-    )
 
 
 @dataclass(frozen=True)
@@ -59,16 +44,16 @@ def version_files(
     storage: Storage, *, run_id: str, version: int, sha256: str, delta_sha256: str
 ) -> VersionFiles:
     """The files a close wrote (``server.rounds.outer_step``), as the row records them."""
-    keys = version_keys(run_id, version)
+    at = keys.version(run_id, version)
     return VersionFiles(
         version,
-        keys.params,
-        keys.state,
+        at.params,
+        at.state,
         sha256,
-        storage.size(keys.params),
-        keys.delta,
+        storage.size(at.params),
+        at.delta,
         delta_sha256,
-        storage.size(keys.delta),
+        storage.size(at.delta),
     )
 
 
@@ -81,15 +66,15 @@ def write_initial(
 ) -> VersionFiles:
     """Version 0: the initial parameters, and an outer state with no momentum yet and no
     residual (both read as zeros by the first close)."""
-    keys = version_keys(run_id, 0)
+    at = keys.version(run_id, 0)
     meta = {"run_id": run_id}
     with Stage(storage) as stage:
-        sha = write_params(stage.output(keys.params), params, version=0, metadata=meta)
+        sha = write_params(stage.output(at.params), params, version=0, metadata=meta)
         write_initial_state(
-            stage.output(keys.state), names=list(params), hparams=hparams, metadata=meta
+            stage.output(at.state), names=list(params), hparams=hparams, metadata=meta
         )
         stage.publish()
-    return VersionFiles(0, keys.params, keys.state, sha, storage.size(keys.params))
+    return VersionFiles(0, at.params, at.state, sha, storage.size(at.params))
 
 
 def row_for(files: VersionFiles, *, run_id: str, eval_loss: float | None) -> Checkpoint:

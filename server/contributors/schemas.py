@@ -2,15 +2,13 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from diloco.config import NO_CONTROL_CHARS as _Text  # these strings end up on the dashboard
+from diloco.protocol.messages import Hardware
 
 # no control characters, and something besides spaces
 _Reason = r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$"
-_Count = Annotated[int, Field(ge=0, le=1 << 62)]
 
 
 class ContributorCreate(BaseModel):
@@ -39,22 +37,6 @@ class BanState(BaseModel):
     ban_reason: str | None
     excluded: int  # contributions the ban excluded (this call's; 0 for an unban)
     leases_released: int  # live leases it released (this call's; 0 for an unban)
-
-
-class Hardware(BaseModel):
-    """What a volunteer client reports about its machine; every field optional."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    device: str | None = Field(None, max_length=16, pattern=_Text)  # "cuda", "mps", "cpu"
-    device_name: str | None = Field(None, max_length=128, pattern=_Text)
-    memory_bytes: _Count | None = None  # memory of the training device
-    ram_bytes: _Count | None = None
-    cpu_count: int | None = Field(None, ge=0, le=4096)
-    os: str | None = Field(None, max_length=128, pattern=_Text)
-    python: str | None = Field(None, max_length=32, pattern=_Text)
-    torch: str | None = Field(None, max_length=64, pattern=_Text)
-    client_version: str | None = Field(None, max_length=32, pattern=_Text)
 
 
 class ProfileUpdate(BaseModel):

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 
 from diloco.manifest import SHARD_NAME, TOKENIZER, VAL
+from server import keys
 from server.auth import AdminAuth
 from server.datasets import service
 from server.datasets.schemas import DatasetOut, StoredFile
@@ -98,7 +99,7 @@ async def get_file(
         raise NotFound(f"dataset {dataset_id} has no file {name!r}")
     return serve_blob(
         request,
-        service.file_key(dataset_id, name),
+        keys.dataset_file(dataset_id, name),
         etag=entry[1],
         media_type="application/octet-stream",
         headers={},

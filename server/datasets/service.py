@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.manifest import Manifest, ManifestError, dataset_id, parse_manifest
+from server import keys
 from server.datasets.models import Dataset
 from server.datasets.schemas import DatasetOut, FileState
 from server.errors import InvalidData, NotFound, StorageFailed
@@ -24,10 +25,6 @@ from server.inputs import declared_length
 from server.storage import BlobMissing, Storage
 
 FLUSH_BYTES = 4 << 20  # request body bytes handed to the storage writer at once (a thread)
-
-
-def file_key(dataset: str, name: str) -> str:
-    return f"datasets/{dataset}/{name}"
 
 
 def manifest_of(row: Dataset) -> Manifest:
@@ -81,7 +78,7 @@ async def view(session: AsyncSession, storage: Storage, row: Dataset) -> Dataset
     files: dict[str, FileState] = {}
     for name, (nbytes, sha) in manifest.files().items():
         present = row.completed_at is not None or await asyncio.to_thread(
-            _present, storage, file_key(row.id, name), nbytes
+            _present, storage, keys.dataset_file(row.id, name), nbytes
         )
         files[name] = FileState(nbytes=nbytes, sha256=sha, present=present)
     missing = [name for name, state in files.items() if not state.present]
@@ -121,7 +118,7 @@ async def receive_file(
             f"{name}: Content-Length must be the manifest's size, {nbytes} bytes "
             f"(got {content_length!r})"
         )
-    key = file_key(row.id, name)
+    key = keys.dataset_file(row.id, name)
     if await asyncio.to_thread(_present, storage, key, nbytes):
         return False
     digest, got, pending = hashlib.sha256(), 0, bytearray()

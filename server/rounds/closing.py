@@ -168,8 +168,7 @@ async def _read_inputs(
         base_params_key=base.params_key,
         base_state_key=base.state_key,
         contributions=[
-            Stored(c.id, c.blob_key, float(rounds_service.step_weight(c)), c.norm or 0.0)
-            for c in rows
+            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0) for c in rows
         ],
         history=[h for h in history if h is not None],
         quorum=cfg.rounds.quorum,

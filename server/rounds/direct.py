@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 
 from diloco.protocol.messages import UploadTarget
+from server import keys
 from server.errors import MalformedUpload, NotFound, StorageFailed
 from server.metrics import DIRECT_UPLOAD_BYTES
 from server.rounds import ingest
@@ -37,10 +38,6 @@ from server.storage_s3 import MAX_SIGNED_S
 
 API = "/api/v1"
 READ_BYTES = ingest.FEED_BYTES  # one GET body read per decode batch
-
-
-def incoming_key(run_id: str, index: int, contributor_id: str) -> str:
-    return f"runs/{run_id}/incoming/{index}/{contributor_id}.bin"
 
 
 def upload_target(
@@ -60,7 +57,7 @@ def upload_target(
     # the round, not by an expired signature)
     left = max(0.0, (deadline - now).total_seconds())
     ttl = int(min(MAX_SIGNED_S, left + settings.signed_url_ttl_s))
-    key = incoming_key(run_id, index, contributor_id)
+    key = keys.incoming(run_id, index, contributor_id)
     return UploadTarget(
         url=storage.signed_url(key, "PUT", ttl),
         expires_at=now + timedelta(seconds=ttl),
@@ -134,7 +131,7 @@ async def commit(
             f"run {run_id} takes uploads through the server: PUT the body to "
             f"{API}/runs/{run_id}/rounds/{index}/contribution"
         )
-    source = incoming_key(run_id, index, contributor_id)
+    source = keys.incoming(run_id, index, contributor_id)
     try:
         stored = await asyncio.to_thread(storage.head, source)
     except BlobMissing:

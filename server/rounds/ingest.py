@@ -45,6 +45,7 @@ from diloco.wire import (
     NonFiniteWireError,
     WireFormatError,
 )
+from server import keys
 from server.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -217,7 +218,7 @@ async def receive(
 
     # 2. stream into a temp blob, checking the header as soon as it is in, then every
     # tensor as it streams (finite; measured); the blob is not kept unless all pass
-    key = f"runs/{run_id}/rounds/{index}/{contributor_id}-{secrets.token_hex(4)}.bin"
+    key = keys.contribution(run_id, index, contributor_id)
     rnd = facts.round
 
     def check_header(header: ContributionHeader) -> None:

@@ -37,8 +37,8 @@ from diloco.protocol.state import (
     RoundView,
     RunStatus,
 )
+from server import keys
 from server.auth import UNKNOWN_TOKEN, banned, hash_token
-from server.checkpoints.service import version_keys
 from server.errors import (
     HubError,
     Internal,
@@ -54,7 +54,6 @@ from server.rounds import sizing
 from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
 from server.runs import coverage
-from server.runs.data import shard_object
 from server.settings import Settings
 from server.storage import Storage
 
@@ -74,7 +73,8 @@ _ME = """me AS (UPDATE contributors SET last_seen_at = $2
 
 HEARTBEAT_FACTS = f"""
 WITH {_ME}
-SELECT run.status AS run_status, r.index, r.state, r.opened_at, r.deadline, r.extensions,
+SELECT run.status AS run_status, run.config::text AS config,
+       r.index, r.state, r.opened_at, r.deadline, r.extensions,
        (SELECT max(index) FROM rounds WHERE run_id = $3 AND state <> 'closed') AS current,
        EXISTS (SELECT 1 FROM leases l WHERE l.id = $5 AND l.run_id = $3
                AND l.round_index = $4 AND l.contributor_id = me.id) AS held
@@ -188,7 +188,7 @@ async def join(
             )
         facts = JoinFacts(RunStatus(row["run_status"]), view, row["contributed"], held)
         policy = LeasePolicy.of(
-            ttl_s=settings.lease_ttl_s,
+            ttl_s=_run_config(row["config"]).rounds.lease_ttl_s,
             n_shards=row["n_shards"],
             sweep_interval_s=settings.sweep_interval_s,
         )
@@ -258,7 +258,7 @@ def _lease_answer(
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
     dataset = row["dataset_id"]
-    checkpoint_key = version_keys(run_id, version).params
+    checkpoint_key = keys.version(run_id, version).params
     return Lease(
         lease_id=lease["id"],
         run_id=run_id,
@@ -277,7 +277,7 @@ def _lease_answer(
             url=read_url(
                 settings,
                 storage,
-                shard_object(run_id, dataset, index),
+                keys.training_shard(run_id, dataset, index),
                 f"{API}/runs/{run_id}/shards/{index}",
             ),
             sha256=shard["sha256"],
@@ -295,7 +295,7 @@ def _lease_answer(
         deadline=rnd.deadline,
         deadline_in_s=(rnd.deadline - now).total_seconds(),
         lease_expires_at=lease["expires_at"],
-        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
         upload=upload_target(
             settings,
@@ -353,7 +353,8 @@ async def heartbeat(
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
         rnd = _round_view(row)
         facts = HeartbeatFacts(RunStatus(row["run_status"]), rnd, row["current"], row["held"])
-        grant = admit_heartbeat(now, facts, ttl_s=settings.lease_ttl_s)
+        ttl_s = _run_config(row["config"]).rounds.lease_ttl_s
+        grant = admit_heartbeat(now, facts, ttl_s=ttl_s)
         if isinstance(grant, Refusal):
             raise refused(grant)
         await conn.execute(RENEW, lease_id, now, grant.expires_at, step, loss)

@@ -18,6 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+from diloco.protocol.late import late_weight
 from server.db import Base
 
 
@@ -171,6 +172,12 @@ class Contribution(Base):
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes
     blob_deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    @property
+    def counted_weight(self) -> int:
+        """The tokens it counts for in its step and in credit: its weight when accepted
+        (rows from before weights were measured: their claim), discounted by its staleness."""
+        return late_weight(self.tokens if self.weight is None else self.weight, self.staleness)
 
 
 class UploadRejection(Base):

@@ -30,6 +30,7 @@ from diloco.config import RunConfig
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Decision
 from diloco.robust import Share
+from server import keys
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.staging import Stage
@@ -80,7 +81,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     """Stage the round's files, close it (``diloco.close.close_round``: raises
     ``StepRejected`` when the guard discards every step it can make) and publish the
     version's files; no row is written here."""
-    keys = checkpoints_service.version_keys(inputs.run_id, inputs.version)
+    at = keys.version(inputs.run_id, inputs.version)
     with Stage(storage) as stage:
         stage.inputs([inputs.base_params_key, inputs.base_state_key])
         blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
@@ -96,7 +97,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             history=inputs.history,
             quorum=inputs.quorum,
             out=VersionPaths(
-                stage.output(keys.params), stage.output(keys.state), stage.output(keys.delta)
+                stage.output(at.params), stage.output(at.state), stage.output(at.delta)
             ),
         )
         judge = _judge(storage, inputs)

@@ -15,7 +15,6 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from diloco.protocol.late import late_weight
 from server.contributors.models import Contributor
 from server.errors import HubError, RunNotFound
 from server.rounds import service as rounds_service
@@ -115,7 +114,7 @@ async def round_contributions(
                 excluded=None
                 if c.excluded_code is None
                 else f"{c.excluded_code}: {c.excluded_reason}",
-                weight=late_weight(c.tokens if c.weight is None else c.weight, c.staleness),
+                weight=c.counted_weight,
                 round=c.round_index,
                 merged_into_round=c.merged_into_round,
                 staleness=c.staleness,

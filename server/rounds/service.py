@@ -27,8 +27,8 @@ from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import parameter_shapes
+from diloco.codec import make_codec
 from diloco.config import RunConfig, parse_config
-from diloco.protocol.late import late_weight
 from diloco.protocol.rules import decide_close, step_totals
 from diloco.protocol.state import (
     Aggregated,
@@ -39,7 +39,7 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
 )
-from diloco.wire_header import DIGEST_BYTES, PREFIX
+from diloco.wire_header import PREFIX, body_bytes, specs_for
 from server.contributors.models import Contributor
 from server.errors import NotFound
 from server.rounds.models import Contribution, Lease, Round
@@ -53,8 +53,8 @@ def run_config(run: Run) -> RunConfig:
     return parse_config(run.config)
 
 
-def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
-    return ClosePolicy.of(cfg.rounds, max_extensions=settings.max_extensions)
+def close_policy(cfg: RunConfig) -> ClosePolicy:
+    return ClosePolicy.of(cfg.rounds)
 
 
 def view_of(rnd: Round) -> RoundView:
@@ -74,17 +74,9 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
 
 def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:
     """The exact frame bytes of a contribution for this model and codec, plus header room."""
-    block = cfg.compression.block_size
-    frames = 0
-    for shape in model_shapes(cfg).values():
-        numel = 1
-        for d in shape:
-            numel *= d
-        if cfg.compression.kind == "int8":
-            frames += numel + 4 * -(-numel // block)
-        else:
-            frames += 4 * numel
-    return PREFIX.size + frames + DIGEST_BYTES + settings.upload_slack_bytes
+    codec = make_codec(cfg.compression.kind, cfg.compression.block_size)
+    specs = specs_for(codec, model_shapes(cfg))
+    return body_bytes(PREFIX.size + settings.upload_slack_bytes, specs)
 
 
 # ---------------------------------------------------------------- rounds
@@ -177,11 +169,9 @@ async def round_views(
     )
 
 
-async def decide(
-    *, session: AsyncSession, rnd: Round, cfg: RunConfig, settings: Settings, now: datetime
-) -> Decision:
+async def decide(*, session: AsyncSession, rnd: Round, cfg: RunConfig, now: datetime) -> Decision:
     view, contributions, leases = await round_views(session=session, rnd=rnd)
-    return decide_close(now, view, contributions, leases, close_policy(cfg, settings))
+    return decide_close(now, view, contributions, leases, close_policy(cfg))
 
 
 async def current_view(
@@ -191,7 +181,7 @@ async def current_view(
     if rnd is None:
         return None
     cfg = run_config(run)
-    decision = await decide(session=session, rnd=rnd, cfg=cfg, settings=settings, now=now)
+    decision = await decide(session=session, rnd=rnd, cfg=cfg, now=now)
     so_far = (await steps_so_far(session=session, run_id=run.id, indices=[rnd.index])).get(
         rnd.index, NO_STEP
     )
@@ -288,15 +278,9 @@ class StepSoFar:
 NO_STEP = StepSoFar(0, 0, 0, None)
 
 
-def step_weight(c: Contribution) -> int:
-    """The tokens it counts for in the step and in credit: its weight when accepted (rows
-    from before weights were measured: their claim), discounted by its staleness."""
-    return late_weight(c.tokens if c.weight is None else c.weight, c.staleness)
-
-
 def aggregated(c: Contribution) -> Aggregated:
     """The contribution as a close's effects (and a round's figures so far) take it."""
-    return Aggregated(c.id, c.contributor_id, step_weight(c), c.loss)
+    return Aggregated(c.id, c.contributor_id, c.counted_weight, c.loss)
 
 
 def in_step(run_id: str) -> list[ColumnElement[bool]]:

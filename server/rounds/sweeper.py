@@ -164,9 +164,7 @@ class Sweeper:
             if rnd.state != RoundState.OPEN or run.status != RunStatus.ACTIVE:
                 return  # changed since the scan
             cfg = rounds_service.run_config(run)
-            decision = await rounds_service.decide(
-                session=session, rnd=rnd, cfg=cfg, settings=self.settings, now=now
-            )
+            decision = await rounds_service.decide(session=session, rnd=rnd, cfg=cfg, now=now)
             if decision.action is Action.CLOSE:
                 await mark_closing(
                     session=session,

@@ -11,17 +11,10 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.data import DataError, load_tokens, split_tokens
-from diloco.manifest import VAL, token_dtype
+from diloco.manifest import token_dtype
+from server import keys
 from server.errors import InvalidData
 from server.storage import Storage
-
-
-def val_key(run_id: str) -> str:
-    return f"runs/{run_id}/data/val.bin"
-
-
-def shard_key(run_id: str, index: int) -> str:
-    return f"runs/{run_id}/data/shard-{index}.bin"
 
 
 def _put(storage: Storage, key: str, tensor: torch.Tensor) -> dict[str, Any]:
@@ -47,8 +40,8 @@ def split_and_store(
         )
     except DataError as err:
         raise InvalidData(f"data: {err}") from None
-    _put(storage, val_key(run_id), ds.val)
-    shards = [_put(storage, shard_key(run_id, i), s) for i, s in enumerate(ds.shards)]
+    _put(storage, keys.val(run_id), ds.val)
+    shards = [_put(storage, keys.shard(run_id, i), s) for i, s in enumerate(ds.shards)]
     return {
         "shards": shards,
         "n_shards": len(shards),
@@ -58,24 +51,12 @@ def split_and_store(
     }
 
 
-def dataset_file_key(dataset_id: str, name: str) -> str:
-    return f"datasets/{dataset_id}/{name}"
-
-
-def shard_object(run_id: str, dataset_id: str | None, index: int) -> str:
-    """Where a run's training shard ``index`` is: the dataset's file, or the run's own."""
-    if dataset_id is None:
-        return shard_key(run_id, index)
-    return dataset_file_key(dataset_id, f"shard-{index:05d}.bin")
-
-
 def load_val(storage: Storage, run_id: str, cfg: RunConfig, *, tokens: int) -> torch.Tensor:
     """The first ``tokens`` validation tokens (all of a shorter file) as int64: a text
     run's uint8 tail, or a dataset's val.bin in its dtype. Only that prefix is read."""
-    if cfg.data.dataset is None:
-        key, dtype = val_key(run_id), np.dtype(np.uint8)
-    else:
-        key = dataset_file_key(cfg.data.dataset, VAL)
+    key = keys.validation(run_id, cfg.data.dataset)
+    dtype = np.dtype(np.uint8)
+    if cfg.data.dataset is not None:
         dtype = np.dtype(token_dtype(cfg.model.vocab)).newbyteorder("<")
     want, raw = tokens * dtype.itemsize, bytearray()
     for chunk in storage.read_chunks(key):

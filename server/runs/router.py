@@ -22,6 +22,7 @@ from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
 from server.inputs import RunId, check_text, declared_length
 from server.rounds import service as rounds_service
 from server.runs import coverage, service, usage
+from server.runs.limits import check_limits
 from server.runs.models import Run
 from server.runs.schemas import (
     Coverage,
@@ -129,6 +130,7 @@ async def _create(
 ) -> Run:
     settings = request.app.state.settings
     storage = request.app.state.storage
+    check_limits(cfg, settings)
     if cfg.data.dataset is not None:
         if data is not None:
             raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")

@@ -23,6 +23,7 @@ from diloco.config import RunConfig
 from diloco.hf import HFError, load_initial
 from diloco.manifest import Manifest
 from diloco.train import parameters_of
+from server import keys
 from server.auth import hash_token, new_token
 from server.checkpoints import service as checkpoints_service
 from server.datasets import service as datasets_service
@@ -292,12 +293,12 @@ async def create_on_dataset(
 
 def eval_val_bytes(cfg: RunConfig, settings: Settings, itemsize: int) -> int:
     """The validation tokens an eval reads (its windows), in bytes as read from storage."""
-    return (settings.eval_windows * cfg.model.block_size + 1) * itemsize
+    return (cfg.eval.windows * cfg.model.block_size + 1) * itemsize
 
 
 def _discard_files(storage: Storage, run_id: str) -> None:
     try:
-        count = storage.delete_prefix(f"runs/{run_id}/")
+        count = storage.delete_prefix(keys.run(run_id))
     except OSError as err:
         log.error(
             "creating run %s failed, then removing its files: %s (the janitor will)", run_id, err

@@ -1,13 +1,13 @@
 """What a run holds in the store, by kind: ``GET /runs/{id}/storage`` lists the run's
-prefix (``runs/<id>/``) and sorts each key by the layout ``server.storage`` describes."""
+prefix (``runs/<id>/``) and sorts each key by its kind (``server.keys.kind_of``)."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from datetime import UTC, datetime
 
+from server import keys
 from server.runs.schemas import KindUsage
 from server.storage import Storage
 
@@ -22,22 +22,15 @@ KINDS = (
     "unfinished",  # writes never committed nor aborted (a crash): the janitor's to remove
     "other",  # anything else under the run's prefix (none is expected)
 )
-_CHECKPOINT = re.compile(r"^checkpoints/\d+(\.state|\.delta)?\.safetensors$")
-
-
-def kind_of(rest: str) -> str:
-    """The kind of a committed key, given without its ``runs/<id>/`` prefix."""
-    if m := _CHECKPOINT.match(rest):
-        return {None: "checkpoints", ".state": "states", ".delta": "deltas"}[m.group(1)]
-    top = rest.split("/", 1)[0]
-    return {"data": "data", "rounds": "contributions", "incoming": "incoming"}.get(top, "other")
 
 
 def usage(storage: Storage, run_id: str) -> dict[str, KindUsage]:
     """Objects and bytes per kind under ``runs/<run_id>/`` (blocking: lists the store)."""
-    prefix = f"runs/{run_id}/"
+    prefix = keys.run(run_id)
     found = {kind: KindUsage(objects=0, bytes=0) for kind in KINDS}
-    listed = [(kind_of(b.key.removeprefix(prefix)), b.nbytes) for b in storage.list_blobs(prefix)]
+    listed = [
+        (keys.kind_of(b.key.removeprefix(prefix)), b.nbytes) for b in storage.list_blobs(prefix)
+    ]
     listed += [("unfinished", b.nbytes) for b in storage.list_unfinished(prefix)]
     for kind, nbytes in listed:
         found[kind].objects += 1

@@ -6,7 +6,6 @@ reference check); the end-to-end tests run the real ``diloco join`` processes in
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,9 +258,3 @@ def outer_reference(
             out.momentum[name] = buffer.clone().view(theta.shape)
             out.residual[name] = r.detach().clone().view(theta.shape)
     return out
-
-
-def state_dict_bytes(params: Mapping[str, torch.Tensor]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(dict(params), buf)
-    return buf.getvalue()
