@@ -28,6 +28,7 @@ from server.db import make_engine, make_fast_pool, make_sessionmaker
 from server.downloads.router import router as downloads_router
 from server.handlers import error_response
 from server.janitor import Janitor
+from server.lifecycle.router import router as lifecycle_router
 from server.metrics import RequestMetrics, watch_loop_lag
 from server.ratelimit import RateLimits
 from server.request_id import RequestId
@@ -125,6 +126,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
     app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent
     routers = (
+        lifecycle_router,
         runs_router,
         rounds_router,
         checkpoints_router,

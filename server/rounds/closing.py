@@ -9,7 +9,7 @@ many worker processes share the database.
    pooled connection is held while the contributions are summed, the step applied and
    the version's files written (temp name, fsync, rename: a rewrite after a crash writes
    the same bytes). The eval loss is measured after publishing, off the critical path
-   (``server.checkpoints.evals``), except for a step the guard finds suspicious.
+   (``server.rounds.version_eval``), except for a step the guard finds suspicious.
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
    ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
@@ -36,11 +36,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.faults import FaultInjector
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
-from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
-from server.rounds import bans, claims
+from server.rounds import bans, claims, version_eval
 from server.rounds import service as rounds_service
 from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.models import Contribution, Round
@@ -240,7 +239,7 @@ async def _publish(
             )
         )
         if result.base_eval_loss is not None:  # measured by this close: the base's own figure
-            await evals.fill_in(
+            await version_eval.fill_in(
                 session, run_id=claim.run_id, version=claim.index - 1, loss=result.base_eval_loss
             )
         if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it

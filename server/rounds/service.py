@@ -27,7 +27,7 @@ from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import parameter_shapes
-from diloco.config import RunConfig, parse_config
+from diloco.config import RunConfig
 from diloco.protocol.late import late_weight
 from diloco.protocol.rules import decide_close, step_totals
 from diloco.protocol.state import (
@@ -43,14 +43,11 @@ from diloco.wire_header import DIGEST_BYTES, PREFIX
 from server.contributors.models import Contributor
 from server.errors import NotFound
 from server.rounds.models import Contribution, Lease, Round
-from server.rounds.schemas import CloseError, RoundOut
+from server.rounds.schemas import RoundOut
 from server.runs.models import Run, RunStatus
-from server.runs.schemas import CurrentRound, LeaseState
+from server.runs.schemas import CloseError, CurrentRound, LeaseState
+from server.runs.service import run_config  # callers say rounds_service.run_config too
 from server.settings import Settings
-
-
-def run_config(run: Run) -> RunConfig:
-    return parse_config(run.config)
 
 
 def close_policy(cfg: RunConfig, settings: Settings) -> ClosePolicy:
