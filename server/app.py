@@ -22,6 +22,7 @@ from server import apidocs, handlers, openapi
 from server.body_limit import BodyLimit
 from server.body_timeout import BodyTimeout
 from server.checkpoints.router import router as checkpoints_router
+from server.contributions.router import router as contributions_router
 from server.contributors.router import router as contributors_router
 from server.datasets.router import router as datasets_router
 from server.db import make_engine, make_fast_pool, make_sessionmaker
@@ -131,6 +132,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         rounds_router,
         checkpoints_router,
         contributors_router,
+        contributions_router,
         datasets_router,
         speedtest_router,
         downloads_router,

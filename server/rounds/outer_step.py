@@ -18,7 +18,7 @@ writes the same bytes, so a close that a crash interrupts is simply done again.
   aggregate. One whose update is *suspicious* (longer than ``suspect_multiple`` times the
   round's median contribution) is evaluated before publishing and discarded the same way
   if it raises the eval loss past ``max_loss_ratio`` times the base's; any other step is
-  published at once, and its eval loss is measured afterwards (``server.checkpoints.evals``).
+  published at once, and its eval loss is measured afterwards (``server.rounds.version_eval``).
 - A contribution whose stored blob cannot be read (missing, damaged: its trailer digest
   fails) is left out with the reason and the pass started over without it;
   ``decide_after_exclusions`` then says whether the others still make a step.

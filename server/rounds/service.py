@@ -46,7 +46,7 @@ from server.rounds.models import Contribution, Lease, Round
 from server.rounds.schemas import RoundOut
 from server.runs.models import Run, RunStatus
 from server.runs.schemas import CloseError, CurrentRound, LeaseState
-from server.runs.service import run_config  # callers say rounds_service.run_config too
+from server.runs.service import run_config  # also read as rounds_service.run_config
 from server.settings import Settings
 
 
