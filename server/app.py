@@ -22,12 +22,14 @@ from server import apidocs, handlers, openapi
 from server.body_limit import BodyLimit
 from server.body_timeout import BodyTimeout
 from server.checkpoints.router import router as checkpoints_router
+from server.contributions.router import router as contributions_router
 from server.contributors.router import router as contributors_router
 from server.datasets.router import router as datasets_router
 from server.db import make_engine, make_fast_pool, make_sessionmaker
 from server.downloads.router import router as downloads_router
 from server.handlers import error_response
 from server.janitor import Janitor
+from server.lifecycle.router import router as lifecycle_router
 from server.metrics import RequestMetrics, watch_loop_lag
 from server.ratelimit import RateLimits
 from server.request_id import RequestId
@@ -125,10 +127,12 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
     app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent
     routers = (
+        lifecycle_router,
         runs_router,
         rounds_router,
         checkpoints_router,
         contributors_router,
+        contributions_router,
         datasets_router,
         speedtest_router,
         downloads_router,

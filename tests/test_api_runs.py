@@ -246,7 +246,7 @@ def test_join_hands_out_a_lease_and_renews_it_on_a_second_join(http, data_file):
         json={"lease_id": first["lease_id"]},
         headers=auth(register(http, "stranger")),
     )
-    assert stranger.status_code == 404 and stranger.json()["error"] == "not_found"
+    assert stranger.status_code == 409 and stranger.json()["error"] == "no_lease"
 
 
 def test_checkpoint_download_has_etag_range_and_conditional_get(http, data_file):

@@ -34,7 +34,7 @@ class Checkpoint(Base):
     delta_key: Mapped[str | None] = mapped_column(Text, default=None)
     delta_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     delta_nbytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
-    # the process evaluating this version holds it until then (server.checkpoints.evals)
+    # the process evaluating this version holds it until then (server.rounds.version_eval)
     eval_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     # retention (server.retention) deleted its three files; the row stays, its downloads

@@ -1,1 +1,2 @@
-"""Contributors: registration, hashed tokens, the leaderboard."""
+"""Contributors: the volunteer's row, registration, hashed tokens, bans (the leaderboard and
+one's record: ``server.contributions``)."""

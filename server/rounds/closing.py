@@ -10,7 +10,7 @@ many worker processes share the database.
    the version's files written (temp name, fsync, rename: a rewrite after a crash writes
    the same bytes). Every step is judged on a small fixed sample before it is published
    (``diloco.close``); the version's full eval loss is measured after publishing, off the
-   critical path (``server.checkpoints.evals``).
+   critical path (``server.rounds.version_eval``).
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
    ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
@@ -204,7 +204,7 @@ async def _publish(
             "accepted": effects.accepted,
             "tokens": effects.tokens,
             "train_loss": effects.train_loss,
-            "eval_loss": None,  # pending: server.checkpoints.evals measures it
+            "eval_loss": None,  # pending: server.rounds.version_eval measures it
             "update_norm": result.update_norm,
             "claim_token": None,
             "claim_expires_at": None,

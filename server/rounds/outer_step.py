@@ -14,7 +14,7 @@ The judge is a small fixed sample: the first ``[aggregation] judge_windows`` eva
 of the run's validation data (``server.checkpoints.evals.evaluate_file``), the same tokens
 for the base and the step. The base version's judging loss is kept in memory per version
 (the step a close publishes is the next close's base). The full eval of the published
-version stays deferred (``server.checkpoints.evals``).
+version stays deferred (``server.rounds.version_eval``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from diloco.protocol.messages import (
     Receipt,
     ShardRef,
 )
+from server.runs.schemas import CloseError
 
 __all__ = [
     "CheckpointRef",
@@ -30,17 +31,6 @@ __all__ = [
     "RoundRejection",
     "ShardRef",
 ]
-
-
-class CloseError(BaseModel):
-    """The latest failed attempt to close a round; kept after a later attempt succeeds."""
-
-    # close_failed | injected_fault | step_rejected | contributor_banned | claim_expired
-    code: str
-    detail: str  # what went wrong, as a sentence
-    at: datetime
-    attempts: int  # close attempts (claims) so far
-    retry_at: datetime | None  # when it is tried again; None once the round is closed
 
 
 class RoundOut(BaseModel):

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.architectures import parameter_shapes
 from diloco.codec import make_codec
-from diloco.config import RunConfig, parse_config
+from diloco.config import RunConfig
 from diloco.protocol.rules import decide_close, step_totals
 from diloco.protocol.state import (
     Aggregated,
@@ -43,14 +43,11 @@ from diloco.wire_header import PREFIX, body_bytes, specs_for
 from server.contributors.models import Contributor
 from server.errors import NotFound
 from server.rounds.models import Contribution, Lease, Round
-from server.rounds.schemas import CloseError, RoundOut
+from server.rounds.schemas import RoundOut
 from server.runs.models import Run, RunStatus
-from server.runs.schemas import CurrentRound, LeaseState
+from server.runs.schemas import CloseError, CurrentRound, LeaseState
+from server.runs.service import run_config  # also read as rounds_service.run_config
 from server.settings import Settings
-
-
-def run_config(run: Run) -> RunConfig:
-    return parse_config(run.config)
 
 
 def close_policy(cfg: RunConfig) -> ClosePolicy:

@@ -10,7 +10,7 @@ lease release may let a round close):
    own task (``server.rounds.closing``). A slow close of one run never holds up the
    decisions of the others, and a failing one is recorded on its round and retried later.
 3. **evaluate**: one published version whose eval loss is pending at a time, on a thread
-   of its own (``server.checkpoints.evals``): never in the way of a close.
+   of its own (``server.rounds.version_eval``): never in the way of a close.
 
 Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
 the guarded transitions and claims make each round close exactly once.
@@ -31,8 +31,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Action, RoundState
-from server.checkpoints import evals
 from server.rounds import service as rounds_service
+from server.rounds import version_eval
 from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
 from server.runs.models import Run, RunStatus
@@ -120,7 +120,7 @@ class Sweeper:
     async def _evaluate(self) -> None:
         """Evaluate pending versions, one after the other, while there are any."""
         try:
-            while await evals.evaluate_next(
+            while await version_eval.evaluate_next(
                 self.sessions, self.storage, self.settings, self.eval_executor, self.faults
             ):
                 pass

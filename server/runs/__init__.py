@@ -1,1 +1,1 @@
-"""Runs: creation (config, data split, checkpoint 0), status, pause/resume/cancel."""
+"""Runs: the run entity, its config and data, status, invites and members."""

@@ -22,7 +22,6 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.datasets.models import DataUnit
-from server.rounds.models import Contribution
 from server.runs.models import Run
 from server.runs.schemas import Coverage, ShardCoverage
 
@@ -85,25 +84,18 @@ async def record(session: AsyncSession, *, lease_id: str, tokens: int) -> None:
     )
 
 
-async def view_totals(session: AsyncSession, run: Run) -> Coverage:
-    """Tokens trained (the accepted contributions' weights) and epochs, for any run."""
-    trained = int(
-        await session.scalar(
-            select(func.coalesce(func.sum(Contribution.weight), 0)).where(
-                Contribution.run_id == run.id
-            )
-        )
-        or 0
-    )
+def trained_totals(run: Run, trained: int) -> Coverage:
+    """Tokens trained (the accepted contributions' weights, counted by the caller, which
+    reads the rounds) and epochs, for any run."""
     epochs = trained / run.train_tokens if run.train_tokens else 0.0
     return Coverage(
         run_id=run.id, train_tokens=run.train_tokens, tokens_trained=trained, epochs=epochs
     )
 
 
-async def view(session: AsyncSession, run: Run) -> Coverage:
-    """The totals, and for a dataset run its units and shards."""
-    base = await view_totals(session, run)
+async def view(session: AsyncSession, run: Run, *, trained: int) -> Coverage:
+    """The totals (see ``trained_totals``), and for a dataset run its units and shards."""
+    base = trained_totals(run, trained)
     if run.dataset_id is None:
         return base
     u = DataUnit

@@ -5,7 +5,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.rounds.schemas import CloseError
+
+class CloseError(BaseModel):
+    """The latest failed attempt to close a round; kept after a later attempt succeeds."""
+
+    # close_failed | injected_fault | step_rejected | contributor_banned | claim_expired
+    code: str
+    detail: str  # what went wrong, as a sentence
+    at: datetime
+    attempts: int  # close attempts (claims) so far
+    retry_at: datetime | None  # when it is tried again; None once the round is closed
 
 
 class LeaseState(BaseModel):

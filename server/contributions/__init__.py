@@ -1,0 +1,1 @@
+"""What contributors did: their record, the leaderboard, and bans that withdraw work."""

@@ -1,0 +1,1 @@
+"""A run's life across the domains: creation, status changes, the view with its round."""
