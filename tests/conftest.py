@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,12 @@ def tiny_config(data_path: Path, **sections: dict) -> RunConfig:
 
 
 @pytest.fixture(scope="session")
-def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.support.pg import server_url
+def pg_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from tests.support.pg import drop_templates, server_url
 
-    return server_url(tmp_path_factory.mktemp("embedded-pg"))
+    url = server_url(tmp_path_factory.mktemp("embedded-pg"))
+    yield url
+    drop_templates()  # while the server still runs (the embedded one stops at exit)
 
 
 @pytest.fixture
@@ -121,3 +124,42 @@ def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:  # typ
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env
+
+
+# ------------------------------------------------------------------ parallel runs (xdist)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep together on one pytest-xdist worker the tests of a module that share a fixture
+    wider than a test (a module's `diloco serve`, its browser), so each such fixture is set
+    up once; every other test is scheduled on its own (``--dist loadgroup``). Then order
+    the work so the longest units start first: those marked ``slow``, then shared modules,
+    then single tests, which fill the gaps at the end."""
+    shared = {_module(item) for item in items if _uses_a_wide_fixture(item)}
+    slow = {_module(item) for item in items if item.get_closest_marker("slow")}
+    for item in items:
+        if _module(item) in shared:
+            item.add_marker(pytest.mark.xdist_group(_module(item)))
+
+    def rank(item: pytest.Item) -> int:
+        grouped = _module(item) in shared
+        if item.get_closest_marker("slow") or (grouped and _module(item) in slow):
+            return 0
+        return 1 if grouped else 2
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _uses_a_wide_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        defs and defs[-1].scope in ("module", "class", "package")
+        for defs in info.name2fixturedefs.values()
+    )

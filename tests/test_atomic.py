@@ -232,7 +232,8 @@ def test_fsync_dir_of_a_missing_folder_raises(tmp_path: Path):
 @pytest.mark.parametrize(
     ("name", "is_temp"),
     [
-        (temp_path(Path("/x/3.safetensors")).name, True),
+        # its random part must not name the test: xdist's workers must collect the same ids
+        pytest.param(temp_path(Path("/x/3.safetensors")).name, True, id="fresh-temp-name"),
         (".ctr_1-0a1b.bin.tmp-0a1b2c3d4e5f", True),
         ("3.state.tmp-0123456789abcdef", True),  # the older checkpoint scheme
         ("3.safetensors", False),

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.corpora import EXCERPT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_
     assert result["limits"]["asyncpg_update"]["count"] > 0
 
 
+@pytest.mark.slow
 def test_attacks_bench_compares_an_attacker_with_the_attack_free_run(tmp_path):
     out = tmp_path / "attacks.json"
 
@@ -161,6 +164,7 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
     assert "diloco_direct_upload_bytes_total" in out
 
 
+@pytest.mark.slow
 def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_path):
     proc = subprocess.run(
         [sys.executable, "bench/goodput.py", "--quick", "--jobs", "2", "--work-dir",

@@ -265,6 +265,7 @@ def test_simulate_delta_downloads_report_their_bytes(tmp_path, corpus):
     assert unknown.returncode == 2 and "--downloads must be full or delta" in unknown.stderr
 
 
+@pytest.mark.slow
 def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpus):
     # the real run takes ~25 min: --quick prepares a BPE dataset and runs every arm on a toy
     proc = subprocess.run(
@@ -281,6 +282,7 @@ def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpu
     assert len(list((tmp_path / "bench").glob("*_seed[012].json"))) == 4 * 3
 
 
+@pytest.mark.slow
 def test_first_round_bench_compares_the_three_starts_in_quick_mode(tmp_path, corpus):
     proc = subprocess.run(
         [sys.executable, "bench/first_round.py", "--quick", "--data", str(corpus),

@@ -118,6 +118,7 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow
 def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
     # Prepare: a run created with the CLI, three `diloco join` processes
     config = write_config(

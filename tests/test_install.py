@@ -138,6 +138,7 @@ def diloco(*args: str, home: Path, timeout: float = 120) -> subprocess.Completed
 # ---------------------------------------------------------------- the acceptance test
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_installer_sets_up_a_volunteer_whose_bare_join_contributes_a_round(
     hub, http, volunteer_home
@@ -267,6 +268,7 @@ def test_without_a_usable_python_on_path_the_script_says_how_to_install_one(http
     assert "python3-venv" in out.stderr and "DILOCO_PYTHON" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_reuse_torch_takes_the_torch_of_the_chosen_python(hub, http, volunteer_home):
     # Prepare: this test's own venv python, which has torch

@@ -104,6 +104,7 @@ def hf_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
 
 
+@pytest.mark.slow
 def test_prepare_train_export_load_and_sample(server, volunteers, tmp_path):
     transformers = pytest.importorskip("transformers")
     # Prepare: a BPE tokenizer trained here, a tokenized dataset, a Llama run on it

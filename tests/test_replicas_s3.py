@@ -17,6 +17,7 @@ import secrets
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.contribute import API
 from tests.support.live import ServerProcess, free_port, wait_for
@@ -41,6 +42,7 @@ def metric_sum(text: str, name: str, labels: str = "") -> float:
     return total
 
 
+@pytest.mark.slow
 def test_three_replicas_on_one_bucket_close_each_round_once_with_no_blob_through_them(
     s3_server, s3_env, database_url: str, tmp_path: Path
 ) -> None:

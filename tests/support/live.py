@@ -128,12 +128,14 @@ class ServerProcess(Proc):
 
         super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env, preexec_fn=limit)
 
-    def wait_ready(self, timeout: float = 60) -> ServerProcess:
+    def wait_ready(self, timeout: float = 120) -> ServerProcess:
+        """Wait for ``/healthz``; generous, as parallel test workers start servers at once."""
+
         def ready() -> bool:
             if not self.alive():
                 raise AssertionError(f"server exited early:\n{self.output()[-3000:]}")
             try:
-                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+                return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
             except httpx.TransportError:
                 return False
 
