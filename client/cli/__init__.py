@@ -1,0 +1,3 @@
+"""The ``diloco`` command line: thin typer commands over the client library (``client``),
+the algorithm (``diloco``) and, where installed, the server.
+"""

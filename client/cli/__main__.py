@@ -1,0 +1,5 @@
+"""``python -m client.cli``: the ``diloco`` command line."""
+
+from client.cli.main import main
+
+main()
