@@ -2,7 +2,7 @@
 defences in the simulator (``diloco simulate``, diloco mode: every upload checked as the
 server checks it, the robust aggregate, the guarded outer step).
 
-For each attack of ``diloco.attacks`` and each aggregation method (``mean``: robust
+For each attack of ``diloco.simulate.attacks`` and each aggregation method (``mean``: robust
 aggregation off; ``clipped_mean``: the default; ``centered_clip``), it prints the final
 eval loss beside the attack-free run's, and the goals:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from diloco.attacks import ATTACKS  # noqa: E402
+from diloco.simulate.attacks import ATTACKS  # noqa: E402
 from tests.support.corpora import TINYSHAKESPEARE  # noqa: E402
 
 METHODS = ("mean", "clipped_mean", "centered_clip")
@@ -69,7 +69,7 @@ def run_arm(arm: Arm, data: str, rounds: int, eval_windows: int) -> dict:
     import torch
 
     from diloco.config import parse_config
-    from diloco.simulate import SimOptions, simulate
+    from diloco.simulate.run import SimOptions, simulate
 
     torch.set_num_threads(1)
     cfg = parse_config(config(Path(data), rounds, arm.method))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.codec import Int8Codec
-from diloco.wire import ContributionDecoder, ContributionMeta, encode_contribution
+from diloco.wire.codec import Int8Codec
+from diloco.wire.contribution import ContributionDecoder, ContributionMeta, encode_contribution
 
 
 def best_of(repeat: int, fn: Callable[[], object]) -> float:

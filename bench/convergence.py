@@ -125,7 +125,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, config: Path) -> Path
     cmd = [
         sys.executable,
         "-m",
-        "client.cli",
+        "client.cli.main",
         "simulate",
         str(config),
         "--workers",
@@ -422,7 +422,7 @@ def main() -> None:
     for (arm, _), path in zip(jobs, paths, strict=True):
         results[arm.key].append(json.loads(path.read_text()))
 
-    from diloco.plot import plot_results
+    from diloco.simulate.plot import plot_results
 
     stem = f"convergence{suffix}" + ("-quick" if args.quick else "")
     plot_path = args.doc.parent / f"{stem}.png"

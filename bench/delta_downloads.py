@@ -1,6 +1,6 @@
 """Delta downloads: the bytes a returning worker downloads, delta beside checkpoint.
 
-The same config and seeds twice through ``diloco.simulate``: ``downloads="full"`` and
+The same config and seeds twice through ``diloco.simulate.run``: ``downloads="full"`` and
 ``downloads="delta"``. The simulator runs the server's close, which publishes θ through
 the int8 delta with error feedback either way, so both train identically from θ (the
 difference printed is 0 by construction; x = θ + r's loss is shown for information);
@@ -81,7 +81,7 @@ def main() -> None:
 
     import torch
 
-    from diloco.simulate import SimOptions, simulate
+    from diloco.simulate.run import SimOptions, simulate
 
     torch.set_num_threads(1)
     cfg = config(args)

@@ -28,7 +28,7 @@ sent and received over HTTP and the redirects it answered.
 Where direct costs the server *more*: the commit reads the whole object back from the
 bucket to check it (the same checks as a proxied PUT, fed from a GET instead of the
 request body), then copies it inside the bucket; the close fetches the K uploads (and the
-base version, unless this worker kept it: server.staging.FileCache) from the bucket into a
+base version, unless this worker kept it: server.storage.staging.FileCache) from the bucket into a
 scratch folder and puts the new version's three files back, where on local storage it
 reads and writes the files in place. The bench's one round starts from version 0, which
 the worker created and so kept; the eval's checkpoint is the one the close just put, kept
@@ -264,7 +264,7 @@ WHY = {
     "proxied PUT is checked, and copies it inside the bucket",
     "close": "the uploads (and the base version, unless this worker kept it) are fetched "
     "from the bucket into a scratch folder and the new version's three files are put back "
-    "(server.staging)",
+    "(server.storage.staging)",
     "eval": "the new checkpoint is fetched from the bucket again (unless this worker kept it)",
 }
 

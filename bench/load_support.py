@@ -310,11 +310,11 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
     the run's shapes) encoded with the run's codec, as a volunteer's client would send."""
     import torch
 
-    from diloco.architectures import build_model
     from diloco.config import parse_config
-    from diloco.exchange import encode_delta
+    from diloco.model.architectures import build_model
     from diloco.train import parameters_of
-    from diloco.wire import ContributionMeta, encode_contribution
+    from diloco.wire.contribution import ContributionMeta, encode_contribution
+    from diloco.wire.exchange import encode_delta
 
     cfg = parse_config(lease["config"])
     with torch.device("meta"):

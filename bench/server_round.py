@@ -54,9 +54,9 @@ from bench.transport import (  # noqa: E402
     safetensors_shapes,
     upload,
 )
-from diloco.codec import Int8Codec  # noqa: E402
-from diloco.model import GPT, GPTConfig  # noqa: E402
+from diloco.model.gpt import GPT, GPTConfig  # noqa: E402
 from diloco.train import evaluate  # noqa: E402
+from diloco.wire.codec import Int8Codec  # noqa: E402
 
 # layers, width, heads; "tiny" is for the test that runs this script
 SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16), "tiny": (1, 64, 4)}

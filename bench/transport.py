@@ -209,8 +209,8 @@ def contribution_body(run_id: str, lease: dict, shapes: dict[str, tuple[int, ...
     """A real int8 contribution body for these shapes (a synthetic Δ, block 4096)."""
     import torch
 
-    from diloco.exchange import encode_delta
-    from diloco.wire import ContributionMeta, encode_contribution
+    from diloco.wire.contribution import ContributionMeta, encode_contribution
+    from diloco.wire.exchange import encode_delta
 
     gen = torch.Generator().manual_seed(seed)
     delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
@@ -352,7 +352,7 @@ def reseeded(body: bytes, seed: int) -> bytes:
     two int8 values become the seed's digits (base 127) and the trailer is recomputed."""
     import hashlib
 
-    from diloco.wire_header import DIGEST_BYTES, PREFIX
+    from diloco.wire.header import DIGEST_BYTES, PREFIX
 
     (_, header_len) = PREFIX.unpack(body[: PREFIX.size])
     out = bytearray(body[:-DIGEST_BYTES])

@@ -26,8 +26,8 @@ from client.download import part_path
 from client.progress import Reporter
 from diloco import atomic
 from diloco.checkpoint import checkpoint_params_only, write_params
-from diloco.delta import apply_delta, read_delta
 from diloco.protocol.messages import CheckpointRef
+from diloco.wire.delta import apply_delta, read_delta
 
 
 @dataclass(frozen=True)

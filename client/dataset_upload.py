@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 
 from client.api import ServerAPI
-from client.data_cli import byte_columns
-from diloco.manifest import MANIFEST, read_manifest
+from client.cli.data import byte_columns
+from diloco.data.manifest import MANIFEST, read_manifest
 
 
 async def upload_dataset(api: ServerAPI, folder: Path, *, quiet: bool = False) -> str:

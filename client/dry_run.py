@@ -20,8 +20,8 @@ from client.gpu import (
     random_batches,
     size_micro_batch,
 )
-from diloco.architectures import build_model
 from diloco.config import RunConfig
+from diloco.model.architectures import build_model
 from diloco.precision import Precision
 from diloco.train import InnerTrainer
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.architectures import build_model
 from diloco.config import ModelSection, RunConfig
+from diloco.model.architectures import build_model
 from diloco.precision import Precision
 from diloco.train import InnerTrainer
 

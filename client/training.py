@@ -1,5 +1,5 @@
 """The volunteer's compute, with no HTTP in it: what one simulated worker does
-(``diloco.simulate.train_upload``, which ``diloco.simulate_diloco.run_diloco`` and the
+(``diloco.simulate.run.train_upload``, which ``diloco.simulate.diloco_mode.run_diloco`` and the
 protocol simulator call), for one lease at a time.
 
 One :class:`LocalTrainer` lives as long as the worker stays in a run, so AdamW's moments
@@ -25,16 +25,16 @@ import torch
 from client.gpu import Fit, flops_per_token, limit_memory, size_micro_batch
 from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
-from diloco.architectures import build_model
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
-from diloco.codec import EncodedTensor
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.data import random_batch, range_batches, range_windows
-from diloco.exchange import encode_delta
-from diloco.outer import pseudo_gradient
+from diloco.data.text import random_batch, range_batches, range_windows
+from diloco.model.architectures import build_model
+from diloco.outer.optimizer import pseudo_gradient
 from diloco.precision import Precision, choose_precision
 from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
-from diloco.wire import ContributionMeta, contribution_nbytes
+from diloco.wire.codec import EncodedTensor
+from diloco.wire.contribution import ContributionMeta, contribution_nbytes
+from diloco.wire.exchange import encode_delta
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 

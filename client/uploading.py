@@ -22,7 +22,7 @@ from diloco.faults import FaultInjector
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.volunteer import FATAL_CODES, Do, Reaction, Request
 from diloco.train import InnerResult
-from diloco.wire import encode_contribution
+from diloco.wire.contribution import encode_contribution
 
 
 class Uploader:

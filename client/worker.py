@@ -6,7 +6,7 @@ volunteers follow; this module does it with HTTP, a training thread and the even
 
 Without ``--run`` it joins the newest active run, and while there is none it waits for
 one (asking again with a bounded backoff). Per round, as one simulated worker does in
-``diloco.simulate_diloco.run_diloco``:
+``diloco.simulate.diloco_mode.run_diloco``:
 join (with our last round's tokens/s, so the server sizes H to finish before the deadline)
 → download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
 the event loop sends heartbeats → Δ = θ(t−1) − θi → int8 → stream the upload.

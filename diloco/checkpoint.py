@@ -28,7 +28,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from diloco.atomic import atomic_write
-from diloco.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
+from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 
 FORMAT = "diloco-checkpoint"
 FORMAT_VERSION = "1"
@@ -245,7 +245,7 @@ def write_params(
     metadata: Mapping[str, str] | None = None,
 ) -> str:
     """The parameters file of a version, streamed (no serialised copy in memory); its
-    sha256. The server writes the same layout chunk by chunk (``diloco.outer_pass``), and a
+    sha256. The server writes the same layout chunk by chunk (``diloco.outer.chunked``), and a
     volunteer that rebuilt θ from deltas writes it with this to check the sha256."""
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     meta = params_metadata(version=version, names=list(shapes), metadata=metadata)

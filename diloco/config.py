@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import ErrorDetails
 
 if TYPE_CHECKING:  # the model loads torch; the config is read where torch is not wanted
-    from diloco.model import GPTConfig
+    from diloco.model.gpt import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -96,7 +96,7 @@ class ModelSection(_Section):
         return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     def gpt_config(self) -> GPTConfig:
-        from diloco.model import GPTConfig
+        from diloco.model.gpt import GPTConfig
 
         return GPTConfig(
             n_layer=self.n_layer,
@@ -259,7 +259,7 @@ class CompressionSection(_Section):
 
 
 class AggregationSection(_Section):
-    """How a round's contributions are combined; robust by default (``diloco.robust``)."""
+    """How a round's contributions are combined; robust by default (``diloco.outer.robust``)."""
 
     # mean: the token-weighted mean as it is. clipped_mean: each contribution's norm is
     # first clipped to clip_multiple times the reference norm. centered_clip: the clipped
@@ -292,7 +292,7 @@ DEFAULT_GRACE_S = 24 * 3600.0
 
 
 class RetentionSection(_Section):
-    """What the server deletes of a run as it goes (``server.retention``); rows stay."""
+    """What the server deletes of a run as it goes (``server.upkeep.retention``); rows stay."""
 
     # keep the files of the newest keep_last versions; 0: keep every version. The latest
     # version and an open round's base are kept whatever this says

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.close_memory import EVAL_BATCH
 from diloco.config import InnerSection
-from diloco.data import eval_batches
+from diloco.data.text import eval_batches
+from diloco.outer.memory import EVAL_BATCH
 from diloco.precision import MixedPrecision, Precision, choose_precision
-from diloco.tensorfile import TensorFileReader
+from diloco.wire.tensorfile import TensorFileReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,21 +18,20 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import configure_mappers
 
 from diloco.faults import FaultInjector
-from server import apidocs, handlers, openapi
-from server.body_limit import BodyLimit
-from server.body_timeout import BodyTimeout
 from server.checkpoints.router import router as checkpoints_router
 from server.contributions.router import router as contributions_router
 from server.contributors.router import router as contributors_router
 from server.datasets.router import router as datasets_router
 from server.db import make_engine, make_fast_pool, make_sessionmaker
 from server.downloads.router import router as downloads_router
-from server.handlers import error_response
-from server.janitor import Janitor
+from server.http import apidocs, handlers, openapi
+from server.http.body_limit import BodyLimit
+from server.http.body_timeout import BodyTimeout
+from server.http.handlers import error_response
+from server.http.ratelimit import RateLimits
+from server.http.request_id import RequestId
 from server.lifecycle.router import router as lifecycle_router
 from server.metrics import RequestMetrics, watch_loop_lag
-from server.ratelimit import RateLimits
-from server.request_id import RequestId
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
 from server.rounds.slots import UploadSlots
@@ -40,8 +39,9 @@ from server.rounds.sweeper import Sweeper
 from server.runs.router import router as runs_router
 from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
-from server.staging import sweep_stale
-from server.storage import open_storage
+from server.storage.base import open_storage
+from server.storage.staging import sweep_stale
+from server.upkeep.janitor import Janitor
 from server.web import router as web
 
 log = logging.getLogger("diloco.server")
@@ -111,7 +111,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         version=pkg_version("diloco-hub"),
         description="Volunteer-compute DiLoCo training. docs/api.md is the full contract.",
         lifespan=lifespan,
-        docs_url=None,  # served by server.apidocs, from our own files
+        docs_url=None,  # served by server.http.apidocs, from our own files
         redoc_url=None,  # ReDoc would need a CDN
     )
     app.state.settings = settings

@@ -29,7 +29,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server.contributors.models import Contributor
-from server.errors import Banned, Forbidden, Unauthorized
+from server.http.errors import Banned, Forbidden, Unauthorized
 
 
 def new_token(prefix: str) -> str:

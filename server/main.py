@@ -18,7 +18,7 @@ import uvicorn
 
 from server import migrate
 from server.app import create_app
-from server.connection import guarded
+from server.http.connection import guarded
 from server.settings import Settings
 from server.signals import Stopped, StopSignals
 
@@ -83,7 +83,7 @@ def serve(
 
             torch.set_num_threads(settings.torch_threads)
         app = create_app(settings, admin_token=token)
-        # httptools with a size cap and a deadline on each request's head (server.connection)
+        # httptools with a size cap and a deadline on each request's head (server.http.connection)
         http = guarded(
             max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s
         )

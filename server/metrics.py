@@ -60,7 +60,7 @@ REDIRECTS = Counter(
 )
 for _served in SERVED_KINDS:
     REDIRECTS.labels(_served)
-# crash leftovers (server.janitor), then what retention deleted (server.retention): a
+# crash leftovers (server.upkeep.janitor), then what retention deleted (server.upkeep.retention): a
 # version's files, a contribution's blob, a file a retired row left behind
 JANITOR_KINDS = (
     "temp_file",

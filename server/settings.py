@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     data_dir: Path = Path("diloco-data")  # blobs, checkpoints, shards, embedded Postgres
     database_url: str = ""  # postgresql://...; empty: the embedded Postgres under data_dir
     admin_token: SecretStr | None = None  # None: generated into <data_dir>/admin-token
-    # where blobs live (server.storage.open_storage): file:///dir, or s3://bucket/prefix with
+    # where blobs live (server.storage.base.open_storage): file:///dir, or s3://bucket/prefix with
     # the AWS_* variables; empty: <data_dir>/blobs on this machine's disk
     storage: str = ""
     # the store's address as volunteers reach it, when it differs from AWS_ENDPOINT_URL (a
@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     # slower at 2 threads than at 1 here (docs/benchmarks.md). 0: torch's default.
     torch_threads: int = Field(1, ge=0)
 
-    # hostile traffic: what one connection, upload or run may cost (server.connection,
-    # server.body_timeout, server.rounds.slots, run creation)
+    # hostile traffic: what one connection, upload or run may cost (server.http.connection,
+    # server.http.body_timeout, server.rounds.slots, run creation)
     # a request's line and headers must arrive within this, from the connection's start or
     # the previous answer's end; else 408 and the connection is closed
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     # creation (422 model_too_large). None: half of this machine's physical memory
     close_memory_budget_bytes: int | None = Field(None, ge=1 << 20)
 
-    # the janitor (server.janitor): what interrupted work left behind in the data dir
+    # the janitor (server.upkeep.janitor): what interrupted work left behind in the data dir
     janitor_interval_s: float = Field(600.0, gt=0)  # between passes; the first runs at start
     # a leftover is removed only once its mtime is this old: anything younger may be a write
     # in progress, here or in another server on the same data dir
@@ -124,7 +124,7 @@ class Settings(BaseSettings):
     public_url: str | None = None  # what volunteers reach us at; None: each request's base URL
     client_wheel: Path | None = None  # a prebuilt diloco_hub-*.whl; None: build from source
 
-    # rate limits per client address (server.ratelimit), in the ``limits`` notation:
+    # rate limits per client address (server.http.ratelimit), in the ``limits`` notation:
     # "20/hour", several as "5/minute;100/day"; empty: no limit
     rate_register: str = "20/hour"  # POST /api/v1/contributors
     rate_speedtest: str = "30/hour"  # GET and POST /api/v1/speedtest, counted together

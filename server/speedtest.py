@@ -4,7 +4,7 @@
 built in memory); ``POST`` reads a body and throws it away, answering how many bytes arrived
 and how long reading them took on the server's side. No authentication: a volunteer checks
 its link before it registers. Bodies are capped at ``MAX_BYTES`` both ways, and each
-address may run it ``rate_speedtest`` times (``server.ratelimit``; both directions count).
+address may run it ``rate_speedtest`` times (``server.http.ratelimit``; both directions count).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from server import ratelimit
-from server.errors import BodyTooLarge
-from server.inputs import declared_length
-from server.ratelimit import Action
+from server.http import ratelimit
+from server.http.errors import BodyTooLarge
+from server.http.inputs import declared_length
+from server.http.ratelimit import Action
 
 MIB = 1 << 20
 MAX_BYTES = 64 * MIB

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.errors import BodyTooLarge
+from server.http.errors import BodyTooLarge
 from server.speedtest import MAX_BYTES, drain
 from tests.conftest import server_run_config
 from tests.support.contribute import API, Work, auth, create_run, register, train, upload

@@ -16,9 +16,9 @@ import httpx
 import msgpack
 import pytest
 
-from diloco.manifest import MANIFEST
+from diloco.data.manifest import MANIFEST
 from diloco.protocol.messages import ErrorBody
-from diloco.wire import DIGEST_BYTES, PREFIX
+from diloco.wire.contribution import DIGEST_BYTES, PREFIX
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
 from tests.support.datasets import make_dataset

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
-from diloco.codec import EncodedTensor
-from diloco.wire import MAGIC
-from server import keys
+from diloco.wire.codec import EncodedTensor
+from diloco.wire.contribution import MAGIC
+from server.storage import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, Work, auth, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for
@@ -80,7 +80,7 @@ def malformed_header(work: Work) -> bytes:
 def wrong_shape(work: Work) -> bytes:
     name, enc = first(work)
     flat = torch.zeros(enc.numel + 1)
-    from diloco.codec import make_codec
+    from diloco.wire.codec import make_codec
 
     codec = make_codec("int8", 256)
     return with_tensor(work, name, codec.encode(flat)).body()
@@ -110,7 +110,7 @@ def header_for_other_run(work: Work) -> bytes:
 
 
 def fp32_codec(work: Work) -> bytes:
-    from diloco.codec import make_codec
+    from diloco.wire.codec import make_codec
 
     codec = make_codec("none", 256)
     encoded = {n: codec.encode(torch.zeros(e.shape)) for n, e in work.encoded.items()}

@@ -1,5 +1,5 @@
 """One hostile volunteer among honest ones, through a real server, for every attack of
-``diloco.attacks``: its upload is refused or bounded, the published checkpoint is finite,
+``diloco.simulate.attacks``: its upload is refused or bounded, the published checkpoint is finite,
 the round's update stays within a small multiple of the honest update, and refused or
 excluded work earns no credit. Then the guard: with robust aggregation off, a step that an
 attacker blows up is discarded and published again without it."""
@@ -13,13 +13,13 @@ import httpx
 import pytest
 import torch
 
-from diloco.attacks import ATTACKS, Attack, hostile_body
 from diloco.config import parse_config
-from diloco.data import random_batch
-from diloco.exchange import encode_delta
-from diloco.model import GPT
+from diloco.data.text import random_batch
+from diloco.model.gpt import GPT
+from diloco.simulate.attacks import ATTACKS, Attack, hostile_body
 from diloco.train import load_parameters
-from server import keys
+from diloco.wire.exchange import encode_delta
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,

@@ -17,7 +17,7 @@ from diloco.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from diloco.outer import OuterOptimizer
+from diloco.outer.optimizer import OuterOptimizer
 
 
 def make_params(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from client.cli.volunteer import flops, render_profile
 from client.measured_speed import load_speed
-from client.volunteer_cli import flops, render_profile
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run
 from tests.support.live import free_port

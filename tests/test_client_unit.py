@@ -21,17 +21,17 @@ from client.api import (
     ServerUnreachable,
     backoff_delay,
 )
-from client.cli_support import ExitStatus, exit_status_for
+from client.cli.support import ExitStatus, exit_status_for
 from client.credentials import Credentials, CredentialsError, ServerURLError
 from client.http import retry_after
 from client.lease import Lease, ProtocolError, parse_lease
 from client.training import DeviceError, LocalTrainer, resolve_device
-from diloco.codec import codec_from_description
 from diloco.config import ConfigError, parse_config
-from diloco.data import DataError
-from diloco.model import GPT
+from diloco.data.text import DataError
+from diloco.model.gpt import GPT
 from diloco.train import parameters_of, snapshot
-from diloco.wire import decode_contribution, encode_contribution
+from diloco.wire.codec import codec_from_description
+from diloco.wire.contribution import decode_contribution, encode_contribution
 
 SHA = "ab" * 32
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from server import keys
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.codec import (
+from diloco.wire.codec import (
     EncodedTensor,
     Int8Codec,
     NoneCodec,

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.close_memory import close_memory_bytes
 from diloco.config import ConfigError, load_config, parse_config
+from diloco.outer.memory import close_memory_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shakespeare-tiny.toml"
 

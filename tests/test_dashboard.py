@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from diloco.attacks import hostile_body
 from diloco.config import parse_config
-from server import keys
+from diloco.simulate.attacks import hostile_body
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ADMIN_TOKEN, wait_for

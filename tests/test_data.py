@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from diloco.data import DataError, eval_batches, load_tokens, random_batch, split_tokens
+from diloco.data.text import DataError, eval_batches, load_tokens, random_batch, split_tokens
 
 
 def test_tokens_are_the_bytes_of_the_file(tmp_path):
@@ -111,7 +111,7 @@ def test_eval_batches_cover_non_overlapping_windows_in_order():
 
 
 def test_range_batches_read_every_window_of_the_range_exactly_once():
-    from diloco.data import range_batches, range_windows
+    from diloco.data.text import range_batches, range_windows
 
     T, B = 8, 4
     tokens = torch.arange(3 * B * T + 1)  # 12 windows of T + 1 tokens sharing their edges
@@ -131,7 +131,7 @@ def test_range_batches_read_every_window_of_the_range_exactly_once():
 
 def test_a_prepared_dataset_is_dealt_into_the_simulators_shards(tmp_path):
     from diloco.config import parse_config
-    from diloco.data import simulated_data
+    from diloco.data.text import simulated_data
     from tests.support.datasets import make_dataset
 
     manifest = make_dataset(tmp_path / "ds")

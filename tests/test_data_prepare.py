@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from diloco.dataset import PrepareError, PrepareOptions, open_tokens, prepare, verify
-from diloco.dataset_inputs import InputError
-from diloco.manifest import ManifestError, dataset_id, parse_manifest, read_manifest
-from diloco.tokenizer import TokenizerError, byte_tokenizer, load_file, train_bpe
+from diloco.data.inputs import InputError
+from diloco.data.manifest import ManifestError, dataset_id, parse_manifest, read_manifest
+from diloco.data.prepare import PrepareError, PrepareOptions, open_tokens, prepare, verify
+from diloco.data.tokenizer import TokenizerError, byte_tokenizer, load_file, train_bpe
 from tests.support.corpora import TINYSHAKESPEARE
 
 REPO = Path(__file__).resolve().parents[1]

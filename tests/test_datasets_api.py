@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from diloco.codec import Int8Codec
 from diloco.config import parse_config
-from diloco.manifest import MANIFEST, Manifest, dataset_id
-from diloco.wire import ContributionMeta, encode_contribution
+from diloco.data.manifest import MANIFEST, Manifest, dataset_id
+from diloco.wire.codec import Int8Codec
+from diloco.wire.contribution import ContributionMeta, encode_contribution
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, register
 from tests.support.datasets import make_dataset
@@ -182,7 +182,7 @@ def join(http: httpx.Client, token: str, run_id: str) -> dict:
 def contribute(http: httpx.Client, token: str, lease: dict) -> httpx.Response:
     """A small, finite Δ for every tensor, as much work as the lease allows."""
     cfg = parse_config(lease["config"])
-    from diloco.architectures import parameter_shapes
+    from diloco.model.architectures import parameter_shapes
 
     codec = Int8Codec(cfg.compression.block_size)
     gen = torch.Generator().manual_seed(int.from_bytes(token.encode()[-6:], "little"))

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from diloco.config import parse_config
-from diloco.model import GPT
+from diloco.model.gpt import GPT
 from diloco.train import evaluate, load_parameters
-from server import keys
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for

@@ -4,7 +4,7 @@ volunteer that missed rounds catching up by deltas to the very bytes of the chec
 A real ``diloco serve`` on a fresh migrated database. Most tests publish versions themselves
 (``publish``, marked TEST SETUP), so that sizes, missing deltas and older versions can be
 chosen: the files go into the server's data dir in the published layout
-(``diloco.checkpoint.write_params``, ``diloco.delta.write_delta``) and the ``checkpoints``
+(``diloco.checkpoint.write_params``, ``diloco.wire.delta.write_delta``) and the ``checkpoints``
 rows are inserted with SQL. The last test drives real rounds and reads the deltas real
 closes wrote.
 """
@@ -29,10 +29,10 @@ from client.api import RetryPolicy, ServerAPI
 from client.fetch import Fetcher
 from client.progress import Reporter
 from diloco.checkpoint import checkpoint_params_only, write_params
-from diloco.codec import Int8Codec
-from diloco.delta import apply_delta, read_delta, write_delta
 from diloco.protocol.messages import CheckpointRef, Lease
-from server import keys
+from diloco.wire.codec import Int8Codec
+from diloco.wire.delta import apply_delta, read_delta, write_delta
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for

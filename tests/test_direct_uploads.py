@@ -19,10 +19,10 @@ import pytest
 
 from client.api import DOWNLOAD_URL_REFUSED, UPLOAD_TARGET_REFUSED, ApiError, ServerAPI
 from diloco.protocol.messages import UploadTarget
-from server.files import read_url
 from server.settings import Settings
-from server.storage import LocalStorage
-from server.storage_s3 import S3Storage
+from server.storage.base import LocalStorage
+from server.storage.files import read_url
+from server.storage.s3 import S3Storage
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, create_run, register, train
 from tests.support.live import ServerProcess

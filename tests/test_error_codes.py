@@ -8,8 +8,8 @@ from pathlib import Path
 
 import server.app  # noqa: F401 - imports every router, hence every error class
 from diloco.protocol.messages import ErrorCode
-from server import openapi
-from server.errors import HubError
+from server.http import openapi
+from server.http.errors import HubError
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 ROW = re.compile(r"^\| (\d{3}|any other) \| `([a-z_]+)` \|", re.M)

@@ -1,4 +1,4 @@
-"""The error handling of server.handlers and server.request_id, on a tiny app built here
+"""The error handling of server.http.handlers and server.http.request_id, on a tiny app built here
 around real Postgres errors (no server route can be made to fail on purpose, and no
 production switch exists for it): a value the database refuses is our bug, 500 internal,
 logged with its traceback under the request id the answer names; a refused, lost or
@@ -16,9 +16,9 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from server import handlers
-from server.errors import InvalidRequest, InvalidTransition
-from server.request_id import RequestId
+from server.http import handlers
+from server.http.errors import InvalidRequest, InvalidTransition
+from server.http.request_id import RequestId
 from tests.support.live import free_port
 
 pytestmark = pytest.mark.asyncio

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cli_support import _TORCH_BOUND_ERRORS
+from client.cli.support import _TORCH_BOUND_ERRORS
 from server.downloads.volunteer_project import VOLUNTEER_PACKAGES, volunteer_pyproject
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ blocked, commands = json.loads(sys.argv[1])
 for name in blocked:
     sys.modules[name] = None  # `import name` now fails as if it were not installed
 HEAVY = ("torch", "fastapi", "sqlalchemy", "server")
-from client.cli import app
+from client.cli.main import app
 for args in commands:
     try:
         app(args, prog_name="diloco")

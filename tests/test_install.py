@@ -325,12 +325,12 @@ def test_the_wheel_holds_the_client_the_algorithm_and_the_entry_point_and_no_ser
             for line in z.read(metadata).decode().splitlines()
             if line.startswith("Provides-Extra:")
         }
-    assert {"client/cli.py", "client/worker.py", "diloco/model.py"} <= names
-    assert {"diloco/protocol/rules.py", "client/serve_cli.py"} <= names
+    assert {"client/cli/main.py", "client/worker.py", "diloco/model/gpt.py"} <= names
+    assert {"diloco/protocol/rules.py", "client/cli/serve.py"} <= names
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"client", "diloco"}, tops  # no server/, migrations/ nor dashboard
     assert "server" not in extras and "dev" not in extras
-    assert "diloco = client.cli:main" in scripts
+    assert "diloco = client.cli.main:main" in scripts
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from server.janitor import Removal, Scan, plan
-from server.storage import BlobInfo
+from server.storage.base import BlobInfo
+from server.upkeep.janitor import Removal, Scan, plan
 
 NOW = 1_000_000.0
 HOUR = 3600.0

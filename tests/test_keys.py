@@ -1,11 +1,11 @@
-"""The object key layout (``server.keys``): every key a run writes reads back as its run
+"""The object key layout (``server.storage.keys``): every key a run writes reads back as its run
 and its kind, which is what the janitor, retention and ``GET /runs/{id}/storage`` rely on."""
 
 from __future__ import annotations
 
 import pytest
 
-from server import keys
+from server.storage import keys
 
 RUN = "run_0123456789ab"
 V3 = keys.version(RUN, 3)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from server import keys
+from server.storage import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import (
     API,

@@ -16,8 +16,8 @@ from diloco.config import ConfigError, parse_config
 from diloco.faults import FaultInjector
 from diloco.protocol.messages import JoinIn, Lease
 from diloco.protocol.sizing import StepBounds, observed_rate, size_lease
-from diloco.simulate import SimOptions, simulate
-from diloco.simulate_protocol import ProtocolOptions
+from diloco.simulate.protocol_mode import ProtocolOptions
+from diloco.simulate.run import SimOptions, simulate
 from tests.conftest import tiny_config
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import keys
+from server.storage import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, admin_headers, wait_for

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.architectures import build_model, llama_config, parameter_shapes
 from diloco.config import ConfigError, InnerSection, ModelSection, parse_config
+from diloco.model.architectures import build_model, llama_config, parameter_shapes
 from diloco.train import InnerTrainer, parameters_of
 
 transformers = pytest.importorskip("transformers")
@@ -106,12 +106,12 @@ def test_config_refuses_shapes_the_architecture_cannot_take(model, message):
 
 
 def test_the_byte_level_gpt_exports_as_gpt2_with_the_same_logits(tmp_path):
-    from diloco.hf import write_hf_dir
+    from diloco.model.hf import write_hf_dir
 
     torch.manual_seed(3)
     sec = ModelSection(n_layer=2, n_head=2, n_embd=32, block_size=16)
     ours = build_model(sec).eval()
-    from diloco.tokenizer import byte_tokenizer
+    from diloco.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer(eod=False).to_json()  # what a text run exports: ids are bytes
     write_hf_dir(tmp_path, sec, parameters_of(ours), tokenizer_json=tokenizer, eod_id=None)

@@ -1,5 +1,5 @@
 """One close: the server's (``server.rounds.outer_step.apply_outer_step`` over real
-storage) and the simulator's (``diloco.simulate_server.RoundDesk.close``) are the same
+storage) and the simulator's (``diloco.simulate.server.RoundDesk.close``) are the same
 code, and that code is ``torch.optim.SGD(nesterov=True)`` with an int8 delta and error
 feedback."""
 
@@ -10,24 +10,24 @@ from pathlib import Path
 
 import torch
 
-from diloco.architectures import build_model
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
-from diloco.close import CloseInputs, Upload, VersionPaths, close_round
-from diloco.codec import Int8Codec, make_codec
 from diloco.config import RunConfig, parse_config
-from diloco.delta import DATA, SCALES
 from diloco.faults import FaultInjector
-from diloco.robust import Source, robust_aggregate
-from diloco.simulate_server import SIM_RUN_ID, RoundDesk, open_round
-from diloco.simulate_versions import Versions
-from diloco.tensorfile import TensorFileReader
+from diloco.model.architectures import build_model
+from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
+from diloco.outer.robust import Source, robust_aggregate
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
+from diloco.simulate.versions import Versions
 from diloco.train import parameters_of
-from diloco.wire import ContributionMeta, encode_contribution
-from server import keys as server_keys
+from diloco.wire.codec import Int8Codec, make_codec
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.delta import DATA, SCALES
+from diloco.wire.tensorfile import TensorFileReader
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
 from server.rounds.outer_step import StepInputs, Stored, apply_outer_step
-from server.storage import LocalStorage
+from server.storage import keys as server_keys
+from server.storage.base import LocalStorage
 from tests.conftest import server_run_config
 from tests.support.contribute import outer_reference
 

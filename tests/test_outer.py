@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from diloco.outer import AggregationError, OuterOptimizer, pseudo_gradient
+from diloco.outer.optimizer import AggregationError, OuterOptimizer, pseudo_gradient
 
 
 def test_pseudo_gradient_is_old_minus_new():

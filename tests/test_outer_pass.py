@@ -1,5 +1,5 @@
-"""The close's one-pass aggregate and step (``diloco.outer_pass``) and the files it writes
-piece by piece (``diloco.tensorfile``), on real files, against whole-tensor references."""
+"""The close's one-pass aggregate and step (``diloco.outer.chunked``) and the files it writes
+piece by piece (``diloco.wire.tensorfile``), on real files, against whole-tensor references."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco import delta as deltas
-from diloco import outer_pass
 from diloco.checkpoint import (
     RESIDUAL_PREFIX,
     open_outer_state,
@@ -22,13 +20,15 @@ from diloco.checkpoint import (
     state_metadata,
     write_params,
 )
-from diloco.codec import Int8Codec
 from diloco.config import AggregationSection
-from diloco.exchange import encode_delta
-from diloco.outer_pass import Hyper, Outputs, Step, UploadFile, run_pass
-from diloco.robust import Source, SourceUnreadable, UploadInspector, robust_aggregate
-from diloco.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
-from diloco.wire import ContributionMeta, encode_contribution
+from diloco.outer import chunked as outer_pass
+from diloco.outer.chunked import Hyper, Outputs, Step, UploadFile, run_pass
+from diloco.outer.robust import Source, SourceUnreadable, UploadInspector, robust_aggregate
+from diloco.wire import delta as deltas
+from diloco.wire.codec import Int8Codec
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.exchange import encode_delta
+from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 from tests.support.contribute import Reference, outer_reference, read_outer_state
 
 BLOCK = 64
@@ -153,8 +153,8 @@ def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum):
 
 
 def _dot(body: bytes, v: dict[str, torch.Tensor]) -> float:
-    from diloco.codec import codec_from_description
-    from diloco.wire import decode_contribution
+    from diloco.wire.codec import codec_from_description
+    from diloco.wire.contribution import decode_contribution
 
     _, encoded = decode_contribution(body, SHAPES, codec=CODEC)
     decode = codec_from_description(CODEC).decode
@@ -260,7 +260,7 @@ def test_an_aborted_writer_leaves_nothing(tmp_path):
 def test_the_inspectors_norm_is_what_the_pass_clips_by(tmp_path):
     # the pass's coefficients come from the norm measured at ingest: the same Δ
     body = upload_body(3)
-    from diloco.wire import decode_contribution
+    from diloco.wire.contribution import decode_contribution
 
     _, encoded = decode_contribution(body, SHAPES, codec=CODEC)
     inspector = UploadInspector(CODEC)

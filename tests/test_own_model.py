@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.architectures import build_model
 from diloco.checkpoint import checkpoint_params_only
 from diloco.config import load_config
-from diloco.manifest import read_manifest
+from diloco.data.manifest import read_manifest
+from diloco.model.architectures import build_model
 from diloco.train import load_parameters
 from tests.support.contribute import API
 from tests.support.corpora import TINYSHAKESPEARE

@@ -13,8 +13,8 @@ import torch
 
 from client.gpu import Fit, flops_per_token, halvings, mfu, peak_flops
 from client.training import LocalTrainer
-from diloco.architectures import build_model
 from diloco.config import parse_config
+from diloco.model.architectures import build_model
 from diloco.precision import MixedPrecision, PrecisionError, choose_precision
 from diloco.train import InnerTrainer, snapshot
 from tests.test_client_unit import TINY, _global_params, _tiny_lease, never

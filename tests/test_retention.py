@@ -1,4 +1,4 @@
-"""Retention (server.retention): the pure plan, edge case by edge case, then a live server
+"""Retention (server.upkeep.retention): the pure plan, edge case by edge case, then a live server
 on local disk and on a real S3 API server (SeaweedFS) that deletes exactly what the run's
 policy says and nothing else, answers 410 for what it deleted and counts what remains."""
 
@@ -17,10 +17,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from diloco.config import ConfigError, RetentionSection, parse_config
-from server import retention
 from server.db import make_engine, make_sessionmaker
-from server.retention import Blob, Version, keeps, plan
-from server.storage import LocalStorage, Storage, open_storage
+from server.storage.base import LocalStorage, Storage, open_storage
+from server.upkeep import retention
+from server.upkeep.retention import Blob, Version, keeps, plan
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for

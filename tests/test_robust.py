@@ -1,5 +1,5 @@
-"""Checked uploads and robust aggregation (diloco.robust; its in-memory aggregate is the
-reference the close's chunked pass is held to), and diloco.attacks: small synthetic Δs
+"""Checked uploads and robust aggregation (diloco.outer.robust; its in-memory aggregate is the
+reference the close's chunked pass is held to), and diloco.simulate.attacks: small synthetic Δs
 through the real codec and wire format, expected values computed by hand in the test."""
 
 from __future__ import annotations
@@ -9,22 +9,22 @@ import math
 import pytest
 import torch
 
-from diloco.attacks import hostile_body
 from diloco.config import AggregationSection
-from diloco.exchange import encode_delta
-from diloco.robust import (
+from diloco.outer.robust import (
     Source,
     SourceUnreadable,
     UploadInspector,
     reference_norm,
     robust_aggregate,
 )
-from diloco.wire import (
+from diloco.simulate.attacks import hostile_body
+from diloco.wire.contribution import (
     ContributionMeta,
     NonFiniteWireError,
     decode_contribution,
     encode_contribution,
 )
+from diloco.wire.exchange import encode_delta
 
 SHAPES = {"a": (64,), "b": (8, 8)}
 KIND, BLOCK = "none", 16  # fp32: the hand computations below are exact to float rounding

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import keys
+from server.storage import keys
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run, register, train, upload
 from tests.support.live import ServerProcess, wait_for

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from diloco.data import load_tokens, random_batch, split_tokens
-from diloco.model import GPT
-from diloco.simulate import SimOptions, simulate, stream_generator
+from diloco.data.text import load_tokens, random_batch, split_tokens
+from diloco.model.gpt import GPT
+from diloco.simulate.run import SimOptions, simulate, stream_generator
 from diloco.train import evaluate, make_adamw, snapshot
 from tests.conftest import tiny_config
 

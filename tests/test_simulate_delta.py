@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from diloco.architectures import parameter_shapes
-from diloco.delta import apply_delta, read_delta
-from diloco.model import GPT
-from diloco.simulate import SimOptions, simulate
-from diloco.simulate_delta import Ledger
+from diloco.model.architectures import parameter_shapes
+from diloco.model.gpt import GPT
+from diloco.simulate.downloads import Ledger
+from diloco.simulate.run import SimOptions, simulate
 from diloco.train import snapshot
+from diloco.wire.delta import apply_delta, read_delta
 from tests.conftest import tiny_config
 
 
@@ -122,7 +122,7 @@ def test_ledger_charges_the_missing_deltas_or_the_checkpoint_when_they_cost_more
 
 def test_protocol_mode_with_delta_downloads_is_deterministic_and_counts_deltas(cfg, tmp_path):
     # Prepare: two volunteers at speed 1, every round both contribute
-    from diloco.simulate_protocol import ProtocolOptions
+    from diloco.simulate.protocol_mode import ProtocolOptions
 
     opts = SimOptions(workers=2, mode="protocol", seed=5, downloads="delta", delta_dir=tmp_path)
     torch.manual_seed(5)

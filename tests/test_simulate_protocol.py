@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from diloco.protocol.messages import ErrorCode
-from diloco.simulate import SimOptions, simulate
-from diloco.simulate_protocol import Outage, ProtocolOptions
+from diloco.simulate.protocol_mode import Outage, ProtocolOptions
+from diloco.simulate.run import SimOptions, simulate
 from diloco.train import InnerTrainer
 from tests.conftest import tiny_config
 

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
-from diloco.architectures import build_model, parameter_shapes
 from diloco.config import ModelSection
-from diloco.hf import HFError, load_initial, read_hf_dir, write_hf_dir
+from diloco.model.architectures import build_model, parameter_shapes
+from diloco.model.hf import HFError, load_initial, read_hf_dir, write_hf_dir
 from diloco.train import parameters_of
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.storage import LocalStorage
+from server.storage.base import LocalStorage
 
 
 @pytest.fixture

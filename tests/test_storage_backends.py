@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.staging import FileCache, Stage, sweep_stale
-from server.storage import BlobMissing, LocalStorage, Storage, open_storage, parse_storage_url
-from server.storage_s3 import PART_BYTES, UNFINISHED, S3Storage
+from server.storage.base import BlobMissing, LocalStorage, Storage, open_storage, parse_storage_url
+from server.storage.s3 import PART_BYTES, UNFINISHED, S3Storage
+from server.storage.staging import FileCache, Stage, sweep_stale
 
 
 @pytest.fixture(params=["local", "s3"])

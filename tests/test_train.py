@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from diloco.config import InnerSection
-from diloco.model import GPT, GPTConfig
+from diloco.model.gpt import GPT, GPTConfig
 from diloco.train import InnerTrainer, evaluate, load_parameters, lr_at, make_adamw, snapshot
 
 

@@ -1,4 +1,4 @@
-"""An upload inspected as it streams (diloco.robust.UploadInspector as a wire.FrameSink):
+"""An upload inspected as it streams (diloco.outer.robust.UploadInspector as a wire.FrameSink):
 the same verdicts, norm and digest as decoding every tensor, without holding or
 dequantising one, whatever pieces the body arrives in."""
 
@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.codec import EncodedTensor, Int8Codec
-from diloco.exchange import encode_delta
-from diloco.robust import UploadInspector, int8_block_stats
-from diloco.wire import (
+from diloco.outer.robust import UploadInspector, int8_block_stats
+from diloco.wire.codec import EncodedTensor, Int8Codec
+from diloco.wire.contribution import (
     ContributionDecoder,
     ContributionMeta,
     NonFiniteWireError,
@@ -23,7 +22,8 @@ from diloco.wire import (
     decode_contribution,
     encode_contribution,
 )
-from diloco.wire_header import DIGEST_BYTES, PREFIX
+from diloco.wire.exchange import encode_delta
+from diloco.wire.header import DIGEST_BYTES, PREFIX
 
 BLOCK = 16
 INT8 = {"kind": "int8", "block_size": BLOCK}

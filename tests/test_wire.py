@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import torch
 
-from diloco import wire_header
-from diloco.codec import EncodedTensor, Int8Codec, NoneCodec, NonFiniteError, make_codec
-from diloco.wire import (
+from diloco.wire import header as wire_header
+from diloco.wire.codec import EncodedTensor, Int8Codec, NoneCodec, NonFiniteError, make_codec
+from diloco.wire.contribution import (
     MAGIC,
     ContributionDecoder,
     ContributionMeta,

@@ -3,7 +3,7 @@
 
 The installer (``GET /install.sh``) runs it; a volunteer can run it by hand too. It stores the
 token with the other credentials and writes ``client.toml`` so that a bare ``diloco join``
-knows the server, device and run. Exit codes are those of ``client.cli_support.ExitStatus``.
+knows the server, device and run. Exit codes are those of ``client.cli.support.ExitStatus``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import typer
 
 from client import credentials, identity
 from client.api import ServerAPI
-from client.cli_support import ExitStatus, fail, run_api
+from client.cli.support import ExitStatus, fail, run_api
 from client.config_file import (
     ClientConfig,
     ClientConfigError,

@@ -1,6 +1,6 @@
-"""``diloco data prepare|verify``: a corpus becomes a prepared dataset (``diloco.dataset``).
+"""``diloco data prepare|verify``: a corpus becomes a prepared dataset (``diloco.data.prepare``).
 
-Exit codes are those of ``client.cli_support.ExitStatus``: 2 for a bad option, 3 for bad
+Exit codes are those of ``client.cli.support.ExitStatus``: 2 for a bad option, 3 for bad
 data (an input, a tokenizer or a dataset that does not check out).
 """
 
@@ -25,7 +25,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from client.cli_support import ExitStatus, fail
+from client.cli.support import ExitStatus, fail
 
 data_app = typer.Typer(
     help="Prepare tokenized datasets for runs (a run config's data.dataset).", no_args_is_help=True
@@ -99,11 +99,11 @@ def prepare(
     quiet: Quiet = False,
 ) -> None:
     """Tokenize a corpus into training shards, a validation file and a manifest."""
-    from diloco.dataset import PrepareError, PrepareOptions
-    from diloco.dataset import prepare as run_prepare
-    from diloco.dataset_inputs import InputError
-    from diloco.manifest import dataset_id
-    from diloco.tokenizer import TokenizerError
+    from diloco.data.inputs import InputError
+    from diloco.data.manifest import dataset_id
+    from diloco.data.prepare import PrepareError, PrepareOptions
+    from diloco.data.prepare import prepare as run_prepare
+    from diloco.data.tokenizer import TokenizerError
 
     opts = PrepareOptions(
         tokenizer=tokenizer,
@@ -138,8 +138,8 @@ def verify(
     quiet: Quiet = False,
 ) -> None:
     """Check every file of a prepared dataset against its manifest (size, sha256)."""
-    from diloco.dataset import verify as run_verify
-    from diloco.manifest import ManifestError, dataset_id
+    from diloco.data.manifest import ManifestError, dataset_id
+    from diloco.data.prepare import verify as run_verify
 
     total = sum(p.stat().st_size for p in folder.glob("*") if p.is_file())
     try:

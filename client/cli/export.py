@@ -16,8 +16,8 @@ from typing import Annotated, Any
 import typer
 
 from client.api import ServerAPI
-from client.cli_support import ExitStatus, fail, run_api
-from client.run_cli import AdminToken, RunId, Server
+from client.cli.run import AdminToken, RunId, Server
+from client.cli.support import ExitStatus, fail, run_api
 from diloco.config import ConfigError, RunConfig, parse_config
 
 Version = Annotated[
@@ -83,8 +83,8 @@ def _write(
     cfg: RunConfig, params_path: Path, out: Path, tokenizer_json: str | None, eod_id: int | None
 ) -> None:
     from diloco.checkpoint import checkpoint_params_only
-    from diloco.hf import write_hf_dir
-    from diloco.tokenizer import byte_tokenizer
+    from diloco.data.tokenizer import byte_tokenizer
+    from diloco.model.hf import write_hf_dir
 
     if tokenizer_json is None:  # a text-file run: ids are bytes, no end-of-document token
         tokenizer_json = byte_tokenizer(eod=False).to_json()

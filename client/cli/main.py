@@ -17,24 +17,22 @@ from typing import Annotated
 
 import typer
 
-from client import (
-    account_cli,
-    export_cli,
-    sample_cli,
-    serve_cli,
-    simulate_cli,
-    volunteer_cli,
-)
-from client.account_cli import (
+from client.cli import account as account_cli
+from client.cli import export as export_cli
+from client.cli import sample as sample_cli
+from client.cli import serve as serve_cli
+from client.cli import simulate as simulate_cli
+from client.cli import volunteer as volunteer_cli
+from client.cli.account import (
     Device,
     GpuMemoryOpt,
     MicroBatchOpt,
     PrecisionChoice,
     PrecisionOpt,
 )
-from client.cli_support import ExitStatus, exit_status_for, fail
-from client.data_cli import data_app
-from client.run_cli import run_app
+from client.cli.data import data_app
+from client.cli.run import run_app
+from client.cli.support import ExitStatus, exit_status_for, fail
 
 app = typer.Typer(
     help="DiLoCo Hub: train language models with DiLoCo on volunteer compute.",

@@ -1,6 +1,6 @@
 """``diloco run ...``: create and manage runs on a server (writes need the admin token).
 
-Exit codes are those of ``client.cli_support.ExitStatus``.
+Exit codes are those of ``client.cli.support.ExitStatus``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from client.api import ServerAPI
-from client.cli_support import ExitStatus, fail, run_api
+from client.cli.support import ExitStatus, fail, run_api
 from diloco.config import ConfigError, RunConfig, load_config
 
 run_app = typer.Typer(
@@ -109,7 +109,7 @@ def create(
     """Create a run from a TOML config; the data file or prepared dataset it names is
     uploaded with it (a dataset: only the files the server lacks, resumable)."""
     from client.dataset_upload import upload_dataset  # numpy: only where a run is created
-    from diloco.manifest import ManifestError, read_manifest
+    from diloco.data.manifest import ManifestError, read_manifest
 
     try:
         cfg = load_config(config)  # fail fast, naming the key, before anything is sent
@@ -156,8 +156,8 @@ def _starting_weights(cfg: RunConfig, dataset: Path | None, scratch: Path) -> Pa
     run's model and written as our fp32 safetensors for the upload."""
     from safetensors.torch import save_file
 
-    from diloco.hf import HFError, load_initial
-    from diloco.manifest import read_manifest
+    from diloco.data.manifest import read_manifest
+    from diloco.model.hf import HFError, load_initial
 
     assert cfg.model.init is not None
     section = cfg.model

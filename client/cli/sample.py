@@ -1,5 +1,5 @@
 """``diloco sample DIR --prompt TEXT``: text from an exported model directory, with our own
-model code (``diloco.hf.read_hf_dir``) and the directory's ``tokenizer.json``: torch and
+model code (``diloco.model.hf.read_hf_dir``) and the directory's ``tokenizer.json``: torch and
 tokenizers, no transformers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from client.account_cli import Device
-from client.cli_support import ExitStatus, fail
+from client.cli.account import Device
+from client.cli.support import ExitStatus, fail
 
 
 def sample(
@@ -27,8 +27,8 @@ def sample(
     import torch
 
     from client.training import DeviceError, resolve_device
-    from diloco.architectures import build_model
-    from diloco.hf import HFError, read_hf_dir
+    from diloco.model.architectures import build_model
+    from diloco.model.hf import HFError, read_hf_dir
     from diloco.train import load_parameters
 
     try:

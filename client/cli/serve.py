@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from client.cli_support import ExitStatus, fail
+from client.cli.support import ExitStatus, fail
 
 # what `diloco --help` looks for before it lists the command: the server package and the
 # first of its dependencies it imports (a missing other one is still told when serve runs)
@@ -87,7 +87,7 @@ def serve(
     if role not in ("all", "api", "worker"):
         fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
     if storage:
-        from server.storage import parse_storage_url
+        from server.storage.base import parse_storage_url
 
         try:
             parse_storage_url(storage)

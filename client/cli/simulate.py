@@ -2,8 +2,8 @@
 
 ``--mode diloco|ddp|single`` trains K workers the way the paper's experiments do;
 ``--mode protocol`` runs K volunteers against the round protocol's rules on a simulated
-clock (speeds, dropouts, deadlines: ``diloco.simulate_protocol``). Exit codes are those of
-``client.cli_support.ExitStatus``.
+clock (speeds, dropouts, deadlines: ``diloco.simulate.protocol_mode``). Exit codes are those of
+``client.cli.support.ExitStatus``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
-from client.cli_support import ExitStatus, fail
+from client.cli.support import ExitStatus, fail
 from diloco.config import ConfigError, RunConfig, load_config, parse_config
 
 if TYPE_CHECKING:  # imported where used: they load torch
-    from diloco.simulate_protocol import Outage, ProtocolRound
+    from diloco.simulate.protocol_mode import Outage, ProtocolRound
 
 
 class SimMode(StrEnum):
@@ -49,7 +49,7 @@ def _numbers(option: str, text: str | None) -> tuple[float, ...] | None:
 
 def _outage(text: str) -> Outage:
     """``--outage 2@30:90``: volunteer 2 offline from 30 s to 90 s (``2@30``: for good)."""
-    from diloco.simulate_protocol import Outage
+    from diloco.simulate.protocol_mode import Outage
 
     try:
         who, _, when = text.partition("@")
@@ -238,11 +238,11 @@ def simulate(
     simulated clock) in one process and report eval loss and bytes."""
     import torch
 
-    from diloco.data import DataError
-    from diloco.simulate import Downloads, Mode, RoundRecord, SimOptions, save_result
-    from diloco.simulate import simulate as run_simulation
-    from diloco.simulate_hub import HubSettings
-    from diloco.simulate_protocol import ProtocolOptions, ProtocolRound
+    from diloco.data.text import DataError
+    from diloco.simulate.hub import HubSettings
+    from diloco.simulate.protocol_mode import ProtocolOptions, ProtocolRound
+    from diloco.simulate.run import Downloads, Mode, RoundRecord, SimOptions, save_result
+    from diloco.simulate.run import simulate as run_simulation
 
     if not 0.0 <= drop_prob < 1.0:
         fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
@@ -358,7 +358,7 @@ def simulate(
     if out:
         save_result(result, out)
     if plot:
-        from diloco.plot import plot_results
+        from diloco.simulate.plot import plot_results
 
         plot_results([result.to_json()], plot)
 
@@ -368,7 +368,7 @@ def plot_cmd(
     out: Annotated[Path, typer.Option(help="PNG to write.", envvar="DILOCO_PLOT_OUT")],
 ) -> None:
     """Draw eval loss vs tokens for one or more simulate results."""
-    from diloco.plot import load_results, plot_results
+    from diloco.simulate.plot import load_results, plot_results
 
     try:
         plot_results(load_results(results), out)

@@ -45,7 +45,7 @@ def fail(message: str, status: ExitStatus) -> NoReturn:
 # every command pay for torch. An error of a module that was never imported cannot have been
 # raised, so only the loaded ones are looked up (``sys.modules``).
 _TORCH_BOUND_ERRORS: dict[ExitStatus, tuple[tuple[str, str], ...]] = {
-    ExitStatus.DATA: (("diloco.data", "DataError"), ("diloco.checkpoint", "CheckpointError")),
+    ExitStatus.DATA: (("diloco.data.text", "DataError"), ("diloco.checkpoint", "CheckpointError")),
     ExitStatus.USAGE: (
         ("client.training", "DeviceError"),
         ("diloco.precision", "PrecisionError"),

@@ -1,7 +1,7 @@
 """``diloco doctor`` and ``diloco me``: is this machine ready, and what has my work earned?
 
-Both take the server from the argument or ``client.toml`` (see ``client.account_cli``).
-Exit codes are those of ``client.cli_support.ExitStatus``; ``doctor`` exits 1 when a check
+Both take the server from the argument or ``client.toml`` (see ``client.cli.account``).
+Exit codes are those of ``client.cli.support.ExitStatus``; ``doctor`` exits 1 when a check
 fails (warnings alone exit 0).
 """
 
@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from client.account_cli import (
+from client.api import ServerAPI
+from client.cli.account import (
     Device,
     GpuMemoryOpt,
     MicroBatchOpt,
@@ -28,8 +29,7 @@ from client.account_cli import (
     registered,
     server_url,
 )
-from client.api import ServerAPI
-from client.cli_support import ExitStatus, run_api
+from client.cli.support import ExitStatus, run_api
 from client.doctor import PROBE_BYTES, Check, as_json, run_doctor
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}

@@ -1,5 +1,5 @@
 """``diloco data prepare``: a corpus becomes token shards, a validation file and a manifest
-(``diloco.manifest``), streamed: memory holds one batch of text and its tokens, never an
+(``diloco.data.manifest``), streamed: memory holds one batch of text and its tokens, never an
 input or the dataset.
 
 The token stream is the inputs' documents in order, each followed by the end-of-document
@@ -21,8 +21,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from diloco.dataset_inputs import InputError, Piece, kind_of, pieces
-from diloco.manifest import (
+from diloco.data.inputs import InputError, Piece, kind_of, pieces
+from diloco.data.manifest import (
     MANIFEST,
     TOKENIZER,
     VAL,
@@ -35,7 +35,7 @@ from diloco.manifest import (
     shard_file,
     token_dtype,
 )
-from diloco.tokenizer import TextTokenizer, resolve
+from diloco.data.tokenizer import TextTokenizer, resolve
 
 BATCH_BYTES = 2 << 20  # text tokenized at once (encode_batch runs on every core)
 Progress = Callable[[str, int], None]  # (stage, input bytes consumed)

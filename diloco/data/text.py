@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from diloco.config import RunConfig
-from diloco.manifest import ManifestError, read_manifest
+from diloco.data.manifest import ManifestError, read_manifest
 
 
 class DataError(ValueError):

@@ -12,8 +12,8 @@ import functools
 import torch
 
 from diloco.config import ModelSection
-from diloco.llama import Llama, LlamaConfig, swiglu_width
-from diloco.model import GPT, LanguageModel
+from diloco.model.gpt import GPT, LanguageModel
+from diloco.model.llama import Llama, LlamaConfig, swiglu_width
 
 
 def llama_config(section: ModelSection) -> LlamaConfig:

@@ -29,7 +29,7 @@ class GPTConfig:
 
 
 class LanguageModel(nn.Module):
-    """What every architecture offers (``diloco.architectures.build_model``)."""
+    """What every architecture offers (``diloco.model.architectures.build_model``)."""
 
     def tie_weights(self) -> None:
         """Share the tensors the architecture ties (again after ``to_empty``, which gives

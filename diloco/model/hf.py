@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from diloco.architectures import llama_config, parameter_shapes
 from diloco.config import ModelSection
+from diloco.model.architectures import llama_config, parameter_shapes
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 

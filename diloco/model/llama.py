@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco.model import LanguageModel
+from diloco.model.gpt import LanguageModel
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ For each chunk of each parameter (a whole number of int8 blocks) the pass reads 
 round's stored uploads (``os.preadv`` into small reusable buffers, never the whole
 blob), dequantises and sums them with their coefficients, measures each one's dot product
 with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
-error feedback (``diloco.delta``) and writes the new parameters, momentum, residual and
-int8 delta in place in their files (``diloco.tensorfile``). Memory is a few chunks per
+error feedback (``diloco.wire.delta``) and writes the new parameters, momentum, residual and
+int8 delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
 upload, whatever the model's size; the base version is read, never modified, so a step
 the guard discards costs nothing to undo.
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from diloco import delta as deltas
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
-from diloco.codec import Int8Codec, NonFiniteError, codec_from_description
-from diloco.robust import SourceUnreadable
-from diloco.tensorfile import TensorFileReader, TensorFileWriter, byte_view
-from diloco.wire import DIGEST_BYTES, ContributionDecoder, WireFormatError
-from diloco.wire_header import DTYPES, MAX_HEADER_BYTES, PREFIX
+from diloco.outer.robust import SourceUnreadable
+from diloco.wire import delta as deltas
+from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
+from diloco.wire.contribution import DIGEST_BYTES, ContributionDecoder, WireFormatError
+from diloco.wire.header import DTYPES, MAX_HEADER_BYTES, PREFIX
+from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter, byte_view
 
 Shapes = Mapping[str, tuple[int, ...]]
 CHUNK_ELEMENTS = 1 << 17  # 512 KiB of fp32: the ops stay in the core's L2 here
@@ -55,7 +55,8 @@ def chunk_elements(n_sources: int, block_size: int) -> int:
 
 
 class UploadFile:
-    """A stored upload (``diloco.wire`` body), read range by range and hashed in order."""
+    """A stored upload (a ``diloco.wire.contribution`` body), read range by range and hashed
+    in order."""
 
     def __init__(
         self,

@@ -3,17 +3,17 @@
 The one implementation of the close. The server (``server.rounds.outer_step``) calls
 ``close_round`` on the files it staged and publishes what it commits; ``diloco simulate``
 calls it on files it wrote with the real wire encoder in a temp dir of its own
-(``diloco.simulate_server``). Only where the files live and how the judge evaluates
+(``diloco.simulate.server``). Only where the files live and how the judge evaluates
 differ.
 
-- The contributions are read back from their files, chunk by chunk (``diloco.outer_pass``),
-  and combined as the run's ``[aggregation]`` says (``diloco.robust``: clipped to a
+- The contributions are read back from their files, chunk by chunk (``diloco.outer.chunked``),
+  and combined as the run's ``[aggregation]`` says (``diloco.outer.robust``: clipped to a
   multiple of the round's median norm by default), each weighted by the tokens it counts
   for. ``mean`` and ``clipped_mean`` take one pass that sums, steps and writes the new
   version; ``centered_clip`` needs the clipped mean first (one more pass, and the model's
   size in memory for it).
 - The version's files: parameters, outer state (momentum and delta residual), and the
-  int8 delta from the base version (``diloco.delta``): the published parameters are the
+  int8 delta from the base version (``diloco.wire.delta``): the published parameters are the
   base's plus the decoded delta, and what the quantisation left out is carried in the
   residual. Memory stays a few chunks a contribution: nothing of the model's size is held
   but by ``centered_clip``.
@@ -43,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco import delta as deltas
 from diloco.checkpoint import (
     OuterStateFile,
     open_outer_state,
@@ -52,13 +51,21 @@ from diloco.checkpoint import (
     state_entries,
     state_metadata,
 )
-from diloco.codec import Int8Codec, make_codec
 from diloco.config import RunConfig
-from diloco.outer_pass import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.outer.robust import (
+    Share,
+    SourceUnreadable,
+    centre_pulls,
+    clip_factors,
+    cosine,
+    distances,
+)
 from diloco.protocol.rules import decide_after_exclusions, judge_step, should_judge
 from diloco.protocol.state import Action, Decision, StepVerdict
-from diloco.robust import Share, SourceUnreadable, centre_pulls, clip_factors, cosine, distances
-from diloco.tensorfile import TensorFileReader, TensorFileWriter
+from diloco.wire import delta as deltas
+from diloco.wire.codec import Int8Codec, make_codec
+from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter
 
 log = logging.getLogger("diloco.rounds")
 
@@ -68,7 +75,7 @@ class Upload:
     """A contribution of the round as the close reads it."""
 
     id: str
-    path: Path  # its stored body (``diloco.wire``); may be missing or damaged
+    path: Path  # its stored body (``diloco.wire.contribution``); may be missing or damaged
     weight: float  # the tokens it counts for
     norm: float  # ‖Δ‖, measured when it was accepted
 

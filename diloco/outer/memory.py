@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import math
 
-from diloco.architectures import mlp_width, parameter_shapes
 from diloco.config import RunConfig
+from diloco.model.architectures import mlp_width, parameter_shapes
 
-# fp32 copies of the model alive at once at the peak of a close (diloco.close,
-# diloco.outer_pass), counted from the code: the pass itself holds a few chunks, never the
+# fp32 copies of the model alive at once at the peak of a close (diloco.outer.close,
+# diloco.outer.chunked), counted from the code: the pass itself holds a few chunks, never the
 # model; centered_clip keeps its clipped mean (1), and the judge's eval of every step (or,
 # after publishing, the full eval of any version: server.checkpoints.evals) reads the
 # model into its own memory (1).
 CLOSE_MODEL_COPIES = 2
 EVAL_BATCH = 32  # validation windows per eval forward (diloco.train.evaluate), as a close runs it
 # allocator slack and small tensors, plus the pass's chunk buffers (the uploads' share is
-# diloco.outer_pass.UPLOAD_BUFFER_BUDGET, the step's five fp32 chunks of 4 MiB)
+# diloco.outer.chunked.UPLOAD_BUFFER_BUDGET, the step's five fp32 chunks of 4 MiB)
 CLOSE_OVERHEAD_BYTES = 160 << 20
 
 

@@ -4,7 +4,7 @@
   the outer SGD step θ ← θ − lr·Δ moves towards the workers.
 - ``OuterOptimizer``: a real ``torch.optim.SGD(nesterov=True)`` with Δ installed as
   ``.grad``, whose ``state_dict()`` is what ``diloco.checkpoint.save_checkpoint`` stores.
-  Neither the server nor ``diloco simulate`` steps with it: both run ``diloco.close``
+  Neither the server nor ``diloco simulate`` steps with it: both run ``diloco.outer.close``
   (the chunked pass, with the int8 delta's error feedback); the tests hold that pass to
   ``torch.optim.SGD`` (tests/test_one_close.py).
 """

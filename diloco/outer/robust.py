@@ -6,8 +6,8 @@ L2 norm is measured, and the decoded payload gets a digest (the same tensors rep
 someone else are recognised whatever header they come with).
 
 **Aggregation**, at the close, as the run's ``[aggregation] method`` says. The close
-(``diloco.close``) computes it in its chunked pass over the stored uploads
-(``diloco.outer_pass``) with ``clip_factors``, ``distances`` and ``centre_pulls`` from
+(``diloco.outer.close``) computes it in its chunked pass over the stored uploads
+(``diloco.outer.chunked``) with ``clip_factors``, ``distances`` and ``centre_pulls`` from
 here; ``robust_aggregate`` is the same arithmetic on whole tensors, in memory, which the
 tests hold the pass to:
 
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diloco.codec import INT8_MAX, EncodedTensor, Int8Codec, codec_from_description
 from diloco.config import AggregationSection
-from diloco.outer import AggregationError
-from diloco.wire import (
+from diloco.outer.optimizer import AggregationError
+from diloco.wire.codec import INT8_MAX, EncodedTensor, Int8Codec, codec_from_description
+from diloco.wire.contribution import (
     ContributionDecoder,
     NonFiniteWireError,
     TensorSpec,

@@ -22,7 +22,7 @@ takes c's own contributions and the late ones merged into it. Late work never co
 towards c's quorum or target: a round closes on fresh work.
 
 Pure functions; the server (``server.rounds.ingest``) and the simulator
-(``diloco.simulate_hub``) call them. The volunteer's side (finish work whose round closed
+(``diloco.simulate.hub``) call them. The volunteer's side (finish work whose round closed
 while it is still welcome: ``welcome_late``) is in ``diloco.protocol.volunteer``.
 """
 

@@ -81,7 +81,7 @@ class ErrorCode(StrEnum):
     STORAGE_FAILED = "storage_failed"
 
 
-# the schema of every error answer in the server's OpenAPI (server.openapi)
+# the schema of every error answer in the server's OpenAPI (server.http.openapi)
 class ErrorBody(BaseModel):
     """Every error answer: a stable code, a sentence a person can act on, and sometimes more
     fields (``current_round``, ``status``, ``retry_after_s``, ``expected``...)."""
@@ -156,7 +156,7 @@ class ShardRef(FileRef):
 class DataRange(_Message):
     """The tokens of the shard a dataset run's lease trains on: ``[start, start + tokens)``,
     read as (tokens − 1) / block_size windows of block_size + 1 tokens, each exactly once
-    (``diloco.data.range_batches``). ``unit`` is its id in the run's coverage."""
+    (``diloco.data.text.range_batches``). ``unit`` is its id in the run's coverage."""
 
     unit: int
     start: int
@@ -224,7 +224,7 @@ class HeartbeatOut(_Message):
 
 
 class DeltaRef(FileRef):
-    """An int8 delta file (``diloco.delta``): θ_version = θ_base_version + decode(q)."""
+    """An int8 delta file (``diloco.wire.delta``): θ_version = θ_base_version + decode(q)."""
 
     version: int
     base_version: int  # version − 1

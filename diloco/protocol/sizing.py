@@ -1,7 +1,7 @@
 """How many inner steps (H) one lease gets: sized to its volunteer's measured speed so that
 the work is done before the round's deadline. A pure function of (now, deadline, speed,
 bounds), as the rules in ``diloco.protocol.rules``; the server's join
-(``server.rounds.leases``) and the simulator's hub (``diloco.simulate_hub``) both call it.
+(``server.rounds.leases``) and the simulator's hub (``diloco.simulate.hub``) both call it.
 
     usable_s = (deadline − now − TRANSFER_MARGIN_S) × SPEED_SAFETY
     H        = clamp(floor(tokens_per_s × usable_s / tokens_per_step), min_steps, max_steps)

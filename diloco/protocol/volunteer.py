@@ -1,7 +1,7 @@
 """What a volunteer does on each answer of the server: the one definition of its reactions.
 
 The volunteer client (``client.worker``, ``client.uploading``) and the simulator's
-volunteers (``diloco.simulate_events``) both feed every answer they get to :func:`step`
+volunteers (``diloco.simulate.events``) both feed every answer they get to :func:`step`
 and do what the :class:`Reaction` says; how they do it (a thread that trains and an HTTP
 session, or events on a simulated clock) is theirs. The constants the reactions use live
 here too, so that no side copies a number.

@@ -14,9 +14,9 @@ from typing import Literal, get_args
 
 import torch
 
-from diloco.codec import EncodedTensor
-from diloco.exchange import encode_delta
-from diloco.wire import ContributionMeta, encode_contribution
+from diloco.wire.codec import EncodedTensor
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.exchange import encode_delta
 
 Attack = Literal[
     "huge_scales",  # finite int8 scales so large that the decoded values overflow to Inf

@@ -2,12 +2,12 @@
 
 Each round every worker trains H inner steps from θ(t−1) (:mod:`diloco.train`), sends Δ
 through the codec and the wire format, and the server's side of the round
-(:mod:`diloco.simulate_server`) checks each upload and closes the round with the server's
-own close (:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta with error
+(:mod:`diloco.simulate.server`) checks each upload and closes the round with the server's
+own close (:mod:`diloco.outer.close`: robust aggregate, Nesterov step, int8 delta with error
 feedback, every step judged before it is published). ``SimOptions.attacks`` turns workers
-into attackers (:mod:`diloco.attacks`), for ``bench/attacks.py``.
+into attackers (:mod:`diloco.simulate.attacks`), for ``bench/attacks.py``.
 ``SimOptions.downloads="delta"`` counts what workers download as the deltas since the
-version they hold (:mod:`diloco.simulate_delta`); either way they start from the published
+version they hold (:mod:`diloco.simulate.downloads`); either way they start from the published
 θ, as a volunteer does.
 """
 
@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save as safetensors_save
 
-from diloco.architectures import build_model
-from diloco.attacks import hostile_body
 from diloco.config import RunConfig
-from diloco.data import Dataset
-from diloco.model import LanguageModel
+from diloco.data.text import Dataset
+from diloco.model.architectures import build_model
+from diloco.model.gpt import LanguageModel
 from diloco.protocol.rules import assign_lease
-from diloco.simulate import (
+from diloco.simulate.attacks import hostile_body
+from diloco.simulate.downloads import DeltaReport, Ledger
+from diloco.simulate.run import (
     Progress,
     Recorder,
     SimOptions,
@@ -32,9 +33,8 @@ from diloco.simulate import (
     stream_generator,
     train_upload,
 )
-from diloco.simulate_delta import DeltaReport, Ledger
-from diloco.simulate_server import SIM_RUN_ID, open_round
-from diloco.simulate_versions import Versions
+from diloco.simulate.server import SIM_RUN_ID, open_round
+from diloco.simulate.versions import Versions
 from diloco.train import InnerTrainer, load_parameters, parameters_of
 
 
@@ -47,7 +47,7 @@ def run_diloco(
     progress: Progress | None,
 ) -> Trained:
     """K workers, R rounds of H inner steps, Δ through codec + wire, and the server's side
-    of a round (:mod:`diloco.simulate_server`: checked uploads, the server's close).
+    of a round (:mod:`diloco.simulate.server`: checked uploads, the server's close).
     ``model`` ends holding the final published parameters θ (``Trained.delta`` reports
     x = θ + r beside them with delta downloads)."""
     versions = Versions(cfg, parameters_of(model), run_id=SIM_RUN_ID, delta_dir=opts.delta_dir)

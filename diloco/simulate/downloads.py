@@ -1,8 +1,8 @@
 """Delta downloads in the simulator (``diloco simulate --downloads delta``).
 
 Every version the close publishes has an int8 delta from the version before
-(``diloco.delta``), written by the close itself beside the parameters
-(``diloco.simulate_versions``), as on the server; the published parameters θ are the base's
+(``diloco.wire.delta``), written by the close itself beside the parameters
+(``diloco.simulate.versions``), as on the server; the published parameters θ are the base's
 plus the decoded delta, what the quantisation left out is carried in the residual r, and
 θ + r is the exact Nesterov iterate x. Workers start each round from θ whatever they
 download (the fp32 checkpoint holds θ too, as the server's does): ``downloads`` says what
@@ -12,7 +12,7 @@ parameter).
 
 ``Ledger`` counts what each worker downloads: nothing when it holds the version, the deltas
 since the one it holds when they are fewer bytes than the checkpoint
-(``diloco.delta.catch_up``, as a volunteer decides), else the checkpoint.
+(``diloco.wire.delta.catch_up``, as a volunteer decides), else the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from diloco.delta import catch_up
+from diloco.wire.delta import catch_up
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The discrete-event run of ``diloco simulate --mode protocol`` (see
-:mod:`diloco.simulate_protocol`): a simulated clock, the volunteers, the sweeper.
+:mod:`diloco.simulate.protocol_mode`): a simulated clock, the volunteers, the sweeper.
 
 Time: datetimes from ``EPOCH``; events in a priority queue ordered by (time, order of
 scheduling), so the same inputs give the same run and no wall clock is ever read.
@@ -35,13 +35,22 @@ from datetime import datetime, timedelta
 
 import torch
 
-from diloco.architectures import build_model
 from diloco.config import RunConfig
-from diloco.data import Dataset
-from diloco.model import LanguageModel
+from diloco.data.text import Dataset
+from diloco.model.architectures import build_model
+from diloco.model.gpt import LanguageModel
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
-from diloco.simulate import (
+from diloco.simulate.clock import EventClock
+from diloco.simulate.hub import Hub
+from diloco.simulate.protocol_mode import (
+    WASTE,
+    ProtocolOptions,
+    ProtocolRound,
+    ProtocolTotals,
+    per_second,
+)
+from diloco.simulate.run import (
     SIM_RUN_ID,
     Progress,
     Recorder,
@@ -51,20 +60,11 @@ from diloco.simulate import (
     lease_batches,
     train_upload,
 )
-from diloco.simulate_clock import EventClock
-from diloco.simulate_hub import Hub
-from diloco.simulate_protocol import (
-    WASTE,
-    ProtocolOptions,
-    ProtocolRound,
-    ProtocolTotals,
-    per_second,
-)
-from diloco.simulate_volunteer import EPOCH, Volunteer, build_volunteers
+from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
-    """The runner for ``diloco.simulate.simulate`` and how many shards it needs."""
+    """The runner for ``diloco.simulate.run.simulate`` and how many shards it needs."""
     proto = proto.checked(opts.workers)
     if opts.drop_prob:
         raise ValueError("drop_prob: protocol mode drops volunteers with drop_per_min instead")

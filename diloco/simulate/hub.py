@@ -9,7 +9,7 @@ One method per server path (read them side by side):
 - ``heartbeat``: ``server.rounds.leases.heartbeat``: ``admit_heartbeat``.
 - ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
   before the body is read, ``admit_claim`` on its header, the body checked (finite once
-  decoded, not a replay, its weight capped: ``diloco.simulate_server.RoundDesk``), then
+  decoded, not a replay, its weight capped: ``diloco.simulate.server.RoundDesk``), then
   the row. The caller wakes the sweeper afterwards, as the server's NOTIFY does. Work
   for a round that closed is merged late into the open round when ``admit_late`` says
   so, discounted by its staleness (``diloco.protocol.late``); it trains from its own
@@ -18,13 +18,13 @@ One method per server path (read them side by side):
   round; CLOSE marks it closing, EXTEND moves its deadline and counts the extension.
 - ``close``: ``server.rounds.closing`` and ``outer_step``: the round's contributions in the
   order they arrived, written to files as the server stores them, then the server's own
-  close (``diloco.close``: robust aggregate, Nesterov step, int8 delta with error
+  close (``diloco.outer.close``: robust aggregate, Nesterov step, int8 delta with error
   feedback, every step judged before it is published; the versions in a temp dir of the
-  hub's, :mod:`diloco.simulate_versions`), then ``close_effects`` (counts, loss, credit,
+  hub's, :mod:`diloco.simulate.versions`), then ``close_effects`` (counts, loss, credit,
   the next round). A step the guard rejects is not published (the server would retry the
   round with backoff; here it closes without a step, and the version is unchanged).
   Leases download θ, the published parameters; with delta downloads they are counted as
-  the deltas since the version a volunteer holds (:mod:`diloco.simulate_delta`).
+  the deltas since the version a volunteer holds (:mod:`diloco.simulate.downloads`).
 
 What the simulator leaves out: no blob is ever unreadable (no exclusions), no close fails
 (no retries), no run is paused or cancelled.
@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from diloco.config import RunConfig
-from diloco.model import LanguageModel
+from diloco.model.gpt import LanguageModel
 from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
@@ -71,11 +71,11 @@ from diloco.protocol.state import (
     UploadFacts,
     UploadVerdict,
 )
-from diloco.simulate import SIM_RUN_ID, SimOptions, Upload
-from diloco.simulate_delta import DeltaReport, Ledger
-from diloco.simulate_rows import Closed, HubLease, HubSettings, RoundLog, Stored
-from diloco.simulate_server import RoundDesk
-from diloco.simulate_versions import Versions
+from diloco.simulate.downloads import DeltaReport, Ledger
+from diloco.simulate.rows import Closed, HubLease, HubSettings, RoundLog, Stored
+from diloco.simulate.run import SIM_RUN_ID, SimOptions, Upload
+from diloco.simulate.server import RoundDesk
+from diloco.simulate.versions import Versions
 from diloco.train import load_parameters, parameters_of
 
 __all__ = ["Closed", "Hub", "HubLease", "HubSettings", "RoundLog", "Stored"]

@@ -1,11 +1,11 @@
 """``diloco simulate --mode protocol``: K volunteers against the round protocol's rules,
 on a simulated clock, with the real training and the real outer step.
 
-- :mod:`diloco.simulate_hub`: the server's side. It keeps the server's rows in memory and
+- :mod:`diloco.simulate.hub`: the server's side. It keeps the server's rows in memory and
   asks the rules of :mod:`diloco.protocol.rules` what the server's services ask them, in
   the same order: joins, heartbeats, upload admission, the sweeper's ``decide_close`` and
   its extensions, the close (aggregate → outer step → ``close_effects``).
-- :mod:`diloco.simulate_events`: the clock and the volunteers. Volunteers behave as the
+- :mod:`diloco.simulate.events`: the clock and the volunteers. Volunteers behave as the
   client does (``client.worker``): join, train H steps while heartbeating, upload, join
   again; they may be slow, drop out (stop heartbeating, so their lease lapses) and come
   back. The sweeper ticks every ``sweep_interval_s`` and is woken by every accepted upload.
@@ -14,7 +14,7 @@ on a simulated clock, with the real training and the real outer step.
   time, compute spent against compute that reached an outer step (goodput), refused
   uploads by code, abandoned work, dropouts, deadline extensions.
 
-``diloco.simulate.simulate(cfg, SimOptions(mode="protocol", workers=K), protocol=...)``
+``diloco.simulate.run.simulate(cfg, SimOptions(mode="protocol", workers=K), protocol=...)``
 runs one; the same config, options and seed give the same records and parameters.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diloco.simulate import RoundRecord
-from diloco.simulate_hub import HubSettings
+from diloco.simulate.hub import HubSettings
+from diloco.simulate.run import RoundRecord
 
 # why volunteer time did not reach an outer step: an upload refused, a training abandoned
 # (a heartbeat said the round closed), lost to a dropout, still going when the clock stopped

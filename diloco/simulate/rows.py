@@ -1,4 +1,4 @@
-"""The rows of ``diloco simulate --mode protocol``'s hub (:mod:`diloco.simulate_hub`):
+"""The rows of ``diloco simulate --mode protocol``'s hub (:mod:`diloco.simulate.hub`):
 the server settings that shape a round, and the leases, contributions and round logs the
 server keeps in Postgres, here in memory."""
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from diloco.protocol.state import CloseEffects, LeaseAssignment, LeaseView, RoundView
-from diloco.simulate import Upload
-from diloco.simulate_server import RoundDesk
+from diloco.simulate.run import Upload
+from diloco.simulate.server import RoundDesk
 
 # ---------------------------------------------------------------- settings
 
@@ -74,7 +74,7 @@ class Stored:
 class RoundLog:
     """A round's rows and what was decided about it."""
 
-    desk: RoundDesk  # the uploads as the server checks them (diloco.simulate_server)
+    desk: RoundDesk  # the uploads as the server checks them (diloco.simulate.server)
     leases: dict[str, HubLease] = field(default_factory=dict)  # by contributor, in issue order
     contributions: list[Stored] = field(default_factory=list)  # in the order they arrived
     # late work merged into this round's step (trained for an earlier round, whose

@@ -1,9 +1,9 @@
 """``diloco simulate``: DiLoCo, data-parallel and single-worker training in one process.
 
 The DiLoCo mode runs the very code the platform runs: each worker's inner loop
-(:mod:`diloco.train`), Δ through the codec and the wire format (:mod:`diloco.exchange`),
-the server's checks at upload and the server's close (:mod:`diloco.simulate_server`,
-:mod:`diloco.close`: robust aggregate, Nesterov step, int8 delta, the guard). The
+(:mod:`diloco.train`), Δ through the codec and the wire format (:mod:`diloco.wire.exchange`),
+the server's checks at upload and the server's close (:mod:`diloco.simulate.server`,
+:mod:`diloco.outer.close`: robust aggregate, Nesterov step, int8 delta, the guard). The
 baselines use the same model, data and inner optimizer:
 
 - ``ddp``: one model, K× the batch per step (one slice from each worker's shard),
@@ -14,7 +14,7 @@ baselines use the same model, data and inner optimizer:
   is exactly what pooling K workers buys); ``single_data="all"`` trains it on the whole
   training split instead, a stronger reference on a finite corpus.
 - ``protocol``: K volunteers against the round protocol's rules on a simulated clock
-  (:mod:`diloco.simulate_protocol`): speeds, deadlines, stragglers, dropouts.
+  (:mod:`diloco.simulate.protocol_mode`): speeds, deadlines, stragglers, dropouts.
 
 Batches: in ``diloco`` mode worker i draws from its own stream (seeded by the run seed and
 i, kept across rounds) on shard i by default; ``batches="lease"`` draws them as a volunteer
@@ -26,7 +26,7 @@ bit; the default is kept so that published benchmarks reproduce.
 Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the
 published parameters θ (as the server publishes them: through the close's int8 delta);
 ``downloads="delta"`` counts what they download as those deltas rather than the fp32
-checkpoint (:mod:`diloco.simulate_delta`).
+checkpoint (:mod:`diloco.simulate.downloads`).
 """
 
 from __future__ import annotations
@@ -40,16 +40,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from diloco.architectures import build_model
-from diloco.attacks import Attack
 from diloco.config import RunConfig
-from diloco.data import Dataset, random_batch, simulated_data
-from diloco.exchange import encode_delta
-from diloco.model import LanguageModel
-from diloco.outer import pseudo_gradient
+from diloco.data.text import Dataset, random_batch, simulated_data
+from diloco.model.architectures import build_model
+from diloco.model.gpt import LanguageModel
+from diloco.outer.optimizer import pseudo_gradient
 from diloco.protocol.state import LeaseAssignment
-from diloco.simulate_delta import DeltaReport
-from diloco.simulate_server import SIM_RUN_ID
+from diloco.simulate.attacks import Attack
+from diloco.simulate.downloads import DeltaReport
+from diloco.simulate.server import SIM_RUN_ID
 from diloco.train import (
     Batch,
     InnerResult,
@@ -59,10 +58,11 @@ from diloco.train import (
     load_parameters_file,
     snapshot,
 )
-from diloco.wire import ContributionMeta, encode_contribution
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.exchange import encode_delta
 
 if TYPE_CHECKING:
-    from diloco.simulate_protocol import ProtocolOptions, ProtocolTotals
+    from diloco.simulate.protocol_mode import ProtocolOptions, ProtocolTotals
 
 Mode = Literal["diloco", "ddp", "single", "protocol"]
 Downloads = Literal["full", "delta"]
@@ -80,9 +80,10 @@ class SimOptions:
     # diloco mode: worker i's own stream on shard i, or the i-th lease's shard and seed
     batches: Literal["worker", "lease"] = "worker"
     device: str = "cpu"
-    # diloco mode: worker index -> the attack it makes (diloco.attacks), for bench/attacks.py
+    # diloco mode: worker index -> the attack it makes (diloco.simulate.attacks), for
+    # bench/attacks.py
     attacks: Mapping[int, Attack] = field(default_factory=dict)
-    # diloco, protocol: workers download fp32 checkpoints, or int8 deltas (simulate_delta)
+    # diloco, protocol: workers download fp32 checkpoints, or int8 deltas (simulate.downloads)
     downloads: Downloads = "full"
     delta_dir: Path | None = None  # delta downloads: write each version's delta file here
 
@@ -151,7 +152,7 @@ def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Call
 class Upload:
     """One worker's round as it goes over the wire."""
 
-    chunks: list[bytes]  # the encoded body (diloco.wire)
+    chunks: list[bytes]  # the encoded body (diloco.wire.contribution)
     codec: dict  # the codec's description, as the header names it
     result: InnerResult  # steps, tokens, losses of the inner loop
     delta: dict[str, torch.Tensor] = field(repr=False)  # Δ before the codec (for attacks)
@@ -289,13 +290,13 @@ def simulate(
     run: Runner
     n_shards = opts.workers
     if opts.mode == "protocol":
-        from diloco.simulate_events import protocol_runner
-        from diloco.simulate_protocol import ProtocolOptions
+        from diloco.simulate.events import protocol_runner
+        from diloco.simulate.protocol_mode import ProtocolOptions
 
         protocol = protocol or ProtocolOptions()
         run, n_shards = protocol_runner(protocol, opts)
     elif opts.mode == "diloco":
-        from diloco.simulate_diloco import run_diloco
+        from diloco.simulate.diloco_mode import run_diloco
 
         run = run_diloco
     else:

@@ -2,15 +2,15 @@
 ``server.rounds.outer_step`` do, on uploads held in memory.
 
 - ``RoundDesk.admit``: an upload as the server takes it: the body decoded and checked
-  (``diloco.wire``), every tensor decoded to finite values and measured
-  (``diloco.robust.UploadInspector``), its header against the round (``admit_claim``),
+  (``diloco.wire.contribution``), every tensor decoded to finite values and measured
+  (``diloco.outer.robust.UploadInspector``), its header against the round (``admit_claim``),
   a replay of another's tensors refused (``admit_payload``), its weight capped at what
   a lease allows (``upload_weight``) and, for late work merged into this round from an
   earlier one (``origin``), discounted by its staleness (``late_weight``).
-- ``RoundDesk.close``: the server's close itself (``diloco.close.close_round``: the
+- ``RoundDesk.close``: the server's close itself (``diloco.outer.close.close_round``: the
   robust aggregate, the outer step, the int8 delta with error feedback, every step judged
   before it is published), on the admitted bodies written to files beside the run's
-  versions (``diloco.simulate_versions``).
+  versions (``diloco.simulate.versions``).
 
 Both modes of ``diloco simulate`` that train through the wire format use it, so an attack
 in the simulator meets the defences it meets on a server: the same checks at upload and
@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from diloco.architectures import parameter_shapes
-from diloco.close import CloseInputs, StepRejected, Upload, close_round
-from diloco.codec import make_codec
 from diloco.config import RunConfig
+from diloco.model.architectures import parameter_shapes
+from diloco.outer.close import CloseInputs, StepRejected, Upload, close_round
+from diloco.outer.robust import Share, Source, UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
 from diloco.protocol.state import Refusal, RoundState, RoundView, StepVerdict, UploadClaim
-from diloco.robust import Share, Source, UploadInspector
-from diloco.simulate_versions import Versions
-from diloco.wire import ContributionDecoder, NonFiniteWireError, WireFormatError
+from diloco.simulate.versions import Versions
+from diloco.wire.codec import make_codec
+from diloco.wire.contribution import ContributionDecoder, NonFiniteWireError, WireFormatError
 
 SIM_RUN_ID = "simulate"  # the run id in every simulated upload's header
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)

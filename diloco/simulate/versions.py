@@ -2,7 +2,7 @@
 
 A simulated run keeps its versions in a temp dir of its own: the parameters file, the
 outer state file (momentum and delta residual) and the int8 delta from the version before,
-written by the close itself (``diloco.close``, through ``diloco.simulate_server.RoundDesk``)
+written by the close itself (``diloco.outer.close``, through ``diloco.simulate.server.RoundDesk``)
 exactly as the server writes them. The published parameters θ are the base's plus the
 decoded delta; what the quantisation left out is carried in the residual r, so θ + r is
 the exact Nesterov iterate x (``exact``, for information).
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from diloco.checkpoint import RESIDUAL_PREFIX, write_initial_state, write_params
-from diloco.close import VersionPaths
-from diloco.codec import EncodedTensor, Int8Codec
 from diloco.config import RunConfig
-from diloco.delta import publish_change, write_delta
-from diloco.tensorfile import TensorFileReader
+from diloco.outer.close import VersionPaths
+from diloco.wire.codec import EncodedTensor, Int8Codec
+from diloco.wire.delta import publish_change, write_delta
+from diloco.wire.tensorfile import TensorFileReader
 
 Params = Mapping[str, torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""A volunteer of ``diloco simulate --mode protocol`` (:mod:`diloco.simulate_events`): its
+"""A volunteer of ``diloco simulate --mode protocol`` (:mod:`diloco.simulate.events`): its
 state, and its reactions to the hub's answers: ``diloco.protocol.volunteer``'s, the very
 table the client (``client.worker``) follows."""
 
@@ -10,13 +10,13 @@ from datetime import UTC, datetime, timedelta
 
 import torch
 
-from diloco.architectures import build_model
 from diloco.config import RunConfig
+from diloco.model.architectures import build_model
 from diloco.protocol.state import Refusal
 from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
-from diloco.simulate import SimOptions
-from diloco.simulate_hub import HubLease
-from diloco.simulate_protocol import ProtocolOptions, VolunteerTotals
+from diloco.simulate.hub import HubLease
+from diloco.simulate.protocol_mode import ProtocolOptions, VolunteerTotals
+from diloco.simulate.run import SimOptions
 from diloco.train import InnerTrainer
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here

@@ -8,7 +8,7 @@ Per-block scales (rather than one per tensor) keep a single outlier from flatten
 resolution of a whole weight matrix.
 
 The interface is deliberately tiny — ``encode``, ``decode``, ``describe`` — so that the
-wire format (``diloco.wire``) can carry any codec by its description and the server can
+wire format (``diloco.wire.contribution``) can carry any codec by its description and the server can
 rebuild the codec from that description alone.
 
 Encoded tensors always live on the CPU: they exist to be written to the wire.
@@ -154,7 +154,7 @@ class Int8Codec:
     ) -> torch.Tensor:
         """Dequantise flat int8 ``data`` (from a block boundary) with its blocks' fp32
         ``scales`` into ``out`` (fp32, same length), unchecked: the one dequantisation, for
-        whole tensors (``decode``) and for chunks of them (``diloco.outer_pass``) alike."""
+        whole tensors (``decode``) and for chunks of them (``diloco.outer.chunked``) alike."""
         out.copy_(data)  # int8 -> fp32, then a same-dtype multiply (a mixed one is ~15x slower)
         out_head, out_tail = _split_blocks(out, self.block_size)
         out_head.mul_(scales[: out_head.shape[0], None])

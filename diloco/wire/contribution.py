@@ -6,9 +6,9 @@ Body layout (all integers little-endian; ``docs/protocol.md`` is the full contra
     for each tensor in header order: data (numel · itemsize) | scales (4 · n_scales) |
     sha256 of every preceding byte (32)
 
-The constants, errors, header dataclasses and header schema live in ``diloco.wire_header``
-and the encoder in ``diloco.wire_encode``; this module decodes the body as it streams in
-and re-exports their public names, so callers import everything from ``diloco.wire``.
+The constants, errors, header dataclasses and header schema live in ``diloco.wire.header``
+and the encoder in ``diloco.wire.encode``; this module decodes the body as it streams in
+and re-exports their public names, so callers import everything from ``diloco.wire.contribution``.
 
 Why this shape: the header is small and self-describing (msgpack, never pickle — nothing
 from the network may construct objects), while the tensor bytes travel as raw frames that
@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from diloco.codec import INT8_MAX, EncodedTensor, codec_from_description
-from diloco.wire_encode import contribution_nbytes, encode_contribution
-from diloco.wire_header import (
+from diloco.wire.codec import INT8_MAX, EncodedTensor, codec_from_description
+from diloco.wire.encode import contribution_nbytes, encode_contribution
+from diloco.wire.header import (
     DIGEST_BYTES,
     DTYPES,
     FORMAT_VERSION,

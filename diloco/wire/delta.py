@@ -1,7 +1,7 @@
 """int8 deltas between published versions: 1 byte a parameter a round instead of 4.
 
 Every version v the server publishes also has a delta from v−1: the change of each
-parameter, int8 with one fp32 scale per block (``diloco.codec.Int8Codec``). The published
+parameter, int8 with one fp32 scale per block (``diloco.wire.codec.Int8Codec``). The published
 parameters are *defined* by the deltas:
 
     θ_v = θ_{v−1} + decode(q_v)          (fp32, elementwise: the same bits everywhere)
@@ -16,7 +16,7 @@ leaves out is not lost: the server keeps the residual r_v and adds it to the nex
 
 ``publish_change`` is that one step on any flat piece of a tensor whose length is a
 multiple of the block size (or that ends the tensor): the server applies it chunk by
-chunk (``diloco.outer_pass``), the simulator to whole tensors, with the same bits.
+chunk (``diloco.outer.chunked``), the simulator to whole tensors, with the same bits.
 
 A delta file is a safetensors file: ``scales/<name>`` (fp32, one per block) and
 ``delta/<name>`` (int8, the parameter's shape), with metadata naming the format, the run,
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from diloco.codec import EncodedTensor, Int8Codec, NonFiniteError
-from diloco.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
+from diloco.wire.codec import EncodedTensor, Int8Codec, NonFiniteError
+from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 
 FORMAT = "diloco-delta"
 FORMAT_VERSION = "1"

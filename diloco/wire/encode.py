@@ -1,4 +1,4 @@
-"""Encoding a contribution body (``diloco.wire`` has the layout and re-exports these):
+"""Encoding a contribution body (``diloco.wire.contribution`` has the layout and re-exports these):
 the header, then each tensor's bytes sliced straight from the encoded tensors, then the
 sha256 trailer, streamed in chunks so that only one chunk is ever materialised."""
 
@@ -12,8 +12,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from diloco.codec import EncodedTensor
-from diloco.wire_header import (
+from diloco.wire.codec import EncodedTensor
+from diloco.wire.header import (
     ContributionMeta,
     body_bytes,
     prefix_and_header,

@@ -1,7 +1,7 @@
 """A worker's Δ on its way out: Δ → codec (``encode_delta``), then
-``diloco.wire.encode_contribution`` for the chunks. The client and the simulator both
-call it; the server reads the stored body back in the close (``diloco.close``, through
-``diloco.outer_pass.UploadFile``).
+``diloco.wire.contribution.encode_contribution`` for the chunks. The client and the simulator both
+call it; the server reads the stored body back in the close (``diloco.outer.close``, through
+``diloco.outer.chunked.UploadFile``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from diloco.codec import EncodedTensor, make_codec
+from diloco.wire.codec import EncodedTensor, make_codec
 
 
 def encode_delta(

@@ -1,7 +1,7 @@
 """The contribution header: constants, errors, the header dataclasses, and the msgpack
 header schema — building it for the encoder, parsing and validating it for the decoder.
 
-``diloco.wire`` streams the body around this header and re-exports every public name
+``diloco.wire.contribution`` streams the body around this header and re-exports every public name
 defined here; ``docs/protocol.md`` is the full contract. The header is small and
 self-describing msgpack, never pickle: nothing from the network may construct objects.
 """
@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 import torch
 
-from diloco.codec import Codec, EncodedTensor, NonFiniteError, codec_from_description
 from diloco.config import INT32_MAX
+from diloco.wire.codec import Codec, EncodedTensor, NonFiniteError, codec_from_description
 
 __all__ = [
     "DIGEST_BYTES",

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from diloco.architectures import build_model
 from diloco.config import RunConfig
+from diloco.model.architectures import build_model
 from diloco.train import evaluate, load_parameters_file
 from server.runs import data as run_data
-from server.storage import Storage
+from server.storage.base import Storage
 
 
 @torch.no_grad()

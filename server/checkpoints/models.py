@@ -30,13 +30,13 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     nbytes: Mapped[int] = mapped_column(BigInteger)
     eval_loss: Mapped[float | None] = mapped_column(Float, default=None)  # None: pending
-    # the int8 delta from version - 1 (diloco.delta); None for version 0
+    # the int8 delta from version - 1 (diloco.wire.delta); None for version 0
     delta_key: Mapped[str | None] = mapped_column(Text, default=None)
     delta_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     delta_nbytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     # the process evaluating this version holds it until then (server.rounds.version_eval)
     eval_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
-    # retention (server.retention) deleted its three files; the row stays, its downloads
+    # retention (server.upkeep.retention) deleted its three files; the row stays, its downloads
     # answer 410 gone. Set before the files go
     files_deleted_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -5,18 +5,18 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from diloco.config import INT32_MAX
-from diloco.delta import catch_up as plan_catch_up
 from diloco.protocol.messages import CatchUpPlan, CheckpointRef, DeltaRef
-from server import keys
+from diloco.wire.delta import catch_up as plan_catch_up
 from server.checkpoints import service
 from server.checkpoints.models import Checkpoint
 from server.db import SessionDep
-from server.errors import InvalidRequest, NotFound
-from server.files import read_url, serve_blob
-from server.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
+from server.http.errors import InvalidRequest, NotFound
+from server.http.inputs import CheckpointVersion, RunId, ShardIndex, checkpoint_version
 from server.runs import service as runs_service
 from server.settings import Settings
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
+from server.storage.files import read_url, serve_blob
 
 router = APIRouter(prefix="/api/v1/runs/{run_id}", tags=["checkpoints"])
 API = "/api/v1"
@@ -59,7 +59,7 @@ async def delta(
     run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
 ) -> Response:
     """The int8 delta from ``version − 1`` to a version (or ``latest``), as safetensors
-    (``diloco.delta``); 404 ``not_found`` for version 0 and versions published without one,
+    (``diloco.wire.delta``); 404 ``not_found`` for version 0 and versions published without one,
     410 ``gone`` for a version the run's retention policy deleted."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)

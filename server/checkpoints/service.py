@@ -4,7 +4,7 @@ Each version is up to three files under ``runs/<id>/checkpoints/``: ``<v>.safete
 holds the parameters (what volunteers download, ETag = its sha256),
 ``<v>.state.safetensors`` the outer momentum and the delta residual (what a restarted
 server continues from, bit-identically), and ``<v>.delta.safetensors`` the int8 delta from
-``v − 1`` (``diloco.delta``; what a returning volunteer downloads instead). A close writes
+``v − 1`` (``diloco.wire.delta``; what a returning volunteer downloads instead). A close writes
 them chunk by chunk (``server.rounds.outer_step``); ``write_initial`` writes version 0.
 """
 
@@ -19,11 +19,11 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.checkpoint import write_initial_state, write_params
-from server import keys
 from server.checkpoints.models import Checkpoint
-from server.errors import Gone, NotFound
-from server.staging import Stage
-from server.storage import Storage
+from server.http.errors import Gone, NotFound
+from server.storage import keys
+from server.storage.base import Storage
+from server.storage.staging import Stage
 
 API = "/api/v1"
 
@@ -107,7 +107,7 @@ async def get(*, session: AsyncSession, run_id: str, version: int | None) -> Che
 
 
 def check_retained(row: Checkpoint) -> Checkpoint:
-    """The row, if its files are still kept; else 410 gone (``server.retention``)."""
+    """The row, if its files are still kept; else 410 gone (``server.upkeep.retention``)."""
     if row.files_deleted_at is not None:
         raise Gone(
             f"checkpoint version {row.version} of run {row.run_id}: its files were deleted on "

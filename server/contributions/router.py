@@ -22,7 +22,7 @@ from server.contributors.schemas import (
     SortKey,
 )
 from server.db import SessionDep
-from server.inputs import ContributorId, RunFilter
+from server.http.inputs import ContributorId, RunFilter
 
 router = APIRouter(prefix="/api/v1/contributors", tags=["contributors"])
 

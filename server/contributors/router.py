@@ -2,7 +2,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server import ratelimit
 from server.auth import AdminAuth, ContributorAuth
 from server.contributors import service
 from server.contributors.schemas import (
@@ -11,8 +10,9 @@ from server.contributors.schemas import (
     ContributorCreated,
 )
 from server.db import SessionDep
-from server.inputs import ContributorId
-from server.ratelimit import Action
+from server.http import ratelimit
+from server.http.inputs import ContributorId
+from server.http.ratelimit import Action
 
 router = APIRouter(prefix="/api/v1/contributors", tags=["contributors"])
 

@@ -18,7 +18,7 @@ from server.contributors.schemas import (
     BanState,
     Hardware,
 )
-from server.errors import NotFound, Unauthorized
+from server.http.errors import NotFound, Unauthorized
 
 
 async def register(*, session: AsyncSession, name: str) -> tuple[Contributor, str]:

@@ -1,4 +1,4 @@
-"""Prepared datasets (``diloco.manifest``) and the units leases hand out of them."""
+"""Prepared datasets (``diloco.data.manifest``) and the units leases hand out of them."""
 
 from __future__ import annotations
 

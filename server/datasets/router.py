@@ -7,15 +7,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
 
-from diloco.manifest import SHARD_NAME, TOKENIZER, VAL
-from server import keys
+from diloco.data.manifest import SHARD_NAME, TOKENIZER, VAL
 from server.auth import AdminAuth
 from server.datasets import service
 from server.datasets.schemas import DatasetOut, StoredFile
 from server.db import SessionDep
-from server.errors import BodyTooLarge, NotFound
-from server.files import serve_blob
-from server.inputs import declared_length
+from server.http.errors import BodyTooLarge, NotFound
+from server.http.inputs import declared_length
+from server.storage import keys
+from server.storage.files import serve_blob
 
 router = APIRouter(prefix="/api/v1/datasets", tags=["datasets"])
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100,000 shards is about 20 MB

@@ -1,6 +1,6 @@
 """Prepared datasets on the server: register a manifest, receive its files one by one
 (streamed into storage, each checked against the manifest's size and sha256 before it is
-kept), and say what is missing. The id is the manifest's hash (``diloco.manifest``), so an
+kept), and say what is missing. The id is the manifest's hash (``diloco.data.manifest``), so an
 upload cut halfway is resumed by sending the same manifest again and only the files it
 reports missing, and a dataset already there is never sent twice.
 """
@@ -16,13 +16,13 @@ from sqlalchemy import update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.manifest import Manifest, ManifestError, dataset_id, parse_manifest
-from server import keys
+from diloco.data.manifest import Manifest, ManifestError, dataset_id, parse_manifest
 from server.datasets.models import Dataset
 from server.datasets.schemas import DatasetOut, FileState
-from server.errors import InvalidData, NotFound, StorageFailed
-from server.inputs import declared_length
-from server.storage import BlobMissing, Storage
+from server.http.errors import InvalidData, NotFound, StorageFailed
+from server.http.inputs import declared_length
+from server.storage import keys
+from server.storage.base import BlobMissing, Storage
 
 FLUSH_BYTES = 4 << 20  # request body bytes handed to the storage writer at once (a thread)
 

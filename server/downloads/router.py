@@ -18,9 +18,9 @@ from fastapi.responses import PlainTextResponse
 
 from diloco.protocol.messages import ErrorCode
 from server.downloads.wheel import ClientWheel, Wheel, find_source_root
-from server.errors import HubError, NotFound
-from server.files import serve_file
+from server.http.errors import HubError, NotFound
 from server.settings import Settings
+from server.storage.files import serve_file
 
 router = APIRouter(tags=["downloads"])
 

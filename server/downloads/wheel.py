@@ -38,7 +38,7 @@ from pathlib import Path
 from diloco.atomic import atomic_write, fsync_dir
 from diloco.protocol.messages import ErrorCode
 from server.downloads import volunteer_project
-from server.errors import HubError
+from server.http.errors import HubError
 
 log = logging.getLogger("diloco.server.downloads")
 

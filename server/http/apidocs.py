@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from swagger_ui_bundle import swagger_ui_path
 
-from server.errors import NotFound
+from server.http.errors import NotFound
 from server.web.router import CSP
 
 STATIC = "/docs/static"

@@ -8,13 +8,13 @@ first bytes, with not one of them read (a declared 50 GB heartbeat would otherwi
 for its body until the body timeout).
 
 The route is known by then (FastAPI puts it in the scope before it reads a body), so
-nothing is matched here. As in ``server.body_timeout``, the refusal is raised where the
+nothing is matched here. As in ``server.http.body_timeout``, the refusal is raised where the
 body is read, and whatever the app then answers (FastAPI turns an error while reading a
 JSON body into a 400) is replaced by the 413, with ``Connection: close``.
 
 Routes that stream their body (an upload, run creation, a dataset's files, the speed
 test) take no body model; each checks its own limit against the declared size
-(``server.inputs.declared_length``) and counts the bytes as they stream.
+(``server.http.inputs.declared_length``) and counts the bytes as they stream.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import BodyTooLarge
-from server.handlers import error_response
+from server.http.errors import BodyTooLarge
+from server.http.handlers import error_response
 
 MAX_JSON_BYTES = 1 << 20
 

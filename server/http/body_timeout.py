@@ -14,7 +14,7 @@ in, a ``receive`` only waits for the client to leave (a streamed download listen
 that for as long as it lasts) and is not bounded.
 
 The unread rest of a body answered before it was read (an upload refused at once) is the
-connection's business: ``server.connection`` gives it ``header_timeout_s``.
+connection's business: ``server.http.connection`` gives it ``header_timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import RequestTimeout
-from server.handlers import error_response
+from server.http.errors import RequestTimeout
+from server.http.handlers import error_response
 
 
 class BodyTimeout:

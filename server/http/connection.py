@@ -21,7 +21,7 @@ A refusal here closes gently: the answer, then our end of the connection (FIN), 
 whatever the client still sends is dropped for ``LINGER_S`` at most; closing at once with
 its bytes unread would send a reset, and the client might never read the answer.
 
-Bodies have their own deadline (``server.body_timeout``), in the app, where the upload's
+Bodies have their own deadline (``server.http.body_timeout``), in the app, where the upload's
 temp blob is cleaned up. ``diloco serve`` always uses this protocol (``server.main``).
 """
 
@@ -36,7 +36,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from server.errors import HeaderTooLarge, HubError, RequestTimeout
+from server.http.errors import HeaderTooLarge, HubError, RequestTimeout
 
 _END = b"\r\n\r\n"  # the blank line that ends a request's head
 LINGER_S = 2.0  # after a refusal, how long the client's further bytes are read and dropped

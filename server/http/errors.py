@@ -90,7 +90,7 @@ class RunNotFound(NotFound):
 
 
 class Gone(HubError):
-    # a checkpoint version whose files the run's retention policy deleted (server.retention)
+    # a checkpoint version whose files the run's retention policy deleted (server.upkeep.retention)
     status = 410
     code = ErrorCode.GONE
 
@@ -142,8 +142,8 @@ class InvalidTransition(HubError):
 
 
 class RequestTimeout(HubError):
-    # the request line and headers, or the body, stopped arriving (server.connection,
-    # server.body_timeout); the connection is closed after this answer
+    # the request line and headers, or the body, stopped arriving (server.http.connection,
+    # server.http.body_timeout); the connection is closed after this answer
     status = 408
     code = ErrorCode.REQUEST_TIMEOUT
 
@@ -198,7 +198,7 @@ class RetryLater(HubError):
 
 
 class RateLimited(RetryLater):
-    # this client address sent more than the setting allows (server.ratelimit)
+    # this client address sent more than the setting allows (server.http.ratelimit)
     code = ErrorCode.RATE_LIMITED
 
 
@@ -208,7 +208,7 @@ class TooManyUploads(RetryLater):
 
 
 class HeaderTooLarge(HubError):
-    # the request line and headers are over max_header_bytes (server.connection)
+    # the request line and headers are over max_header_bytes (server.http.connection)
     status = 431
     code = ErrorCode.HEADER_TOO_LARGE
 

@@ -1,8 +1,8 @@
 """Every error answer is ours: ``{"error": CODE, "detail": "a sentence", ...extra}``.
 
-Domain errors (``server.errors``) carry their status and code; the framework's own errors
+Domain errors (``server.http.errors``) carry their status and code; the framework's own errors
 (no such route, wrong method, a malformed form) and request validation get theirs here.
-Whatever else escapes a route is answered by ``server.request_id.RequestId`` through
+Whatever else escapes a route is answered by ``server.http.request_id.RequestId`` through
 ``unexpected``: ``503 unavailable`` when the database cannot be reached (and only then, so
 that clients retry only what a retry can fix), else ``500 internal``, a bug, logged with
 its traceback under the request id that the answer names.
@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match, Mount
 
 from diloco.protocol.messages import ErrorCode
-from server.errors import HubError, Internal, Unavailable
-from server.inputs import error_message
+from server.http.errors import HubError, Internal, Unavailable
+from server.http.inputs import error_message
 
 log = logging.getLogger("diloco.server")
 

@@ -20,7 +20,7 @@ from fastapi import Path, Query
 
 from diloco.config import INT32_MAX, NO_CONTROL_CHARS
 from diloco.config import error_message as config_error_message
-from server.errors import BodyTooLarge, HubError, InvalidRequest
+from server.http.errors import BodyTooLarge, HubError, InvalidRequest
 
 RUN_ID_CHARS = 32  # runs.id is varchar(32): ids are run_<12 hex>
 _NO_CONTROL = re.compile(NO_CONTROL_CHARS)

@@ -7,7 +7,7 @@ the real content types, ``BODIES`` the request bodies FastAPI cannot see. Every 
 is the ``ErrorBody`` schema with ``error`` limited to the listed codes (the schema test
 checks the server against exactly this). Added by rule: ``408 request_timeout`` and ``431
 header_too_large`` everywhere (a request head that stalls or is too long,
-``server.connection``), ``500 internal`` everywhere, ``503
+``server.http.connection``), ``500 internal`` everywhere, ``503
 unavailable`` where the database is read, ``400 bad_request`` where FastAPI parses a JSON or
 multipart body, and ``422`` in our shape instead of FastAPI's ``HTTPValidationError``. An
 operation missing from the table fails the schema's build.
@@ -25,7 +25,7 @@ Errors = dict[int, tuple[str, ...]]
 
 ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
 CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
-LIMITED: Errors = {429: ("rate_limited",)}  # server.ratelimit: with Retry-After
+LIMITED: Errors = {429: ("rate_limited",)}  # server.http.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 VERSION_FILE: Errors = {**FILE, 410: ("gone",)}  # retention deleted the version's files
@@ -156,7 +156,7 @@ _RANGE_HEADERS = [
 FILES = {
     "GET /api/v1/runs/{run_id}/checkpoints/{version}": "safetensors: the model's parameters",
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": "safetensors: the int8 delta "
-    "from version − 1 (diloco.delta)",
+    "from version − 1 (diloco.wire.delta)",
     "GET /api/v1/runs/{run_id}/shards/{index}": "a text run's uint8 tokens, row-major "
     "(nbytes / chunk_len, chunk_len); a dataset run's shard file (data.token_dtype)",
     "GET /downloads/{filename}": "the client wheel (or, for NAME.sha256, `<hex>  NAME` as "
@@ -184,7 +184,7 @@ BODIES: dict[str, dict[str, Any]] = {
     },
     "POST /api/v1/datasets": {
         "required": True,
-        "description": "the dataset's manifest.json (diloco.manifest), at most 64 MiB",
+        "description": "the dataset's manifest.json (diloco.data.manifest), at most 64 MiB",
         "content": {"application/json": {"schema": {"type": "object"}}},
     },
     "POST /api/v1/speedtest": {
@@ -226,7 +226,7 @@ def _errors_of(key: str, op: dict[str, Any]) -> Errors:
         errors[400] = ("bad_request", *(c for c in errors.get(400, ()) if c != "bad_request"))
     if "422" in op["responses"] or 422 in errors:
         errors[422] = ("invalid_request", *errors.get(422, ()))
-    # the connection's own guards (server.connection), before any route: a request head
+    # the connection's own guards (server.http.connection), before any route: a request head
     # that stalls, or that is too long
     errors[408] = ("request_timeout",)
     errors[431] = ("header_too_large",)
@@ -269,7 +269,7 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
         for method, op in operations.items():
             key = f"{method.upper()} {path}"
             if key not in listed:
-                raise KeyError(f"{key}: add its errors to server.openapi.ERRORS")
+                raise KeyError(f"{key}: add its errors to server.http.openapi.ERRORS")
             listed.discard(key)
             _fix_success(key, op)
             for status, codes in _errors_of(key, op).items():
@@ -279,7 +279,9 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
                 admin = "forbidden" in ERRORS[key].get(403, ())
                 op["security"] = [{"adminToken" if admin else "contributorToken": []}]
     if listed:
-        raise KeyError(f"server.openapi.ERRORS lists operations the app lacks: {sorted(listed)}")
+        raise KeyError(
+            f"server.http.openapi.ERRORS lists operations the app lacks: {sorted(listed)}"
+        )
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     for fastapi_only in ("HTTPValidationError", "ValidationError"):

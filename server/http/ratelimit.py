@@ -25,7 +25,7 @@ from limits import RateLimitItem, parse_many
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
-from server.errors import RateLimited
+from server.http.errors import RateLimited
 from server.settings import Settings
 
 

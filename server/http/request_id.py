@@ -5,7 +5,7 @@ of ``A-Z a-z 0-9 . _ : -``) is kept so that logs on both sides line up, anything
 replaced by a fresh one. Routes read it as ``request.state.request_id``.
 
 An exception that escapes the app before its answer started is answered here
-(``server.handlers.unexpected``: 503 when the database is unreachable, else 500 naming the
+(``server.http.handlers.unexpected``: 503 when the database is unreachable, else 500 naming the
 request id); a client that leaves in the middle of sending its body is only logged, at
 info (it is not the server's failure, and no one is left to answer). Once an answer has
 started (a streamed download failing halfway) there is nothing left to say but to log it
@@ -23,7 +23,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.handlers import unexpected
+from server.http.handlers import unexpected
 
 log = logging.getLogger("diloco.server")
 

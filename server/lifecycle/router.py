@@ -18,13 +18,12 @@ from typing import IO
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
-from diloco.architectures import parameter_shapes
 from diloco.config import ConfigError, RunConfig, parse_config
-from server import retention
+from diloco.model.architectures import parameter_shapes
 from server.auth import AdminAuth
 from server.db import SessionDep
-from server.errors import InvalidConfig, InvalidRequest, UploadTooLarge
-from server.inputs import RunId, check_text, declared_length
+from server.http.errors import InvalidConfig, InvalidRequest, UploadTooLarge
+from server.http.inputs import RunId, check_text, declared_length
 from server.lifecycle import service
 from server.runs import service as runs_service
 from server.runs import usage
@@ -32,6 +31,7 @@ from server.runs.limits import check_limits
 from server.runs.models import Run
 from server.runs.schemas import Coverage, KindUsage, RunList, RunOut, StorageUsage
 from server.settings import Settings
+from server.upkeep import retention
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 

@@ -19,13 +19,12 @@ import torch
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.architectures import build_model
 from diloco.config import RunConfig
-from diloco.hf import HFError, load_initial
+from diloco.model.architectures import build_model
+from diloco.model.hf import HFError, load_initial
 from diloco.train import parameters_of
-from server import keys
 from server.checkpoints import service as checkpoints_service
-from server.errors import InvalidConfig, StorageFailed
+from server.http.errors import InvalidConfig, StorageFailed
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution
 from server.runs import coverage
@@ -34,7 +33,8 @@ from server.runs import service as runs_service
 from server.runs.models import Run, RunStatus
 from server.runs.schemas import Coverage, DataInfo, LatestMetrics, RunOut
 from server.settings import Settings
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
 
 log = logging.getLogger("diloco.server.runs")
 

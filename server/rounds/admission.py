@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.outer.robust import UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_retry
 from diloco.protocol.state import RoundState, RunStatus, UploadFacts
-from diloco.robust import UploadInspector
 from server.auth import banned
 from server.contributors.models import Contributor
-from server.errors import refused
+from server.http.errors import refused
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Lease, Round
 from server.runs.models import Run

@@ -9,7 +9,7 @@ many worker processes share the database.
    pooled connection is held while the contributions are summed, the step applied and
    the version's files written (temp name, fsync, rename: a rewrite after a crash writes
    the same bytes). Every step is judged on a small fixed sample before it is published
-   (``diloco.close``); the version's full eval loss is measured after publishing, off the
+   (``diloco.outer.close``); the version's full eval loss is measured after publishing, off the
    critical path (``server.rounds.version_eval``).
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
@@ -52,7 +52,7 @@ from server.rounds.outer_step import (
 )
 from server.runs import service as runs_service
 from server.settings import Settings
-from server.storage import Storage
+from server.storage.base import Storage
 
 log = logging.getLogger("diloco.rounds")
 

@@ -28,13 +28,13 @@ from datetime import datetime, timedelta
 from types import TracebackType
 
 from diloco.protocol.messages import UploadTarget
-from server import keys
-from server.errors import MalformedUpload, NotFound, StorageFailed
+from server.http.errors import MalformedUpload, NotFound, StorageFailed
 from server.metrics import DIRECT_UPLOAD_BYTES
 from server.rounds import ingest
 from server.settings import Settings
-from server.storage import BlobMissing, Storage
-from server.storage_s3 import MAX_SIGNED_S
+from server.storage import keys
+from server.storage.base import BlobMissing, Storage
+from server.storage.s3 import MAX_SIGNED_S
 
 API = "/api/v1"
 READ_BYTES = ingest.FEED_BYTES  # one GET body read per decode batch

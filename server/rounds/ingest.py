@@ -32,21 +32,20 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from diloco.codec import make_codec
 from diloco.config import RunConfig
+from diloco.outer.robust import UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight
 from diloco.protocol.state import LateGrant, Refusal, UploadClaim
-from diloco.robust import UploadInspector
-from diloco.wire import (
+from diloco.wire.codec import make_codec
+from diloco.wire.contribution import (
     ContributionDecoder,
     ContributionHeader,
     NonFiniteWireError,
     WireFormatError,
 )
-from server import keys
-from server.errors import (
+from server.http.errors import (
     DuplicateContribution,
     LengthRequired,
     MalformedUpload,
@@ -56,7 +55,7 @@ from server.errors import (
     WrongTensors,
     refused,
 )
-from server.inputs import declared_length
+from server.http.inputs import declared_length
 from server.rounds import notify, sizing
 from server.rounds import service as rounds_service
 from server.rounds.admission import (
@@ -71,7 +70,8 @@ from server.rounds.models import Contribution
 from server.runs import coverage
 from server.runs import service as runs_service
 from server.settings import Settings
-from server.storage import BlobWriter, Storage
+from server.storage import keys
+from server.storage.base import BlobWriter, Storage
 
 # decode in batches of at least this size, off the event loop (1 MiB cost 25% more CPU)
 FEED_BYTES = 4 << 20

@@ -37,9 +37,8 @@ from diloco.protocol.state import (
     RoundView,
     RunStatus,
 )
-from server import keys
 from server.auth import UNKNOWN_TOKEN, banned, hash_token
-from server.errors import (
+from server.http.errors import (
     HubError,
     Internal,
     NoLease,
@@ -48,14 +47,15 @@ from server.errors import (
     Unauthorized,
     refused,
 )
-from server.files import read_url
 from server.rounds import service as rounds_service
 from server.rounds import sizing
 from server.rounds.direct import upload_target
 from server.rounds.models import Lease as LeaseRow
 from server.runs import coverage
 from server.settings import Settings
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
+from server.storage.files import read_url
 
 API = "/api/v1"
 

@@ -159,16 +159,16 @@ class Contribution(Base):
     # left out of its round's step (e.g. its stored blob could not be read): earns nothing
     excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
     excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
-    # measured by the server when it was accepted (diloco.robust.UploadInspector)
+    # measured by the server when it was accepted (diloco.outer.robust.UploadInspector)
     # tokens it was worth when accepted (its claim, at most its lease's); what it counts for
     # in its step and in credit is late_weight(weight, staleness)
     weight: Mapped[int | None] = mapped_column(BigInteger, default=None)
     norm: Mapped[float | None] = mapped_column(Float, default=None)  # ‖Δ‖ as decoded
     payload_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
-    # what the round's step made of it (diloco.robust.Share), set when the step is published
+    # what the round's step made of it (diloco.outer.robust.Share), set when the step is published
     cosine: Mapped[float | None] = mapped_column(Float, default=None)  # to the aggregate
     clip_factor: Mapped[float | None] = mapped_column(Float, default=None)
-    # retention (server.retention) deleted the blob once its round was closed and the run's
+    # retention (server.upkeep.retention) deleted the blob once its round was closed and the run's
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes
     blob_deleted_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -1,10 +1,10 @@
-"""The compute of a close on the server: the round's files staged, ``diloco.close``, the
+"""The compute of a close on the server: the round's files staged, ``diloco.outer.close``, the
 version published.
 
 It runs in a worker thread with no transaction, row lock or pooled connection held
 (``server.rounds.closing`` claims before and publishes after). The close itself — robust
 aggregate, outer step, int8 delta with error feedback, every step judged before it is
-published — is ``diloco.close.close_round``, the very code ``diloco simulate`` runs; here
+published — is ``diloco.outer.close.close_round``, the very code ``diloco simulate`` runs; here
 it reads the base version and the contributions staged from storage (on disk: the blobs'
 own files; on object storage: fetched to scratch, in parallel) and writes the version's
 three files where ``Stage.publish`` puts them in the store, durable before any row names
@@ -25,16 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.close import CloseInputs, StepRejected, Upload, VersionPaths, close_round
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
+from diloco.outer.close import CloseInputs, StepRejected, Upload, VersionPaths, close_round
+from diloco.outer.robust import Share
 from diloco.protocol.state import Decision
-from diloco.robust import Share
-from server import keys
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
-from server.staging import Stage
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
+from server.storage.staging import Stage
 
 __all__ = ["OuterResult", "StepInputs", "StepRejected", "Stored", "apply_outer_step"]
 
@@ -78,7 +78,7 @@ class OuterResult:
 
 
 def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjector) -> OuterResult:
-    """Stage the round's files, close it (``diloco.close.close_round``: raises
+    """Stage the round's files, close it (``diloco.outer.close.close_round``: raises
     ``StepRejected`` when the guard discards every step it can make) and publish the
     version's files; no row is written here."""
     at = keys.version(inputs.run_id, inputs.version)

@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server.contributors.models import Contributor
-from server.errors import HubError, RunNotFound
+from server.http.errors import HubError, RunNotFound
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, UploadRejection
 from server.rounds.schemas import RoundContribution, RoundContributions, RoundRejection

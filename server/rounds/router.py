@@ -6,13 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from server import ratelimit
 from server.auth import ContributorAuth, bearer_token
 from server.db import SessionDep
-from server.errors import HubError, TooManyUploads
-from server.inputs import RoundIndex, RunId
+from server.http import ratelimit
+from server.http.errors import HubError, TooManyUploads
+from server.http.inputs import RoundIndex, RunId
+from server.http.ratelimit import Action
 from server.metrics import UPLOAD_BYTES, UPLOADS
-from server.ratelimit import Action
 from server.rounds import direct, ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (

@@ -80,7 +80,7 @@ class RoundContribution(BaseModel):
     clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)
     sha256: str  # of the accepted body: the ledger's record, kept when the blob is not
     nbytes: int
-    blob_retained: bool  # False: retention deleted the blob (server.retention); row kept
+    blob_retained: bool  # False: retention deleted the blob (server.upkeep.retention); row kept
 
 
 class RoundRejection(BaseModel):

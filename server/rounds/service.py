@@ -26,9 +26,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.architectures import parameter_shapes
-from diloco.codec import make_codec
 from diloco.config import RunConfig
+from diloco.model.architectures import parameter_shapes
 from diloco.protocol.rules import decide_close, step_totals
 from diloco.protocol.state import (
     Aggregated,
@@ -39,9 +38,10 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
 )
-from diloco.wire_header import PREFIX, body_bytes, specs_for
+from diloco.wire.codec import make_codec
+from diloco.wire.header import PREFIX, body_bytes, specs_for
 from server.contributors.models import Contributor
-from server.errors import NotFound
+from server.http.errors import NotFound
 from server.rounds.models import Contribution, Lease, Round
 from server.rounds.schemas import RoundOut
 from server.runs.models import Run, RunStatus

@@ -4,7 +4,7 @@ and ``max_uploads_per_contributor`` for any one contributor.
 An upload holds a connection, a temp blob and a decoder while it streams; a contributor
 that opens a hundred at once (or a botnet that opens thousands) would hold that many. A
 slot is taken before the body is read and given back in a ``finally`` whatever the upload
-does (accepted, refused, dropped by ``server.body_timeout``, its client gone); past a cap
+does (accepted, refused, dropped by ``server.http.body_timeout``, its client gone); past a cap
 the answer is ``429 too_many_uploads`` with ``Retry-After``. The counts are this
 process's: several API processes (``--role api``) each have their own.
 """
@@ -15,7 +15,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
-from server.errors import TooManyUploads
+from server.http.errors import TooManyUploads
 
 RETRY_AFTER_S = 5.0  # what a refused uploader is told to wait before sending again
 

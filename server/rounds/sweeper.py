@@ -37,7 +37,7 @@ from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
 from server.runs.models import Run, RunStatus
 from server.settings import Settings
-from server.storage import Storage
+from server.storage.base import Storage
 
 log = logging.getLogger("diloco.rounds")
 

@@ -28,8 +28,8 @@ from server.metrics import EVAL_SECONDS
 from server.rounds.models import Round
 from server.runs import service as runs_service
 from server.settings import Settings
-from server.staging import Stage
-from server.storage import Storage
+from server.storage.base import Storage
+from server.storage.staging import Stage
 
 log = logging.getLogger("diloco.evals")
 EVAL_CLAIM_S = 600.0

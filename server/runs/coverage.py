@@ -2,7 +2,7 @@
 how leases take them, what accepted contributions covered, and the coverage figures.
 
 A unit is ``inner.steps x batch_size x block_size + 1`` consecutive tokens of one shard: the
-windows of one lease's H steps, each read once (``diloco.data.range_batches``). Units never
+windows of one lease's H steps, each read once (``diloco.data.text.range_batches``). Units never
 straddle shards; a shard's tail shorter than a unit waits for a later pass of the run
 (it is counted as not covered). At creation the units get a position in an order shuffled
 by the run seed, so the first pass visits the dataset spread out, reproducibly.

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from diloco.config import RunConfig
-from diloco.data import DataError, load_tokens, split_tokens
-from diloco.manifest import token_dtype
-from server import keys
-from server.errors import InvalidData
-from server.storage import Storage
+from diloco.data.manifest import token_dtype
+from diloco.data.text import DataError, load_tokens, split_tokens
+from server.http.errors import InvalidData
+from server.storage import keys
+from server.storage.base import Storage
 
 
 def _put(storage: Storage, key: str, tensor: torch.Tensor) -> dict[str, Any]:

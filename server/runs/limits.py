@@ -10,7 +10,7 @@ with ``422 invalid_config`` naming the key and the limit, never quietly changed.
 from __future__ import annotations
 
 from diloco.config import RunConfig
-from server.errors import InvalidConfig
+from server.http.errors import InvalidConfig
 from server.settings import Settings
 
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from server.auth import AdminAuth, ContributorAuth
 from server.db import SessionDep
-from server.inputs import RunId
+from server.http.inputs import RunId
 from server.runs import service
 from server.runs.schemas import (
     Invite,

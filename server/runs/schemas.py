@@ -139,7 +139,7 @@ class StorageUsage(BaseModel):
     # data, checkpoints, states, deltas, contributions, incoming, unfinished, other
     kinds: dict[str, KindUsage]
     total: KindUsage
-    retention: dict[str, Any]  # the run's [retention] policy (server.retention)
+    retention: dict[str, Any]  # the run's [retention] policy (server.upkeep.retention)
     versions_kept: int  # checkpoint versions whose files are kept
     versions_retired: int  # versions whose files retention deleted (their rows stay)
     contributions_kept: int  # contributions whose blob is kept

@@ -15,13 +15,13 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.architectures import parameter_shapes
-from diloco.close_memory import close_memory_bytes
 from diloco.config import RunConfig, parse_config
-from diloco.manifest import Manifest
+from diloco.data.manifest import Manifest
+from diloco.model.architectures import parameter_shapes
+from diloco.outer.memory import close_memory_bytes
 from server.auth import hash_token, new_token
 from server.datasets import service as datasets_service
-from server.errors import (
+from server.http.errors import (
     InvalidConfig,
     InvalidData,
     InvalidInvite,
@@ -33,7 +33,7 @@ from server.runs import coverage
 from server.runs.models import Run, RunMember, RunStatus
 from server.runs.schemas import Member
 from server.settings import Settings
-from server.storage import Storage
+from server.storage.base import Storage
 
 GIB = 1 << 30
 
@@ -48,7 +48,7 @@ TRANSITIONS: dict[RunStatus, dict[str, RunStatus]] = {
 
 def check_memory(cfg: RunConfig, *, settings: Settings, val_bytes: int) -> None:
     """Refuse a model whose round close would need more memory than one close may use
-    here (``diloco.close_memory.close_memory_bytes`` against ``close_memory_share``). Shapes
+    here (``diloco.outer.memory.close_memory_bytes`` against ``close_memory_share``). Shapes
     only: nothing of the model's size is allocated."""
     need = close_memory_bytes(cfg, val_bytes=val_bytes)
     share = settings.close_memory_share

@@ -1,5 +1,5 @@
 """What a run holds in the store, by kind: ``GET /runs/{id}/storage`` lists the run's
-prefix (``runs/<id>/``) and sorts each key by its kind (``server.keys.kind_of``)."""
+prefix (``runs/<id>/``) and sorts each key by its kind (``server.storage.keys.kind_of``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
-from server import keys
 from server.runs.schemas import KindUsage
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
 
 # every kind a run's key falls in, in the order the API answers them
 KINDS = (

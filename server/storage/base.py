@@ -1,11 +1,11 @@
 """Blob storage behind a small interface: local disk (``LocalStorage``, the default) or an
-S3-compatible bucket (``server.storage_s3.S3Storage``), chosen by URL (``open_storage``).
+S3-compatible bucket (``server.storage.s3.S3Storage``), chosen by URL (``open_storage``).
 
 Keys are ``/``-separated relative paths (``runs/<id>/rounds/3/<contributor>.bin``); the
 interface speaks keys, streams, whole-file transfers (``fetch``/``put_file``) and signed
 URLs, never file system paths: ``local_file`` answers one only where the backend keeps
 blobs as files (sendfile serves them), and None elsewhere. Work that needs files (the
-close's pass, an eval) goes through ``server.staging``.
+close's pass, an eval) goes through ``server.storage.staging``.
 
 A blob is written through a ``BlobWriter``: on disk, bytes go to a temp name (the
 ``diloco.atomic`` scheme) and ``commit`` fsyncs the file, renames it into place and fsyncs
@@ -13,10 +13,10 @@ the directory; in a bucket, ``commit`` returns when the object is whole and dura
 way a 2xx that follows a commit means the bytes survive a crash (invariant 1). ``abort``
 (or leaving the ``with`` block on an error) removes what was written: a rejected upload
 leaves nothing behind. A crash leaves an unfinished write (a temp file, an incomplete
-multipart upload), which ``list_unfinished`` finds and the janitor (``server.janitor``)
+multipart upload), which ``list_unfinished`` finds and the janitor (``server.upkeep.janitor``)
 deletes once it is old.
 
-The layout of the keys (which object lives where) is ``server.keys``.
+The layout of the keys (which object lives where) is ``server.storage.keys``.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class BlobWriter(Protocol):
 class Storage(Protocol):
     url: str  # file:///dir or s3://bucket/prefix/
     direct: bool  # volunteers move bytes straight to and from it (signed URLs)
-    scratch_dir: Path | None  # where server.staging puts fetched files (None: system temp)
-    scratch_cache_bytes: int  # published versions server.staging keeps there (0: none)
+    scratch_dir: Path | None  # where server.storage.staging puts fetched files (None: system temp)
+    scratch_cache_bytes: int  # published versions server.storage.staging keeps there (0: none)
 
     def writer(self, key: str) -> BlobWriter: ...
     def read_chunks(
@@ -352,7 +352,7 @@ def open_storage(
     scheme, where, prefix = parse_storage_url(url)
     if scheme == "file":
         return LocalStorage(Path(where))
-    from server.storage_s3 import S3Storage
+    from server.storage.s3 import S3Storage
 
     s3 = S3Storage(
         where,

@@ -19,10 +19,10 @@ from fastapi import Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from diloco.protocol.messages import ErrorCode
-from server.errors import HubError
+from server.http.errors import HubError
 from server.metrics import REDIRECTS, SERVED_BYTES, ServedKind
 from server.settings import Settings
-from server.storage import Storage
+from server.storage.base import Storage
 
 CHUNK = 1 << 20
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")

@@ -14,7 +14,7 @@
 
 Every module that names an object builds its key here (``from server import keys``); the
 janitor, retention and ``GET /runs/{id}/storage`` read keys back with ``run_of`` and
-``kind_of``. ``server.storage`` stores whatever key it is given.
+``kind_of``. ``server.storage.base`` stores whatever key it is given.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from diloco.manifest import VAL, shard_file
+from diloco.data.manifest import VAL, shard_file
 
 RUNS = "runs/"
 DATASETS = "datasets/"

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from server.storage import BlobInfo, BlobMissing, check_key
+from server.storage.base import BlobInfo, BlobMissing, check_key
 
 log = logging.getLogger("diloco.server.storage")
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-from server.storage import BlobMissing, Storage
+from server.storage.base import BlobMissing, Storage
 
 log = logging.getLogger("diloco.server.staging")
 

@@ -19,7 +19,7 @@ that, it removes:
   row mean this database is not the one the data dir belongs to, and such a folder is kept,
   with a warning, rather than destroying a trained model.
 
-Each pass then applies the runs' retention policies (``server.retention``: old checkpoint
+Each pass then applies the runs' retention policies (``server.upkeep.retention``: old checkpoint
 versions and the blobs of closed rounds), with the listing it made.
 
 The decision is the pure ``plan(now=..., ...)``; ``Janitor`` only scans, asks the database,
@@ -43,12 +43,13 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server import keys, retention
 from server.metrics import JANITOR_ERRORS, JANITOR_PASSES, JANITOR_REMOVED
 from server.rounds.models import Contribution
 from server.runs.models import Run
 from server.settings import Settings
-from server.storage import BlobInfo, Storage
+from server.storage import keys
+from server.storage.base import BlobInfo, Storage
+from server.upkeep import retention
 
 log = logging.getLogger("diloco.server.janitor")
 

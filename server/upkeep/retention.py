@@ -11,7 +11,7 @@
   passed since; its row (sha256, nbytes, norm, payload_sha256...) stays with
   ``blob_deleted_at`` set, so the ledger can still be checked against what was recorded.
 
-The decision is the pure ``plan(now=..., ...)``; the janitor (``server.janitor``) calls
+The decision is the pure ``plan(now=..., ...)``; the janitor (``server.upkeep.janitor``) calls
 ``apply`` on each pass with the blobs it listed.
 
 Mark first, then delete. A row is marked in a committed transaction before its files are
@@ -43,13 +43,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from diloco.config import RetentionSection
-from server import keys
 from server.checkpoints.models import Checkpoint
 from server.metrics import JANITOR_ERRORS, JANITOR_REMOVED
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Round
 from server.runs.models import Run
-from server.storage import Storage
+from server.storage import keys
+from server.storage.base import Storage
 
 log = logging.getLogger("diloco.server.retention")
 

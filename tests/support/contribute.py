@@ -18,19 +18,19 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
-from diloco.codec import EncodedTensor, Int8Codec
 from diloco.config import parse_config
-from diloco.data import random_batch
-from diloco.delta import apply_change, publish_change
-from diloco.exchange import encode_delta
-from diloco.model import GPT
-from diloco.outer import pseudo_gradient
+from diloco.data.text import random_batch
+from diloco.model.gpt import GPT
+from diloco.outer.optimizer import pseudo_gradient
+from diloco.outer.robust import Source, UploadInspector, robust_aggregate
 from diloco.protocol.late import late_weight
 from diloco.protocol.rules import upload_weight
-from diloco.robust import Source, UploadInspector, robust_aggregate
-from diloco.tensorfile import TensorFileReader
 from diloco.train import InnerTrainer, load_parameters, snapshot
-from diloco.wire import ContributionMeta, decode_contribution, encode_contribution
+from diloco.wire.codec import EncodedTensor, Int8Codec
+from diloco.wire.contribution import ContributionMeta, decode_contribution, encode_contribution
+from diloco.wire.delta import apply_change, publish_change
+from diloco.wire.exchange import encode_delta
+from diloco.wire.tensorfile import TensorFileReader
 
 API = "/api/v1"
 
@@ -180,7 +180,7 @@ def reference_step(
     inspected as ingest does (its norm), weighted by the tokens it counts for (late work:
     discounted by its ``staleness``, one per work, 0 when not given), the run's robust
     aggregate, one Nesterov step from the base version's momentum and residual (``state``;
-    none for round 1), published through the int8 delta (``diloco.delta``). ``round``: the
+    none for round 1), published through the int8 delta (``diloco.wire.delta``). ``round``: the
     round whose step it is (default: the first work's); ``history``: the norms of the
     run's earlier aggregated contributions, the clipping's reference in a small round."""
     cfg = parse_config(run["config"])

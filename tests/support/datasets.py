@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco.dataset import PrepareOptions, prepare
-from diloco.manifest import Manifest
+from diloco.data.manifest import Manifest
+from diloco.data.prepare import PrepareOptions, prepare
 
 
 def make_dataset(
