@@ -135,18 +135,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wider than a test (a module's `diloco serve`, its browser), so each such fixture is set
     up once; every other test is scheduled on its own (``--dist loadgroup``). Then order
     the work so the longest units start first: those marked ``slow``, then shared modules,
-    then single tests, which fill the gaps at the end."""
+    then single tests, which fill the gaps at the end. Tests marked ``cpu_bound`` (benches
+    that keep every core busy) share one group, so they run one after another on one worker
+    instead of starving each other into their timeouts, and they start first."""
     shared = {_module(item) for item in items if _uses_a_wide_fixture(item)}
     slow = {_module(item) for item in items if item.get_closest_marker("slow")}
     for item in items:
-        if _module(item) in shared:
+        if item.get_closest_marker("cpu_bound"):
+            item.add_marker(pytest.mark.xdist_group("cpu-bound"))
+        elif _module(item) in shared:
             item.add_marker(pytest.mark.xdist_group(_module(item)))
 
     def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("cpu_bound"):
+            return 0
         grouped = _module(item) in shared
         if item.get_closest_marker("slow") or (grouped and _module(item) in slow):
-            return 0
-        return 1 if grouped else 2
+            return 1
+        return 2 if grouped else 3
 
     items.sort(key=rank)  # stable: a module's tests keep their order
 

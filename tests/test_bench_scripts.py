@@ -58,6 +58,7 @@ def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_bound
 def test_attacks_bench_compares_an_attacker_with_the_attack_free_run(tmp_path):
     out = tmp_path / "attacks.json"
 
@@ -165,6 +166,7 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_bound
 def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_path):
     proc = subprocess.run(
         [sys.executable, "bench/goodput.py", "--quick", "--jobs", "2", "--work-dir",

@@ -167,6 +167,7 @@ def test_corpus_too_small_for_the_shards_exits_3(tmp_path):
     assert "cannot give 16 shards at least one window" in proc.stderr
 
 
+@pytest.mark.cpu_bound
 def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corpus):
     # the real benchmark takes ~40 min; --quick runs every arm on a toy model
     proc = subprocess.run(
@@ -266,6 +267,7 @@ def test_simulate_delta_downloads_report_their_bytes(tmp_path, corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_bound
 def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpus):
     # the real run takes ~25 min: --quick prepares a BPE dataset and runs every arm on a toy
     proc = subprocess.run(
@@ -283,6 +285,7 @@ def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpu
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_bound
 def test_first_round_bench_compares_the_three_starts_in_quick_mode(tmp_path, corpus):
     proc = subprocess.run(
         [sys.executable, "bench/first_round.py", "--quick", "--data", str(corpus),
