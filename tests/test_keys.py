@@ -22,6 +22,9 @@ V3 = keys.version(RUN, 3)
         (keys.contribution(RUN, 4, "ctr_1"), "contributions"),
         (keys.incoming(RUN, 4, "ctr_1"), "incoming"),
     ],
+    # fixed ids: a contribution's key has a random part, and xdist's workers must collect
+    # the same test ids
+    ids=["val", "shard", "params", "state", "delta", "contribution", "incoming"],
 )
 def test_every_key_of_a_run_reads_back_as_its_run_and_kind(key, kind):
     assert key.startswith(keys.run(RUN)) and keys.run_of(key) == RUN
