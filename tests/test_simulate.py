@@ -187,4 +187,6 @@ def test_a_dropped_contribution_is_missing_from_the_outer_step_and_the_others_ar
 
 
 def close_to(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return all(torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6) for name in b)
+    # the close publishes θ through the int8 delta (its rounding, ~6e-6 here, is carried in
+    # the residual); the two workers differ by ~3e-3, so the bound tells them apart
+    return all(torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-4) for name in b)

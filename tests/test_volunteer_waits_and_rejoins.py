@@ -30,9 +30,7 @@ STALL_S = 0.25
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        data_dir=tmp_path / "srv", database_url=database_url, heartbeat_interval_s=1, n_shards=1
-    )
+    proc = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url, n_shards=1)
     try:
         yield proc.wait_ready()
     finally:
@@ -55,7 +53,13 @@ def _volunteer(server: ServerProcess, home: Path, *extra: str) -> Proc:
 def _config() -> dict[str, Any]:
     return server_run_config(
         inner={"steps": H, "batch_size": 4, "warmup_steps": 2},
-        rounds={"quorum": 1, "timeout_s": 600, "max_rounds": 3},
+        rounds={
+            "quorum": 1,
+            "timeout_s": 600,
+            "max_rounds": 3,
+            "heartbeat_interval_s": 1,
+            "lease_ttl_s": 3,
+        },
     )
 
 
