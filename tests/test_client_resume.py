@@ -145,10 +145,10 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
     state_after_2 = saved_state(home / "cache", run_id)
     assert (state_after_2["round"], state_after_2["steps"]) == ("2", str(2 * H))
     rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
-    assert [(x["index"], x["state"], x["accepted"]) for x in rounds[:2]] == [
-        (1, "closed", 1),
-        (2, "closed", 1),
-    ]
+    # round 2 took the resumed upload; it may still be closing when the volunteer exits
+    # (a close is asynchronous, and every step is judged before it is published)
+    assert [(x["index"], x["accepted"]) for x in rounds[:2]] == [(1, 1), (2, 1)]
+    assert rounds[0]["state"] == "closed" and rounds[1]["state"] in ("closing", "closed")
 
 
 def test_max_hours_stops_mid_round_gives_the_lease_back_and_exits_0(server, database_url, tmp_path):
