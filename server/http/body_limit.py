@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http.errors import BodyTooLarge
-from server.http.handlers import error_response
+from server.http.handlers import AnswerInstead
 
 MAX_JSON_BYTES = 1 << 20
 
@@ -37,31 +37,18 @@ class BodyLimit:
         if declared <= MAX_JSON_BYTES:  # the frequent small requests: one header lookup
             await self.app(scope, receive, send)
             return
-        refused: BodyTooLarge | None = None
-        replaced = False
+        out = AnswerInstead(scope, receive, send)
 
         async def checked_receive() -> Message:
-            nonlocal refused
             route = scope.get("route")
             if isinstance(route, APIRoute) and route.body_field is not None:
-                refused = BodyTooLarge(
+                out.error = BodyTooLarge(
                     f"{declared} bytes is over the {MAX_JSON_BYTES}-byte limit of a JSON body"
                 )
-                raise refused
+                raise out.error
             return await receive()
 
-        async def send_or_replace(message: Message) -> None:
-            nonlocal replaced
-            if refused is None:
-                await send(message)
-            elif message["type"] == "http.response.start" and not replaced:
-                replaced = True
-                headers = {"Connection": "close"}
-                answer = error_response(refused.status, refused.code, refused.detail, headers)
-                await answer(scope, receive, send)
-            # the replaced answer's own messages are dropped
-
-        await self.app(scope, checked_receive, send_or_replace)
+        await self.app(scope, checked_receive, out.send)
 
 
 def _declared(scope: Scope) -> int:

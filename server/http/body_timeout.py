@@ -24,7 +24,7 @@ import asyncio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http.errors import RequestTimeout
-from server.http.handlers import error_response
+from server.http.handlers import AnswerInstead
 
 
 class BodyTimeout:
@@ -36,34 +36,22 @@ class BodyTimeout:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        stalled: RequestTimeout | None = None
-        replaced = False  # the app's answer was replaced by the 408
+        out = AnswerInstead(scope, receive, send)  # the app's answer, or the 408 instead
         body_done = False  # the last body message has arrived
 
         async def bounded_receive() -> Message:
-            nonlocal stalled, body_done
+            nonlocal body_done
             if body_done:  # now receive only waits for the client to leave (a streamed
                 return await receive()  # answer listens for that): no deadline
             try:
                 message = await asyncio.wait_for(receive(), self.idle_timeout_s)
             except TimeoutError:
-                stalled = RequestTimeout(
+                out.error = RequestTimeout(
                     f"the request body sent nothing for {self.idle_timeout_s:g} s; "
                     "it was dropped, send it again"
                 )
-                raise stalled from None
+                raise out.error from None
             body_done = message["type"] != "http.request" or not message.get("more_body")
             return message
 
-        async def send_or_replace(message: Message) -> None:
-            nonlocal replaced
-            if stalled is None:
-                await send(message)
-            elif message["type"] == "http.response.start" and not replaced:
-                replaced = True
-                headers = {"Connection": "close"}
-                answer = error_response(stalled.status, stalled.code, stalled.detail, headers)
-                await answer(scope, receive, send)
-            # the replaced answer's own messages are dropped
-
-        await self.app(scope, bounded_receive, send_or_replace)
+        await self.app(scope, bounded_receive, out.send)

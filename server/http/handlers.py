@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match, Mount
+from starlette.types import Message, Receive, Scope, Send
 
 from diloco.protocol.messages import ErrorCode
 from server.http.errors import HubError, Internal, Unavailable
@@ -147,3 +148,25 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(HubError, _hub_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+
+
+class AnswerInstead:
+    """The answer of a middleware that raised ``error`` where the app reads its body
+    (``server.http.body_timeout``, ``server.http.body_limit``): whatever the app then
+    answers is replaced by the error's, with ``Connection: close``. Pass ``send`` to the
+    app and set ``error`` before raising it."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.error: HubError | None = None
+        self._scope, self._receive, self._send = scope, receive, send
+        self._replaced = False
+
+    async def send(self, message: Message) -> None:
+        if self.error is None:
+            await self._send(message)
+        elif message["type"] == "http.response.start" and not self._replaced:
+            self._replaced = True
+            err = self.error
+            answer = error_response(err.status, err.code, err.detail, {"Connection": "close"})
+            await answer(self._scope, self._receive, self._send)
+        # the replaced answer's own messages are dropped
