@@ -52,6 +52,9 @@ SETUPS = {
 }
 
 
+TOY_MODEL = "[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"  # --quick
+
+
 def arms(warmup: int) -> dict[str, str]:
     return {
         "nesterov": 'first_round = "nesterov"\nwarmup_rounds = 0\n',
@@ -157,15 +160,20 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "first-round")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--fresh", action="store_true")
-    p.add_argument("--quick", action="store_true", help="one seed, 2 rounds, into --work-dir")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, 3 rounds, H = 3, a toy model, into --work-dir",
+    )
     args = p.parse_args()
     if args.quick:
         args.seeds, args.rounds, args.eval_windows = [0], 3, 8
         args.doc = args.work_dir / "benchmarks.md"
-        for name, (lines, workers) in list(SETUPS.items()):
+        for name, (lines, workers) in list(SETUPS.items()):  # a toy model, H = 3
+            _, inner = lines.split("[inner]")
             for h in ("steps = 50", "steps = 30", "steps = 10"):
-                lines = lines.replace(h, "steps = 3")
-            SETUPS[name] = (lines, workers)
+                inner = inner.replace(h, "steps = 3")
+            SETUPS[name] = (TOY_MODEL + "[inner]" + inner, workers)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(s, a, seed) for seed in args.seeds for s in SETUPS for a in arms(args.warmup)]
     print(f"{len(jobs)} runs, {args.jobs} at a time", flush=True)

@@ -27,7 +27,7 @@ it longer but is the same compute) whose contribution reached an outer step, lat
 included; the rest was abandoned, refused, lost to a dropout or in flight at the end.
 
     python bench/goodput.py             # ~15 min on 2 cores
-    python bench/goodput.py --quick     # a smoke run into bench/out/goodput
+    python bench/goodput.py --quick     # a smoke run on a toy model into bench/out/goodput
 """
 
 from __future__ import annotations
@@ -65,15 +65,17 @@ ARMS: dict[str, tuple[str, str, list[str]]] = {
     ),
 }
 IDENTICAL, SAME_ROUNDS = "identical, H", "identical, rounds"
+DEMO_MODEL = "n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"  # examples/demo.toml's
+TOY_MODEL = "n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
 
 
 def config(
     arm_inner: str, arm_rounds: str, args: argparse.Namespace, rounds: int, steps: int
 ) -> str:
     return (
-        'name = "goodput"\n[model]\nn_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n'
+        f'name = "goodput"\n[model]\n{args.model}'
         f'[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
-        f"[inner]\nsteps = {steps}\nbatch_size = 16\nlr = 2e-3\nwarmup_steps = 10\n"
+        f"[inner]\nsteps = {steps}\nbatch_size = {args.batch_size}\nlr = 2e-3\nwarmup_steps = 10\n"
         f"{arm_inner}"
         f"[rounds]\nquorum = 2\ntimeout_s = {args.timeout_s}\nmax_rounds = {rounds}\n"
         f"{arm_rounds}"
@@ -209,10 +211,14 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "goodput")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--fresh", action="store_true")
-    p.add_argument("--quick", action="store_true", help="one seed, 3 rounds, into --work-dir")
+    p.add_argument(
+        "--quick", action="store_true", help="one seed, 3 rounds, a toy model, into --work-dir"
+    )
     args = p.parse_args()
-    if args.quick:
+    args.model, args.batch_size = DEMO_MODEL, 16
+    if args.quick:  # the protocol's figures on a toy model: the pipeline, not the losses
         args.seeds, args.rounds, args.eval_windows = [0], 3, 4
+        args.model, args.batch_size = TOY_MODEL, 4
         args.doc = args.work_dir / "benchmarks.md"
     args.work_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(arm, seed) for seed in args.seeds for arm in ARMS]

@@ -171,9 +171,12 @@ def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
 def test_volunteer_killed_mid_round_lets_the_round_close_at_its_deadline(
     server, volunteers, tmp_path
 ):
-    # Prepare: target 3 would close at once; one volunteer will never deliver round 2
+    # Prepare: target 3 would close at once; one volunteer will never deliver round 2. The
+    # deadline leaves three volunteers starting on a loaded machine time to make round 1's
+    # target (20 s did not always: round 1 then closed without the victim, which never
+    # reached its second upload); round 2 waits it out, asleep
     config = write_config(
-        tmp_path / "run.toml", steps=60, quorum=2, target=3, timeout_s=20, max_rounds=3
+        tmp_path / "run.toml", steps=60, quorum=2, target=3, timeout_s=60, max_rounds=3
     )
     run_id = create_run(server, config)
     victim = volunteers.start("victim", server, run_id, DILOCO_FAULTS="volunteer.upload=die@2")

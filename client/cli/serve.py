@@ -81,18 +81,19 @@ def serve(
     from client.credentials import default_data_dir
 
     try:
+        # the options first, before the server (and torch) load: a typo fails in a blink
+        from server.storage.base import parse_storage_url
+
+        if role not in ("all", "api", "worker"):
+            fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
+        if storage:
+            try:
+                parse_storage_url(storage)
+            except ValueError as err:
+                fail(f"--storage: {err}", ExitStatus.USAGE)
         from server.main import serve as serve_app
     except ModuleNotFoundError as err:
         fail(missing_server_sentence(err.name or "a module"), ExitStatus.USAGE)
-    if role not in ("all", "api", "worker"):
-        fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
-    if storage:
-        from server.storage.base import parse_storage_url
-
-        try:
-            parse_storage_url(storage)
-        except ValueError as err:
-            fail(f"--storage: {err}", ExitStatus.USAGE)
     status = serve_app(
         host=host,
         port=port,
