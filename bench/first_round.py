@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -28,31 +29,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import replace_section
-from sim_jobs import simulate_json
+from sim_jobs import DEMO_MODEL, TOY_MODEL, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 EXCERPT = REPO / "examples" / "data" / "shakespeare-excerpt.txt"
-# name -> (config lines, workers, rounds)
+# name -> ([model] lines, [inner] lines, workers)
 SETUPS = {
     "demo": (  # examples/demo.toml: H = 10
-        "[model]\nn_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"
-        "[inner]\nsteps = 10\nbatch_size = 16\nlr = 2e-3\nwarmup_steps = 10\n",
+        DEMO_MODEL,
+        "steps = 10\nbatch_size = 16\nlr = 2e-3\nwarmup_steps = 10\n",
         2,
     ),
     "long-H": (  # the config's default H = 50, from a random model
-        "[model]\nn_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"
-        "[inner]\nsteps = 50\nbatch_size = 16\nlr = 1e-3\nwarmup_steps = 20\n",
+        DEMO_MODEL,
+        "steps = 50\nbatch_size = 16\nlr = 1e-3\nwarmup_steps = 20\n",
         4,
     ),
     "hot": (  # a high constant inner lr after a short warmup: the largest first Δ
-        "[model]\nn_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 64\n"
-        '[inner]\nsteps = 30\nbatch_size = 8\nlr = 3e-3\nwarmup_steps = 5\nschedule = "constant"\n',
+        "n_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 64\n",
+        'steps = 30\nbatch_size = 8\nlr = 3e-3\nwarmup_steps = 5\nschedule = "constant"\n',
         4,
     ),
 }
-
-
-TOY_MODEL = "[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"  # --quick
 
 
 def arms(warmup: int) -> dict[str, str]:
@@ -64,11 +62,12 @@ def arms(warmup: int) -> dict[str, str]:
 
 
 def run_one(setup: str, arm: str, seed: int, args: argparse.Namespace) -> dict:
-    lines, workers = SETUPS[setup]
+    model, inner, workers = SETUPS[setup]
     key = f"{setup}_{arm.replace(' ', '')}_seed{seed}"
     outer = arms(args.warmup)[arm]
     toml = (
-        f'name = "first-round"\n{lines}[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
+        f'name = "first-round"\n[model]\n{model}[inner]\n{inner}'
+        f'[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
         f"[outer]\nlr = 0.7\nmomentum = 0.9\nnesterov = true\n{outer}"
     )
     flags = ["--workers", str(workers), "--mode", "diloco", "--seed", str(seed), "--rounds",
@@ -169,11 +168,12 @@ def main() -> None:
     if args.quick:
         args.seeds, args.rounds, args.eval_windows = [0], 3, 8
         args.doc = args.work_dir / "benchmarks.md"
-        for name, (lines, workers) in list(SETUPS.items()):  # a toy model, H = 3
-            _, inner = lines.split("[inner]")
-            for h in ("steps = 50", "steps = 30", "steps = 10"):
-                inner = inner.replace(h, "steps = 3")
-            SETUPS[name] = (TOY_MODEL + "[inner]" + inner, workers)
+        for name, (_, inner, workers) in list(SETUPS.items()):  # a toy model, H = 3
+            SETUPS[name] = (
+                TOY_MODEL,
+                re.sub(r"^steps = \d+$", "steps = 3", inner, flags=re.M),
+                workers,
+            )
     args.work_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(s, a, seed) for seed in args.seeds for s in SETUPS for a in arms(args.warmup)]
     print(f"{len(jobs)} runs, {args.jobs} at a time", flush=True)

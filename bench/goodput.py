@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import replace_section
-from sim_jobs import simulate_json
+from sim_jobs import DEMO_MODEL, TOY_MODEL, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 EXCERPT = REPO / "examples" / "data" / "shakespeare-excerpt.txt"
@@ -65,8 +65,6 @@ ARMS: dict[str, tuple[str, str, list[str]]] = {
     ),
 }
 IDENTICAL, SAME_ROUNDS = "identical, H", "identical, rounds"
-DEMO_MODEL = "n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"  # examples/demo.toml's
-TOY_MODEL = "n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
 
 
 def config(

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# [model] lines: examples/demo.toml's model, and the toy a --quick smoke run trains instead
+DEMO_MODEL = "n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\n"
+TOY_MODEL = "n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n"
 
 
 def simulate_json(
