@@ -36,6 +36,20 @@ def installed() -> bool:
         return False
 
 
+def _check_options(role: str, storage: str | None) -> None:
+    """Exit 2 on a bad ``--role`` or ``--storage``: a typo fails in a blink, not after the
+    server's imports."""
+    from server.storage.base import parse_storage_url
+
+    if role not in ("all", "api", "worker"):
+        fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
+    if storage:
+        try:
+            parse_storage_url(storage)
+        except ValueError as err:
+            fail(f"--storage: {err}", ExitStatus.USAGE)
+
+
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.", envvar="DILOCO_HOST")] = (
         "127.0.0.1"
@@ -81,16 +95,7 @@ def serve(
     from client.credentials import default_data_dir
 
     try:
-        # the options first, before the server (and torch) load: a typo fails in a blink
-        from server.storage.base import parse_storage_url
-
-        if role not in ("all", "api", "worker"):
-            fail(f"--role must be all, api or worker, not {role!r}", ExitStatus.USAGE)
-        if storage:
-            try:
-                parse_storage_url(storage)
-            except ValueError as err:
-                fail(f"--storage: {err}", ExitStatus.USAGE)
+        _check_options(role, storage)  # before the server (and torch) load
         from server.main import serve as serve_app
     except ModuleNotFoundError as err:
         fail(missing_server_sentence(err.name or "a module"), ExitStatus.USAGE)
