@@ -1,8 +1,8 @@
 """Convergence benchmark: does our DiLoCo train about as well as data-parallel training?
 
 Runs single / ddp / DiLoCo (fp32, int8, int8 with 30% of contributions dropped) at
-several H, two seeds each, through ``diloco simulate`` subprocesses (one CPU thread
-each, ``--jobs`` at a time), then writes its section of docs/benchmarks.md and
+several H, two seeds each, each a ``diloco simulate`` in its own process (one CPU thread
+each, ``--jobs`` at a time: bench/sim_jobs.py), then writes its section of docs/benchmarks.md and
 docs/convergence.png.
 
     python bench/convergence.py                 # the full table (~40 min on 2 cores)
@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_sections import replace_section
+from sim_jobs import run_simulate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -122,44 +123,15 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, config: Path) -> Path
     out = args.work_dir / f"{arm.key}_seed{seed}.json"
     if out.exists() and not args.fresh:
         return out
-    cmd = [
-        sys.executable,
-        "-m",
-        "client.cli.main",
-        "simulate",
-        str(config),
-        "--workers",
-        str(args.workers),
-        "--mode",
-        arm.mode,
-        "--seed",
-        str(seed),
-        "--inner-steps",
-        str(arm.H),
-        "--rounds",
-        str(args.steps // arm.H),
-        "--compression",
-        arm.compression,
-        "--drop-prob",
-        str(arm.drop_prob),
-        "--single-data",
-        arm.single_data,
-        *(
-            ["--outer-lr", "1.0", "--outer-momentum", "0", "--no-nesterov"]
-            if arm.plain_average
-            else []
-        ),
-        "--eval-windows",
-        str(args.eval_windows),
-        "--threads",
-        "1",
-        "--quiet",
-        "--out",
-        str(out.with_suffix(".tmp")),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    flags = ["--workers", str(args.workers), "--mode", arm.mode, "--seed", str(seed),
+             "--inner-steps", str(arm.H), "--rounds", str(args.steps // arm.H),
+             "--compression", arm.compression, "--drop-prob", str(arm.drop_prob),
+             "--single-data", arm.single_data,
+             "--eval-windows", str(args.eval_windows)]  # fmt: skip
+    if arm.plain_average:
+        flags += ["--outer-lr", "1.0", "--outer-momentum", "0", "--no-nesterov"]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    run_simulate(config, flags, out.with_suffix(".tmp"))
     out.with_suffix(".tmp").rename(out)
     print(f"  {arm.key} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
     return out
