@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import configure_mappers
 
 from diloco.faults import FaultInjector
 from server.checkpoints.router import router as checkpoints_router
@@ -41,24 +39,11 @@ from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
 from server.storage.base import open_storage
 from server.storage.staging import sweep_stale
+from server.upkeep import memory
 from server.upkeep.janitor import Janitor
 from server.web import router as web
 
 log = logging.getLogger("diloco.server")
-
-
-def settle_memory() -> None:
-    """Freeze what start-up made (torch, the web stack, the ORM mappers: ~300k objects that
-    live as long as the process) out of the garbage collector's sight. Its full collections
-    then take milliseconds instead of the ~250 ms pauses every request waited through under
-    load (bench/load.py saw them as 250 ms p99 spikes). torch imports torch._dynamo (and
-    sympy: ~130k objects more) the first time a model is built; import it now, so that it
-    is frozen with the rest."""
-    import torch._dynamo  # noqa: F401 - loaded here rather than by the first request
-
-    configure_mappers()
-    gc.collect()
-    gc.freeze()
 
 
 def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
@@ -93,7 +78,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
             listener = Listener(settings.database_url, app.state.sweeper.wake)
             tasks.append(asyncio.create_task(app.state.sweeper.run(), name="round-sweeper"))
             tasks.append(asyncio.create_task(listener.run(), name="round-notifications"))
-        settle_memory()
+        memory.settle()
         try:
             yield
         finally:

@@ -38,6 +38,7 @@ from server.rounds.models import Round
 from server.runs.models import Run, RunStatus
 from server.settings import Settings
 from server.storage.base import Storage
+from server.upkeep import memory
 
 log = logging.getLogger("diloco.rounds")
 
@@ -133,6 +134,7 @@ class Sweeper:
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)
+        memory.settle_after_first_optimizer()  # the outer step's SGD brought torch._dynamo
         self.wake()  # a slot is free, the next round may already be decidable, and the
         # version just published waits for its eval
 
