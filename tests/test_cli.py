@@ -190,7 +190,7 @@ def test_convergence_bench_pipeline_runs_end_to_end_in_quick_mode(tmp_path, corp
     doc = (tmp_path / "bench" / "benchmarks.md").read_text()
     assert "| DiLoCo H=5 int8, 30% dropped |" in doc
     assert "## Acceptance checks" in doc
-    assert len(list((tmp_path / "bench").glob("*_seed[01].json"))) == 2 * 6
+    assert len(list((tmp_path / "bench").glob("k2_*_seed[01].json"))) == 2 * 6
 
 
 def test_simulate_protocol_mode_prints_each_round_and_writes_the_json(tmp_path, corpus):
@@ -278,10 +278,15 @@ def test_convergence_bench_runs_the_llama_bpe_path_in_quick_mode(tmp_path, corpu
 
     assert proc.returncode == 0, proc.stderr
     doc = (tmp_path / "bench" / "benchmarks.md").read_text()
-    assert "## Convergence on the real path: Llama + BPE" in doc and "| DiLoCo H=5 int8 |" in doc
-    assert "outer lr 1 without momentum (plain average)" in doc and "Reading it:" in doc
-    # single, ddp, DiLoCo int8 and the plain average, three seeds each
-    assert len(list((tmp_path / "bench").glob("*_seed[012].json"))) == 4 * 3
+    assert "## Convergence on the real path: Llama + BPE" in doc
+    # a table for each K (--quick: 2 and 3), each seed's figure beside the mean
+    assert "K = 2:" in doc and "K = 3:" in doc and "| DiLoCo H=5 int8 | " in doc
+    # the limits and their verdicts, for every K
+    for k in (2, 3):
+        assert f"| {k} | recovers >= 65% of the single-ddp gap |" in doc
+        assert f"| {k} | ends below the lone worker (loss over single's) |" in doc
+    # single, ddp and DiLoCo int8, for each K and each of two seeds
+    assert len(list((tmp_path / "bench").glob("k[23]_*_seed[01].json"))) == 2 * 3 * 2
 
 
 @pytest.mark.slow
