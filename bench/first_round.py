@@ -148,11 +148,59 @@ def verdict(results: dict, names: list[str]) -> list[str]:
     return out
 
 
+DEMO = REPO / "examples" / "demo.toml"
+
+
+def demo_check(args: argparse.Namespace) -> list[dict]:
+    """examples/demo.toml itself (its data, its rounds, every default: the start the platform
+    uses), ``diloco simulate`` with its two workers, one run per ``--demo-seeds`` seed."""
+    toml = DEMO.read_text(encoding="utf-8").replace(
+        'path = "data/', f'path = "{DEMO.parent / "data"}/'
+    )
+    if args.quick:  # a toy model, H = 3, 2 rounds
+        toml = re.sub(r"(?ms)^\[model\]\n.*?^\n", f"[model]\n{TOY_MODEL}\n", toml)
+        toml = re.sub(r"^steps = \d+", "steps = 3", toml, flags=re.M)
+        toml = re.sub(r"^max_rounds = \d+", "max_rounds = 2", toml, flags=re.M)
+    flags = ["--workers", "2", "--eval-windows", str(args.eval_windows)]
+    jobs = [(f"demo-config_seed{seed}", [*flags, "--seed", str(seed)]) for seed in args.demo_seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        return list(pool.map(lambda j: simulate_json(j[0], toml, j[1], work_dir=args.work_dir,
+                                                     fresh=args.fresh), jobs))  # fmt: skip
+
+
+def render_demo_check(runs: list[dict], args: argparse.Namespace) -> list[str]:
+    """Each seed's worst round against version 0, and the limit: no round above it."""
+    lines = [
+        "### The demo config over many seeds",
+        "",
+        f"`examples/demo.toml` as it is (2 workers, H = {runs[0]['inner_steps']}, "
+        f"{len(runs[0]['rounds'])} rounds, "
+        'the platform\'s defaults: `first_round = "average"`), seeds '
+        f"{', '.join(map(str, args.demo_seeds))}. *worst* = the highest eval loss of any "
+        "round over version 0's.",
+        "",
+        "| seed | version 0 | round 1 | worst round | worst | final |",
+        "|---|---|---|---|---|---|",
+    ]
+    worst = []
+    for seed, run in zip(args.demo_seeds, runs, strict=True):
+        losses = [r["eval_loss"] for r in run["rounds"]]
+        at = max(range(len(losses)), key=losses.__getitem__)
+        worst.append(losses[at] / run["initial_eval_loss"])
+        lines.append(f"| {seed} | {run['initial_eval_loss']:.3f} | {losses[0]:.3f} | {at + 1} "
+                     f"| {worst[-1]:.3f} | {run['final_eval_loss']:.4f} |")  # fmt: skip
+    holds = "yes" if max(worst) <= 1.0 else "NO"
+    lines += ["", f"Worst ratio over {len(runs)} seeds: **{max(worst):.3f}** (limit <= 1: "
+              f"no round above version 0) -> {holds}.", ""]  # fmt: skip
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", type=Path, default=EXCERPT)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--demo-seeds", type=int, nargs="+", default=list(range(10)))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -166,7 +214,7 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.quick:
-        args.seeds, args.rounds, args.eval_windows = [0], 3, 8
+        args.seeds, args.rounds, args.eval_windows, args.demo_seeds = [0], 3, 8, [0, 1]
         args.doc = args.work_dir / "benchmarks.md"
         for name, (_, inner, workers) in list(SETUPS.items()):  # a toy model, H = 3
             SETUPS[name] = (
@@ -182,7 +230,7 @@ def main() -> None:
     results: dict = {s: {a: [] for a in arms(args.warmup)} for s in SETUPS}
     for (setup, arm, _), result in zip(jobs, done, strict=True):
         results[setup][arm].append(result)
-    section = render(results, args)
+    section = render(results, args) + "\n" + "\n".join(render_demo_check(demo_check(args), args))
     replace_section(args.doc, "first-round", section, after="convergence-llama")
     print(section)
 

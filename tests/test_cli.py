@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -302,3 +303,6 @@ def test_first_round_bench_compares_the_three_starts_in_quick_mode(tmp_path, cor
     doc = (tmp_path / "bench" / "benchmarks.md").read_text()
     for start in ("nesterov", "warmup 3", "average"):
         assert f"| demo | {start} |" in doc and f"| hot | {start} |" in doc
+    # examples/demo.toml itself over seeds (--quick: two), its worst round and the verdict
+    assert "### The demo config over many seeds" in doc
+    assert re.search(r"Worst ratio over 2 seeds: \*\*\d\.\d{3}\*\* \(limit <= 1", doc)
