@@ -102,8 +102,9 @@ def write_config(path: Path, args: argparse.Namespace) -> None:
     else:
         model, data = "", f'path = "{args.data}"\nval_fraction = 0.05\nchunk_size = 8192\n'
     path.write_text(
-        f'name = "convergence-bench"\n[model]\n{model}n_layer = {args.n_layer}\nn_head = 4\n'
-        f"n_embd = {args.n_embd}\nblock_size = {args.block_size}\n[data]\n{data}[inner]\n"
+        f'name = "convergence-bench"\n[model]\n{model}n_layer = {args.n_layer}\n'
+        f"n_head = {args.n_head}\nn_embd = {args.n_embd}\nblock_size = {args.block_size}\n"
+        f"[data]\n{data}[inner]\n"
         f"steps = 10\nbatch_size = {args.batch_size}\nlr = {args.inner_lr}\n"
         f"warmup_steps = {args.warmup}\n{outer}",
         encoding="utf-8",
@@ -122,7 +123,7 @@ def run_arm(arm: Arm, k: int, seed: int, args: argparse.Namespace, config: Path)
              "--inner-steps", str(arm.H), "--rounds", str(args.steps // arm.H),
              "--compression", arm.compression, "--drop-prob", str(arm.drop_prob),
              "--single-data", arm.single_data,
-             "--eval-windows", str(args.eval_windows)]  # fmt: skip
+             "--eval-windows", str(args.eval_windows), "--device", args.device]  # fmt: skip
     started = time.perf_counter()
     run_simulate(config, flags, out.with_suffix(".tmp"))
     out.with_suffix(".tmp").rename(out)
@@ -141,7 +142,7 @@ def command_line(args: argparse.Namespace) -> str:
         if value != default:
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             words.append(f"--{name.replace('_', '-')} {shown}")
-    for name in ("vocab", "n_kv_head", "inner_lr", "warmup", "eval_windows"):
+    for name in ("vocab", "n_head", "n_kv_head", "inner_lr", "warmup", "eval_windows", "device"):
         if getattr(args, name) != PARSER_DEFAULTS[name]:
             words.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
     return " ".join(words + (["--full"] if args.full else []))
@@ -159,12 +160,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="inner steps per worker (400)")
     p.add_argument("--n-layer", type=int, help="gpt: 4; llama: 2")
     p.add_argument("--n-embd", type=int, help="128")
+    p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--block-size", type=int, help="gpt: 128; llama: 64")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step (gpt 16, llama 8)")
     p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-windows", type=int, default=256)
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once (GPU: 1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: its own section of the doc")
     p.add_argument("--work-dir", type=Path, default=None, help="bench/out/convergence-ARCH")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument(
@@ -218,8 +221,9 @@ def main() -> None:
 
     from diloco.simulate.plot import plot_results
 
-    # the GPT's plot keeps the name the README shows
-    stem = "convergence" + ("-llama" if llama else "") + ("-quick" if args.quick else "")
+    # the GPT's plot keeps the name the README shows; a GPU run has a section of its own
+    gpu = "-gpu" if args.device != "cpu" else ""
+    stem = "convergence" + ("-llama" if llama else "") + gpu + ("-quick" if args.quick else "")
     plot_path = args.doc.parent / f"{stem}.png"
     k0 = args.workers[0]
     plot_results(
@@ -228,8 +232,9 @@ def main() -> None:
         title=f"tinyshakespeare, {args.arch}, K={k0}: eval loss (seed {args.seeds[0]})",
     )
     section = render(arms, results, args, command_line(args), plot_path.name)
-    replace_section(args.doc, f"convergence-{args.arch}", section,
-                    after="convergence-gpt" if llama else None)  # fmt: skip
+    replace_section(args.doc, f"convergence-{args.arch}{gpu}", section,
+                    after=f"convergence-{args.arch}" if gpu else "convergence-gpt" if llama
+                    else None)  # fmt: skip
     print(section)
 
 

@@ -35,8 +35,9 @@ def render(
     lines = [
         *describe(args, results),
         "",
-        f"Regenerate ({compute_s / 60:.1f} CPU-minutes of runs here, one thread each, "
-        f"{args.jobs} at a time; finished runs are reused):",
+        f"Regenerate ({compute_s / 60:.1f} minutes of runs here on {args.device}"
+        + (", one thread each" if args.device == "cpu" else "")
+        + f", {args.jobs} at a time; finished runs are reused):",
         "",
         "```",
         command,
@@ -102,9 +103,10 @@ def describe(args: argparse.Namespace, results: Results) -> list[str]:
     seeds += "spread over seeds."
     if args.arch == "llama":
         return [
-            "## Convergence on the real path: Llama + BPE",
+            "## Convergence on the real path: Llama + BPE"
+            + (f", on a GPU ({args.device})" if args.device != "cpu" else ""),
             "",
-            f"Llama ({args.n_layer} layers, width {args.n_embd}, 4 heads sharing "
+            f"Llama ({args.n_layer} layers, width {args.n_embd}, {args.n_head} heads sharing "
             f"{args.n_kv_head} key/value heads, RoPE, RMSNorm, SwiGLU, context "
             f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare tokenized by "
             f"`diloco data prepare` with a byte-level BPE of {args.vocab} tokens trained on "

@@ -187,3 +187,21 @@ def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_pat
     goodput = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in rows.items()}
     assert goodput["sized + late"] >= goodput["before"]
     assert goodput["identical, H"] == 100.0  # nobody slow, nobody drops: nothing wasted
+
+
+def test_the_gpu_convergence_script_runs_its_pipeline_where_its_options_are_overridden(
+    tmp_path, corpus
+):
+    # no GPU here: the script's own options, then --device cpu --quick (the later ones win)
+    out = tmp_path / "gpu"
+    proc = subprocess.run(
+        ["bash", "bench/gpu_convergence.sh", str(out), "--device", "cpu", "--quick",
+         "--data", str(corpus)],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable},
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = (out / "benchmarks.md").read_text()
+    assert "## Convergence on the real path: Llama + BPE" in doc and "| DiLoCo H=5 int8 |" in doc
+    assert "### Acceptance checks (computed by the script)" in (out / "convergence.log").read_text()

@@ -23,6 +23,12 @@ def diloco(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def torch_sees_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def write_config(tmp_path: Path, corpus: Path, extra: str = "") -> Path:
     path = tmp_path / "run.toml"
     path.write_text(
@@ -145,6 +151,18 @@ def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
     assert bad_mode.returncode == 2 and "fsdp" in bad_mode.stderr
     proc = diloco("simulate", str(config), "--drop-prob", "1.5")
     assert proc.returncode == 2 and "--drop-prob" in proc.stderr
+    for device in ("tpu", "not-a-device"):
+        proc = diloco("simulate", str(config), "--device", device)
+        assert proc.returncode == 2 and f"--device must be cpu, cuda or cuda:N, not {device!r}" in (
+            proc.stderr
+        )
+
+
+@pytest.mark.skipif(torch_sees_cuda(), reason="this machine has a CUDA device")
+def test_a_cuda_device_where_torch_sees_none_exits_2(tmp_path, corpus):
+    proc = diloco("simulate", str(write_config(tmp_path, corpus)), "--device", "cuda")
+
+    assert proc.returncode == 2 and "this torch sees no CUDA device" in proc.stderr
 
 
 def test_missing_data_file_exits_3(tmp_path, corpus):

@@ -232,6 +232,12 @@ def simulate(
     threads: Annotated[
         int | None, typer.Option(help="torch CPU threads.", envvar="DILOCO_THREADS")
     ] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            help="cpu, cuda or cuda:N: where every worker trains.", envvar="DILOCO_DEVICE"
+        ),
+    ] = "cpu",
     quiet: Annotated[bool, typer.Option(help="No per-round lines.", envvar="DILOCO_QUIET")] = False,
 ) -> None:
     """Run DiLoCo (or a ddp / single baseline, or volunteers against the round protocol on a
@@ -259,6 +265,14 @@ def simulate(
         fail(f"--workers must be at least 1, not {K}", ExitStatus.USAGE)
     if threads:
         torch.set_num_threads(threads)
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}", ExitStatus.USAGE)
+    if kind not in ("cpu", "cuda"):
+        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}", ExitStatus.USAGE)
+    if kind == "cuda" and not torch.cuda.is_available():
+        fail(f"--device {device}: this torch sees no CUDA device", ExitStatus.USAGE)
     try:
         cfg = with_overrides(
             load_config(config),
@@ -315,6 +329,7 @@ def simulate(
         single_data=cast(Literal["shard", "all"], single_data),
         batches=cast(Literal["worker", "lease"], batches),
         downloads=cast(Downloads, downloads),
+        device=device,
     )
 
     def report(r: RoundRecord) -> None:
