@@ -14,7 +14,7 @@ Two paths, each with its own defaults (every one can be overridden):
   attention) on the corpus tokenized by ``diloco data prepare`` with a BPE trained on it
   (``--vocab``), K = 4 and 8, H = 10, 25 and 50, five seeds, int8.
 
-    python bench/convergence.py --arch llama    # ~40 min on 2 cores
+    python bench/convergence.py --arch llama    # ~45 min on 2 cores (50 runs)
     python bench/convergence.py                 # the GPT: ~40 min on 2 cores
     python bench/convergence.py --quick         # a smoke run of the pipeline (seconds)
 

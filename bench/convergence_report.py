@@ -35,7 +35,7 @@ def render(
     lines = [
         *describe(args, results),
         "",
-        f"Regenerate ({compute_s / 60:.1f} minutes of runs here on {args.device}"
+        f"Regenerate (the runs add up to {compute_s / 60:.1f} minutes here on {args.device}"
         + (", one thread each" if args.device == "cpu" else "")
         + f", {args.jobs} at a time; finished runs are reused):",
         "",
@@ -136,7 +136,8 @@ def checks(arms: list[ArmLike], results: Results, args: argparse.Namespace) -> l
     out = [
         "### Acceptance checks (computed by the script)",
         "",
-        f"DiLoCo int8 at H = {h}; the value is on the means over seeds, each seed's own beside it.",
+        f"DiLoCo int8 at H = {h}; the value is on the means over seeds (the worst seed where the "
+        "check is about every seed), each seed's own beside it.",
         "",
         "| K | check | value | per seed | limit | holds |",
         "|---|---|---|---|---|---|",
@@ -170,8 +171,8 @@ def check_rows(
          (s - q) / (s - d) if s > d else math.nan, recovered, ">=", RECOVERED_MIN),
         (f"is <= {ABOVE_DDP_MAX:.0%} above ddp", (q - d) / d,
          [(c - b) / b for b, c in zip(ddp, int8, strict=True)], "<=", ABOVE_DDP_MAX),
-        ("ends below the lone worker (loss over single's)", q / s,
-         [c / a for a, c in zip(single, int8, strict=True)], "<", 1.0),
+        ("every seed ends below its lone worker (the worst seed's loss over its single's)",
+         max(ratios := [c / a for a, c in zip(single, int8, strict=True)]), ratios, "<", 1.0),
     ]  # fmt: skip
     if fp32:
         f = losses(results, k, f"diloco_h{h}_fp32")
