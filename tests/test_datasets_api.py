@@ -15,6 +15,7 @@ import torch
 
 from diloco.config import parse_config
 from diloco.data.manifest import MANIFEST, Manifest, dataset_id
+from diloco.data.units import UnitDealer
 from diloco.wire.codec import Int8Codec
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from tests.conftest import server_run_config
@@ -207,7 +208,7 @@ def test_no_unit_is_handed_out_twice_before_every_unit_once_and_accepted_work_is
 ):
     folder, manifest = dataset
     ident = upload_all(http, folder, manifest)
-    run = create(http, dataset_config(ident)).json()
+    run = create(http, {**dataset_config(ident), "seed": 7}).json()
     run_id, n_units = run["id"], len(manifest.shards) - 1  # the last shard is too short
     assert http.get(f"{API}/runs/{run_id}/coverage").json()["units"] == n_units
     tokens = [register(http, f"cov{i}") for i in range(n_units + 3)]
@@ -229,6 +230,10 @@ def test_no_unit_is_handed_out_twice_before_every_unit_once_and_accepted_work_is
     units = given_back + [lease["data_range"]["unit"] for lease in first_pass]
     assert sorted(units) == list(range(n_units))
     assert {lease["data_range"]["unit"] for lease in second} == set(given_back)
+    # in the order the simulator deals them (one definition: diloco.data.units)
+    dealer = UnitDealer(n_units, 7)
+    dealt = [dealer.pick() for _ in range(n_units + 3)]
+    assert units + [lease["data_range"]["unit"] for lease in second] == dealt
     for lease in first_pass:
         rng, shard = lease["data_range"], lease["shard"]
         assert shard["dtype"] == "uint16" and rng["tokens"] == STEPS * BATCH * BLOCK + 1

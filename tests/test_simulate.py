@@ -9,7 +9,8 @@ from torch.testing import assert_close
 
 from diloco.data.text import load_tokens, random_batch, split_tokens
 from diloco.model.gpt import GPT
-from diloco.simulate.run import SimOptions, simulate, stream_generator
+from diloco.simulate.dealing import stream_generator
+from diloco.simulate.run import SimOptions, simulate
 from diloco.train import evaluate, make_adamw, snapshot
 from tests.conftest import tiny_config
 

@@ -128,8 +128,9 @@ def simulate(
     batches: Annotated[
         str,
         typer.Option(
-            help="diloco mode: worker i's own batch stream on shard i, or the i-th lease's "
-            "shard and seed each round (as protocol mode and the platform).",
+            help="worker: worker i's own batch stream on shard i; lease: as the platform "
+            "deals leases (a text run's shard and seed, a dataset run's data units), as "
+            "protocol mode always does.",
             envvar="DILOCO_BATCHES",
         ),
     ] = "worker",
@@ -314,8 +315,8 @@ def simulate(
                 "--speeds, --join-at, --outage, --drop-per-min, --return-per-min and --size-h "
                 "apply to --mode protocol only"
             )
-        if batches != "worker" and mode is not SimMode.diloco:
-            raise ValueError(f"--batches {batches} applies to --mode diloco only")
+        if batches != "worker" and mode is SimMode.protocol:
+            raise ValueError("--batches: protocol mode always deals leases as the platform does")
         if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
             raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
     except ValueError as err:

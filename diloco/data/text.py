@@ -40,6 +40,10 @@ def load_tokens(path: str | Path) -> torch.Tensor:
 class Dataset:
     val: torch.Tensor  # uint8 (N_val,)
     shards: tuple[torch.Tensor, ...]  # K x uint8 (n_chunks, chunk_len), disjoint
+    # a prepared dataset: its training tokens (int32, its shards in order) and each shard's
+    # size, from which the simulator deals data units as the server does (diloco.data.units)
+    train: torch.Tensor | None = None
+    shard_tokens: tuple[int, ...] = ()
 
     @property
     def train_tokens(self) -> int:
@@ -181,8 +185,9 @@ def eval_batches(
 def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
     """The run's data as the simulator's workers get it: a text file split as the server
     splits it, or a prepared dataset's validation file and its training tokens dealt into
-    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens); and the config with
-    the vocabulary recorded, as the server records it at creation."""
+    ``n_shards`` shards of whole chunks (``data.chunk_size`` tokens), kept whole as well
+    for dealing data units as the server does; and the config with the vocabulary
+    recorded, as the server records it at creation."""
     if cfg.data.path is not None:
         return cfg, split_tokens(
             load_tokens(cfg.data.path),
@@ -193,7 +198,8 @@ def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
         )
     assert cfg.data.dataset is not None  # the config holds exactly one of them
     try:
-        vocab = read_manifest(cfg.data.dataset).tokenizer.vocab_size
+        manifest = read_manifest(cfg.data.dataset)
+        vocab = manifest.tokenizer.vocab_size
         train, val = load_prepared(cfg.data.dataset)
     except ManifestError as err:
         raise DataError(f"data.dataset: {err}") from None
@@ -205,4 +211,5 @@ def simulated_data(cfg: RunConfig, n_shards: int) -> tuple[RunConfig, Dataset]:
     shards = deal_shards(
         train, n_shards=n_shards, block_size=cfg.model.block_size, chunk_size=cfg.data.chunk_size
     )
-    return cfg, Dataset(val=val, shards=shards)
+    sizes = tuple(s.tokens for s in manifest.shards)
+    return cfg, Dataset(val=val, shards=shards, train=train, shard_tokens=sizes)

@@ -20,17 +20,15 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
-from diloco.protocol.rules import assign_lease
+from diloco.protocol.state import Refusal
 from diloco.simulate.attacks import hostile_body
+from diloco.simulate.dealing import Dealer, stream_generator
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.run import (
     Progress,
     Recorder,
     SimOptions,
     Trained,
-    batch_source,
-    lease_batches,
-    stream_generator,
     train_upload,
 )
 from diloco.simulate.server import SIM_RUN_ID, open_round
@@ -70,13 +68,12 @@ def _rounds(
     checkpoint_bytes = len(safetensors_save(versions.theta))  # what a worker downloads per round
     ledger = Ledger(versions.sizes, checkpoint_bytes) if opts.downloads == "delta" else None
     # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
-    trainers, streams = [], []
-    for i in range(K):
-        worker_model = build_model(cfg.model)
-        trainers.append(
-            InnerTrainer(worker_model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
-        )
-        streams.append(batch_source(data.shards[i], cfg, stream_generator(opts.seed, i)))
+    trainers = [
+        InnerTrainer(build_model(cfg.model), cfg.inner, total_steps=cfg.total_inner_steps,
+                     device=device)
+        for _ in range(K)
+    ]  # fmt: skip
+    dealer = Dealer(data, cfg, batches=opts.batches, seed=opts.seed, workers=K)
     drops = stream_generator(opts.seed, 10_000)
     recorder = Recorder(cfg, opts, data, device, progress)
     judge = recorder.evaluator(build_model(cfg.model))
@@ -88,17 +85,13 @@ def _rounds(
         losses, first_delta = [], None
         start = versions.theta
         for i, trainer in enumerate(trainers):
-            # this round's batches: the worker's own stream, or the i-th lease's
-            next_batch = streams[i]
-            if opts.batches == "lease":
-                lease = assign_lease(i, round=r + 1, run_seed=opts.seed, n_shards=K)
-                next_batch = lease_batches(data, cfg, lease)
+            dealt = dealer.deal(r + 1, i)  # this round's batches (simulate.dealing)
             # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
             if ledger is None:
                 bytes_down += checkpoint_bytes
             else:
                 ledger.fetch(f"worker-{i}", r)
-            upload = train_upload(trainer, start, cfg=cfg, round=r + 1, next_batch=next_batch)
+            upload = train_upload(trainer, start, cfg=cfg, round=r + 1, next_batch=dealt.next_batch)
             tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks
@@ -123,7 +116,8 @@ def _rounds(
             # a dropped upload never reaches the server
             if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
                 continue
-            desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks)
+            if not isinstance(desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks), Refusal):
+                dealer.trained(dealt)  # the server counts the unit covered at upload
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it
         stepped = desk.close(versions, evaluate=judge, history=history)

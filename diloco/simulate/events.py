@@ -42,6 +42,7 @@ from diloco.model.gpt import LanguageModel
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EventClock
+from diloco.simulate.dealing import Units, lease_batches
 from diloco.simulate.hub import Hub
 from diloco.simulate.protocol_mode import (
     WASTE,
@@ -57,7 +58,6 @@ from diloco.simulate.run import (
     Runner,
     SimOptions,
     Trained,
-    lease_batches,
     train_upload,
 )
 from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
@@ -103,6 +103,7 @@ class _ProtocolRun:
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
             evaluate=Recorder(cfg, opts, data, device, None).evaluator(build_model(cfg.model)),
+            units=Units.of(data, cfg, opts.seed),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
         self.heartbeat_every = timedelta(seconds=heartbeat_every(cfg.rounds.heartbeat_interval_s))
@@ -265,7 +266,11 @@ class _ProtocolRun:
             # client: its AdamW moments would also carry the steps of such wasted work.
             # Late work trains from its own base version, which the hub keeps.
             assert late is not None or self.hub.version == lease.round - 1
-            next_batch = lease_batches(self.data, cfg, lease.assignment)
+            if lease.unit is None:
+                next_batch = lease_batches(self.data, cfg, lease.assignment)
+            else:
+                assert self.hub.units is not None
+                next_batch = self.hub.units.batches(lease.unit, lease.seed)
             base = self.hub.params_of(lease.round - 1)
             upload = train_upload(
                 v.trainer,

@@ -5,7 +5,9 @@ One method per server path (read them side by side):
 
 - ``join``: ``server.rounds.leases.join``: ``admit_join``; a new lease takes the round's
   next ordinal and ``assign_lease`` says its shard and seed, ``size_lease`` its H from the
-  speed the volunteer reports (none: the run's steps); a held lease is renewed.
+  speed the volunteer reports (none: the run's steps); on a prepared dataset it takes a
+  data unit as ``coverage.PICK_UNIT`` does (:class:`diloco.simulate.dealing.Units`, counted
+  trained when its upload is stored); a held lease is renewed.
 - ``heartbeat``: ``server.rounds.leases.heartbeat``: ``admit_heartbeat``.
 - ``admit_upload`` then ``store``: ``server.rounds.ingest.receive``: ``admit_upload``
   before the body is read, ``admit_claim`` on its header, the body checked (finite once
@@ -71,6 +73,7 @@ from diloco.protocol.state import (
     UploadFacts,
     UploadVerdict,
 )
+from diloco.simulate.dealing import Units
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.rows import Closed, HubLease, HubSettings, RoundLog, Stored
 from diloco.simulate.run import SIM_RUN_ID, SimOptions, Upload
@@ -94,8 +97,10 @@ class Hub:
         n_shards: int,
         now: datetime,
         evaluate: Callable[[Path], float],
+        units: Units | None = None,
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
+        self.units = units  # a dataset run's data units, dealt as PICK_UNIT deals them
         self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds)
@@ -185,6 +190,7 @@ class Hub:
             now,
             grant.expires_at,
             sized.steps,
+            None if self.units is None else self.units.pick(),
         )
         log.leases[who] = lease
         if self.ledger is not None:  # it downloads θ: the deltas since the version it holds
@@ -263,6 +269,9 @@ class Hub:
             )
         if isinstance(admitted, Refusal):
             return admitted
+        unit = self.logs[index].leases[who].unit
+        if self.units is not None and unit is not None:  # its unit is covered
+            self.units.trained(unit)
         (log.contributions if late is None else log.late).append(Stored(cid, who, upload, compute))
         return None
 

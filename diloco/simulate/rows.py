@@ -49,6 +49,7 @@ class HubLease:
     last_heartbeat: datetime
     expires_at: datetime
     inner_steps: int  # its H (diloco.protocol.sizing)
+    unit: int | None = None  # a dataset run's data unit (diloco.simulate.dealing.Units)
 
     @property
     def assignment(self) -> LeaseAssignment:

@@ -16,12 +16,12 @@ baselines use the same model, data and inner optimizer:
 - ``protocol``: K volunteers against the round protocol's rules on a simulated clock
   (:mod:`diloco.simulate.protocol_mode`): speeds, deadlines, stragglers, dropouts.
 
-Batches: in ``diloco`` mode worker i draws from its own stream (seeded by the run seed and
-i, kept across rounds) on shard i by default; ``batches="lease"`` draws them as a volunteer
-of the platform does: each round, worker i trains on the shard and with the seed of the
-round's i-th lease (:func:`diloco.protocol.rules.assign_lease`), a fresh generator per
-round. That is what ``protocol`` mode does, and it makes the two modes comparable bit for
-bit; the default is kept so that published benchmarks reproduce.
+Batches (:mod:`diloco.simulate.dealing`): by default worker i draws random windows from
+shard i with its own generator, kept across rounds; ``batches="lease"`` deals them as the
+platform does, to every mode but ``protocol`` (which always does): on a text run, the
+shard and seed of the round's i-th lease (:func:`diloco.protocol.rules.assign_lease`); on
+a prepared dataset, a data unit per lease in the server's order, each window read once.
+The default is kept so that published benchmarks reproduce.
 
 Downloads: in ``diloco`` and ``protocol`` modes workers start each round from the
 published parameters θ (as the server publishes them: through the close's int8 delta);
@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from diloco.config import RunConfig
-from diloco.data.text import Dataset, random_batch, simulated_data
+from diloco.data.text import Dataset, simulated_data
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
 from diloco.outer.optimizer import pseudo_gradient
-from diloco.protocol.state import LeaseAssignment
 from diloco.simulate.attacks import Attack
+from diloco.simulate.dealing import Dealer, Dealt
 from diloco.simulate.downloads import DeltaReport
 from diloco.simulate.server import SIM_RUN_ID
 from diloco.train import (
@@ -77,7 +77,7 @@ class SimOptions:
     drop_prob: float = 0.0  # each worker's contribution is lost with this probability per round
     eval_windows: int | None = 256  # validation windows scored after each round (None: all)
     single_data: Literal["shard", "all"] = "shard"  # single mode: worker 0's shard, or all
-    # diloco mode: worker i's own stream on shard i, or the i-th lease's shard and seed
+    # worker i's own stream on shard i, or as the platform deals leases (simulate.dealing)
     batches: Literal["worker", "lease"] = "worker"
     device: str = "cpu"
     # diloco mode: worker index -> the attack it makes (diloco.simulate.attacks), for
@@ -131,21 +131,6 @@ class SimResult:
 
 
 Progress = Callable[[RoundRecord], None]
-
-
-def batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> Callable[[], Batch]:
-    def next_batch() -> Batch:
-        return random_batch(
-            shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
-        )
-
-    return next_batch
-
-
-def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Callable[[], Batch]:
-    """A lease's batches, as the volunteer client draws them: its shard, and a generator
-    seeded with its seed, fresh for the round."""
-    return batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
 
 
 @dataclass(frozen=True)
@@ -243,10 +228,6 @@ class Recorder:
             self.progress(record)
 
 
-def stream_generator(seed: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
-
-
 @dataclass
 class Trained:
     """What a mode's runner hands back; ``model`` holds the final global parameters."""
@@ -279,8 +260,8 @@ def simulate(
         raise ValueError(f"workers must be >= 1, got {opts.workers}")
     if not 0.0 <= opts.drop_prob < 1.0:
         raise ValueError(f"drop_prob must be in [0, 1), got {opts.drop_prob}")
-    if opts.batches != "worker" and opts.mode != "diloco":
-        raise ValueError(f"batches={opts.batches!r} applies to diloco mode only")
+    if opts.batches != "worker" and opts.mode == "protocol":
+        raise ValueError("protocol mode deals leases as the platform does: batches must be worker")
     if protocol is not None and opts.mode != "protocol":
         raise ValueError("protocol options apply to protocol mode only")
     if opts.downloads not in ("full", "delta"):
@@ -351,27 +332,28 @@ def _run_baseline(
     device: torch.device,
     progress: Progress | None,
 ) -> Trained:
-    """``ddp`` (one model, a batch slice from every shard per step) or ``single``."""
+    """``ddp`` (one model, a batch from each of K workers' data per step) or ``single``
+    (worker 0's data), dealt per ``opts.batches`` (:mod:`diloco.simulate.dealing`)."""
     H, R = cfg.inner.steps, cfg.rounds.max_rounds
     trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_inner_steps, device=device)
-    shards = data.shards[:1] if opts.mode == "single" else data.shards
-    sources = [
-        batch_source(shard, cfg, stream_generator(opts.seed, i)) for i, shard in enumerate(shards)
-    ]
-
-    def next_batch() -> Batch:
-        parts = [source() for source in sources]  # (B, T) each -> (K·B, T)
-        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
-
+    K = 1 if opts.mode == "single" else opts.workers
+    dealer = Dealer(data, cfg, batches=opts.batches, seed=opts.seed, workers=K)
     recorder = Recorder(cfg, opts, data, device, progress)
     tokens = 0
     for r in range(R):
+        dealt = [dealer.deal(r + 1, i) for i in range(K)]
+
+        def next_batch(dealt: list[Dealt] = dealt) -> Batch:
+            parts = [d.next_batch() for d in dealt]  # (B, T) each -> (K·B, T)
+            return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
         result = trainer.run(H, start_step=r * H, next_batch=next_batch)
+        for d in dealt:
+            dealer.trained(d)
         tokens += result.tokens
         recorder.close_round(
-            model, round=r + 1, tokens=tokens, train_loss=result.mean_loss, accepted=len(sources)
+            model, round=r + 1, tokens=tokens, train_loss=result.mean_loss, accepted=K
         )
-    K = len(sources)
     # ring all-reduce: each worker sends and receives 2(K−1)/K of the fp32 gradient per step
     n_params = model.num_parameters()
     per_step = 2 * (K - 1) * n_params * FP32_BYTES // K

@@ -1,26 +1,21 @@
 """Which data a dataset run has trained on: its units (``server.datasets.models.DataUnit``),
 how leases take them, what accepted contributions covered, and the coverage figures.
 
-A unit is ``inner.steps x batch_size x block_size + 1`` consecutive tokens of one shard: the
-windows of one lease's H steps, each read once (``diloco.data.text.range_batches``). Units never
-straddle shards; a shard's tail shorter than a unit waits for a later pass of the run
-(it is counted as not covered). At creation the units get a position in an order shuffled
-by the run seed, so the first pass visits the dataset spread out, reproducibly.
-
-A new lease takes the unit least trained on, then least handed out, then first by position
-(``PICK_UNIT``, in the join's fast path): no unit is handed out a second time before every
-unit was handed out once, including leases given back or expired, and a unit whose lease
-came to nothing is the first to go again once the pass is through.
+What a unit is, how units are planned and in which order they are dealt is defined once, in
+:mod:`diloco.data.units` (the simulator deals them the same way); this module keeps the
+counts in Postgres. A new lease takes the unit least trained on, then least handed out,
+then first by position (``PICK_UNIT``, in the join's fast path): no unit is handed out a
+second time before every unit was handed out once, including leases given back or expired,
+and a unit whose lease came to nothing is the first to go again once the pass is through.
+A shard's tail shorter than a unit is counted as not covered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.data.units import unit_positions
 from server.datasets.models import DataUnit
 from server.runs.models import Run
 from server.runs.schemas import Coverage, ShardCoverage
@@ -36,22 +31,11 @@ UNIT_OF = "SELECT unit, shard, start, tokens FROM data_units WHERE run_id = $1 A
 INSERT_BATCH = 50_000
 
 
-def plan_units(shard_tokens: Sequence[int], unit_tokens: int) -> list[tuple[int, int]]:
-    """(shard, start) of every unit: consecutive units share their boundary token (a unit's
-    last token is only the target of its last window)."""
-    step = unit_tokens - 1
-    return [
-        (shard, k * step)
-        for shard, tokens in enumerate(shard_tokens)
-        for k in range(max(0, (tokens - 1) // step))
-    ]
-
-
 async def create_units(
     session: AsyncSession, *, run_id: str, units: list[tuple[int, int]], tokens: int, seed: int
 ) -> None:
     """Insert the run's units with positions shuffled by ``seed`` (arrays, in batches)."""
-    positions = np.random.default_rng(seed).permutation(len(units)).tolist()
+    positions = unit_positions(len(units), seed)
     for first in range(0, len(units), INSERT_BATCH):
         part = units[first : first + INSERT_BATCH]
         await session.execute(

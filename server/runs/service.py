@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig, parse_config
 from diloco.data.manifest import Manifest
+from diloco.data.units import plan_units
 from diloco.model.architectures import parameter_shapes
 from diloco.outer.memory import close_memory_bytes
 from server.auth import hash_token, new_token
@@ -29,7 +30,6 @@ from server.http.errors import (
     ModelTooLarge,
     RunNotFound,
 )
-from server.runs import coverage
 from server.runs.models import Run, RunMember, RunStatus
 from server.runs.schemas import Member
 from server.settings import Settings
@@ -104,7 +104,7 @@ async def plan_on_dataset(
             f"one window of block_size + 1 = {block + 1}"
         )
     unit_tokens = cfg.lease_tokens + 1
-    units = coverage.plan_units([s.tokens for s in manifest.shards], unit_tokens)
+    units = plan_units([s.tokens for s in manifest.shards], unit_tokens)
     if not units:
         raise InvalidConfig(
             f"inner.steps: a lease trains on steps x batch_size x block_size + 1 = "

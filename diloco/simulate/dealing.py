@@ -1,0 +1,130 @@
+"""Which data a simulated worker trains on in a round (``SimOptions.batches``).
+
+- ``worker``: worker i draws random windows from shard i with its own generator, kept
+  across rounds (the simulator's original dealing; published GPT benchmarks use it).
+- ``lease``: as the platform deals it. On a text run the round's i-th lease trains on the
+  shard and with the seed :func:`diloco.protocol.rules.assign_lease` gives it (random
+  windows of the shard, a fresh generator per round). On a prepared dataset each lease takes
+  a data unit as the server's ``PICK_UNIT`` does (:class:`diloco.data.units.UnitDealer`: the
+  least trained, then least handed out, then first in the run seed's order), and reads each
+  of its windows once in an order seeded by the lease (``diloco.data.text.range_batches``,
+  as the client does); a unit counts as trained when its upload reaches the server.
+
+``ddp`` and ``single`` deal the same way: with ``lease``, ddp's K ranks each take a lease
+per round and step together on their batches; single is one volunteer taking every lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.data.text import Dataset, random_batch, range_batches
+from diloco.data.units import UnitDealer, plan_units
+from diloco.protocol.rules import assign_lease
+from diloco.protocol.state import LeaseAssignment
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def stream_generator(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> Callable[[], Batch]:
+    def next_batch() -> Batch:
+        return random_batch(
+            shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
+        )
+
+    return next_batch
+
+
+def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Callable[[], Batch]:
+    """A text run's lease's batches, as the volunteer client draws them: random windows of
+    its shard, from a generator seeded with its seed, fresh for the round."""
+    return batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
+
+
+class Units:
+    """A prepared dataset's data units as tensors, dealt to leases in the server's order."""
+
+    def __init__(self, data: Dataset, cfg: RunConfig, seed: int) -> None:
+        assert data.train is not None, "units are a prepared dataset's"
+        offsets = [0]
+        for tokens in data.shard_tokens:
+            offsets.append(offsets[-1] + tokens)
+        length = cfg.lease_tokens + 1
+        self.tensors = [
+            data.train[offsets[shard] + start : offsets[shard] + start + length]
+            for shard, start in plan_units(data.shard_tokens, length)
+        ]
+        if not self.tensors:
+            raise ValueError(f"no shard of the dataset holds a unit of {length} tokens")
+        self.cfg = cfg
+        self.dealer = UnitDealer(len(self.tensors), seed)
+
+    @classmethod
+    def of(cls, data: Dataset, cfg: RunConfig, seed: int) -> Units | None:
+        """The units of a prepared dataset; None for a text run (leases take shards)."""
+        return None if data.train is None else cls(data, cfg, seed)
+
+    def pick(self) -> int:
+        return self.dealer.pick()
+
+    def trained(self, unit: int) -> None:
+        self.dealer.record(unit)
+
+    def batches(self, unit: int, seed: int) -> Callable[[], Batch]:
+        """A lease's batches: each window of ``unit`` once, in an order seeded by the
+        lease's ``seed`` (as the client reads a lease's data range)."""
+        windows: Iterator[Batch] = range_batches(
+            self.tensors[unit],
+            batch_size=self.cfg.inner.batch_size,
+            block_size=self.cfg.model.block_size,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return lambda: next(windows)
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """One worker's data for one round."""
+
+    next_batch: Callable[[], Batch]
+    unit: int | None = None  # the data unit of a dataset run's lease
+
+
+class Dealer:
+    """Deals each (round, worker) its batches, per ``batches`` (see the module's doc)."""
+
+    def __init__(
+        self, data: Dataset, cfg: RunConfig, *, batches: str, seed: int, workers: int
+    ) -> None:
+        if batches not in ("worker", "lease"):
+            raise ValueError(f"batches must be worker or lease, got {batches!r}")
+        self.data, self.cfg, self.batches, self.seed = data, cfg, batches, seed
+        n = min(workers, len(data.shards))
+        self.streams = [
+            batch_source(data.shards[i], cfg, stream_generator(seed, i)) for i in range(n)
+        ]
+        self.units = Units.of(data, cfg, seed) if batches == "lease" else None
+
+    def deal(self, round: int, worker: int) -> Dealt:
+        """Worker ``worker``'s (from 0) batches for round ``round`` (from 1)."""
+        if self.batches == "worker":
+            return Dealt(self.streams[worker])
+        n_shards = len(self.data.shards)
+        lease = assign_lease(worker, round=round, run_seed=self.seed, n_shards=n_shards)
+        if self.units is None:
+            return Dealt(lease_batches(self.data, self.cfg, lease))
+        unit = self.units.pick()
+        return Dealt(self.units.batches(unit, lease.seed), unit)
+
+    def trained(self, dealt: Dealt) -> None:
+        """The worker's upload reached the server: its unit is covered."""
+        if dealt.unit is not None and self.units is not None:
+            self.units.trained(dealt.unit)
