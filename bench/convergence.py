@@ -94,8 +94,10 @@ def arms_for(hs: list[int], *, full: bool, arch: str) -> list[Arm]:
 
 def write_config(path: Path, args: argparse.Namespace) -> None:
     """The run config every arm shares: the platform's defaults for [outer] and
-    ``first_round``, except the GPT table's pinned start (measured before issue 14)."""
+    ``first_round``, except the GPT table's pinned start (measured before issue 14) and
+    AdamW moment kept across rounds (measured before issue 24)."""
     outer = '[outer]\nfirst_round = "nesterov"\n' if args.arch == "gpt" else ""
+    kept = "reset_momentum = false\n" if args.arch == "gpt" else ""
     if args.arch == "llama":
         model = f'arch = "llama"\nn_kv_head = {args.n_kv_head}\n'
         data = f'dataset = "{args.dataset}"\nchunk_size = 4096\n'
@@ -106,7 +108,7 @@ def write_config(path: Path, args: argparse.Namespace) -> None:
         f"n_head = {args.n_head}\nn_embd = {args.n_embd}\nblock_size = {args.block_size}\n"
         f"[data]\n{data}[inner]\n"
         f"steps = 10\nbatch_size = {args.batch_size}\nlr = {args.inner_lr}\n"
-        f"warmup_steps = {args.warmup}\n{outer}",
+        f"warmup_steps = {args.warmup}\n{kept}{outer}",
         encoding="utf-8",
     )
 

@@ -111,15 +111,18 @@ def describe(args: argparse.Namespace, results: Results) -> list[str]:
             f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare tokenized by "
             f"`diloco data prepare` with a byte-level BPE of {args.vocab} tokens trained on "
             f"it (every 20th block of 8,192 tokens held out, about 5%), {common} "
-            '(including `first_round = "average"`). `ddp` takes the same steps with K x the '
-            f"batch; `single` is worker 0 alone on its shard. {seeds}",
+            '(including `first_round = "average"`; each worker\'s AdamW first moment zeroed '
+            "when a round starts, `[inner] reset_momentum`). `ddp` takes the same steps with "
+            f"K x the batch; `single` is worker 0 alone on its shard. {seeds}",
         ]
     return [
         "## Convergence: DiLoCo against data-parallel and single-worker training",
         "",
         f"Byte-level GPT ({args.n_layer} layers, width {args.n_embd}, context "
         f"{args.block_size}; {n_params:,} parameters) on tinyshakespeare (5% held out), "
-        f'{common}, but from round 1 (`first_round = "nesterov"`, as before issue 14); 8 KiB '
+        f'{common}, but from round 1 (`first_round = "nesterov"`, as before issue 14) and '
+        "with each worker's AdamW moments kept across rounds (`reset_momentum = false`, as "
+        "before issue 24; the default zeroes the first moment: docs/tuning-notes.md); 8 KiB "
         "chunks of the text dealt round-robin, so each shard spans the corpus. `ddp` takes "
         f"the same {args.steps} steps with K x the batch (one slice from every shard); "
         "`single` is worker 0 alone: 1x the batch, its own shard, no communication, so "

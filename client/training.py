@@ -31,7 +31,7 @@ from diloco.data.text import random_batch, range_batches, range_windows
 from diloco.model.architectures import build_model
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.precision import Precision, choose_precision
-from diloco.train import InnerResult, InnerTrainer, load_parameters, parameters_of
+from diloco.train import InnerResult, InnerTrainer, parameters_of
 from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, contribution_nbytes
 from diloco.wire.exchange import encode_delta
@@ -259,7 +259,7 @@ class LocalTrainer:
         if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before train")
         cfg, trainer = self.cfg, self.trainer
-        load_parameters(trainer.model, params)
+        trainer.start_lease(params)
         gen = torch.Generator().manual_seed(lease.seed)
         tokens_per_step = cfg.inner.batch_size * cfg.model.block_size
         steps = lease.inner_steps

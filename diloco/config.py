@@ -150,6 +150,11 @@ class InnerSection(_Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    # zero AdamW's first moment (exp_avg) when a lease starts, keeping the second moment and
+    # the step count (so no bias correction: the momentum rebuilds over ~1 / (1 - beta1)
+    # steps). A worker's momentum from its last round points where the outer step has
+    # already gone (docs/tuning-notes.md); false keeps it, as published DiLoCo does
+    reset_momentum: bool = True
 
     @model_validator(mode="after")
     def _steps_within_bounds(self) -> InnerSection:

@@ -131,6 +131,18 @@ class InnerTrainer:
         self.optimizer = make_adamw(self.model, inner, fused=device.type == "cuda")
         self.skipped_steps = 0  # fp16 steps skipped because the gradients overflowed
 
+    def start_lease(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Begin a lease's inner steps from θ(t−1) = ``params``: load them and, with
+        ``[inner] reset_momentum``, zero AdamW's first moment. The second moment and the
+        step count carry over, so no bias correction applies: the first moment rebuilds
+        over the lease's first ~1 / (1 − beta1) steps, which are shorter for it. The client
+        and the simulator's workers both start a lease here."""
+        load_parameters(self.model, params)
+        if self.inner.reset_momentum:
+            for state in self.optimizer.state.values():
+                if "exp_avg" in state:
+                    state["exp_avg"].zero_()
+
     def accumulation(self, batch_size: int) -> int:
         """Forward/backward passes per step for a batch of ``batch_size`` sequences."""
         return -(-batch_size // min(self.micro_batch or batch_size, batch_size))

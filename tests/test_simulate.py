@@ -53,11 +53,12 @@ def test_diloco_with_one_worker_one_step_and_plain_outer_sgd_equals_adamw_step_f
     # K=1, H=1, outer lr 1, no momentum, no upload compression: θ ← θ − (θ − θ1) = θ1 every
     # round, up to the int8 delta that publishes each version (the server's close): θ
     # lags the exact step by its residual, under half a quantisation step a value (error
-    # feedback carries it into the next version rather than letting it grow)
+    # feedback carries it into the next version rather than letting it grow). AdamW's first
+    # moment is kept across rounds, as a step-by-step AdamW keeps it
     rounds = 6
     cfg = tiny_config(
         corpus,
-        inner={"steps": 1, "warmup_steps": 2, "schedule": "cosine"},
+        inner={"steps": 1, "warmup_steps": 2, "schedule": "cosine", "reset_momentum": False},
         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
         rounds={"max_rounds": rounds},
         compression={"kind": "none"},

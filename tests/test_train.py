@@ -52,6 +52,30 @@ def test_adamw_state_survives_loading_new_parameters():
     assert trainer.optimizer.param_groups[0]["params"][0] is next(trainer.model.parameters())
 
 
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_lease_starts_with_the_first_moment_zeroed_when_the_config_says_so(reset):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    inner = InnerSection(steps=2, batch_size=2, warmup_steps=0, reset_momentum=reset)
+    trainer = InnerTrainer(GPT(cfg), inner, total_steps=10, device=torch.device("cpu"))
+    batch = (torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    trainer.run(2, start_step=0, next_batch=lambda: batch)
+    before = [{k: v.clone() for k, v in s.items()} for s in trainer.optimizer.state.values()]
+    theta = snapshot(GPT(cfg))
+
+    trainer.start_lease(theta)
+
+    after = list(trainer.optimizer.state.values())
+    assert all(torch.equal(p, theta[n]) for n, p in trainer.model.named_parameters())
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(new["exp_avg_sq"], old["exp_avg_sq"]) and new["step"] == old["step"]
+        assert old["exp_avg"].abs().sum() > 0
+        if reset:
+            assert not new["exp_avg"].any()
+        else:
+            assert torch.equal(new["exp_avg"], old["exp_avg"])
+
+
 def test_training_lowers_the_loss_on_a_repeated_batch():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))

@@ -160,9 +160,10 @@ def train_upload(
     """What a volunteer does for round ``round`` (from 1): load θ(t−1) = ``params``, train
     ``steps`` (its lease's H; None: the run's H) steps from global step (round − 1)·H,
     Δ = θ(t−1) − θi through the codec and the wire format. The trainer's AdamW state
-    carries over from its previous rounds."""
+    carries over from its previous rounds (its first moment zeroed with ``[inner]
+    reset_momentum``: ``InnerTrainer.start_lease``, as the client does)."""
     H = cfg.inner.steps
-    load_parameters(trainer.model, params)
+    trainer.start_lease(params)
     result = trainer.run(steps or H, start_step=(round - 1) * H, next_batch=next_batch)
     delta = pseudo_gradient(params, snapshot(trainer.model))
     encoded, codec = encode_delta(
