@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -43,9 +44,19 @@ def batch_source(shard: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> C
     return next_batch
 
 
-def lease_batches(data: Dataset, cfg: RunConfig, lease: LeaseAssignment) -> Callable[[], Batch]:
-    """A text run's lease's batches, as the volunteer client draws them: random windows of
-    its shard, from a generator seeded with its seed, fresh for the round."""
+def lease_batches(
+    data: Dataset,
+    cfg: RunConfig,
+    lease: LeaseAssignment,
+    units: Units | None = None,
+    unit: int | None = None,
+) -> Callable[[], Batch]:
+    """A lease's batches, as the volunteer client draws them: each window of its data
+    ``unit`` once on a dataset run, else random windows of its shard; either way from a
+    generator seeded with its seed, fresh for the round."""
+    if unit is not None:
+        assert units is not None, "a lease with a unit comes from a dataset's units"
+        return units.batches(unit, lease.seed)
     return batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
 
 
@@ -54,9 +65,7 @@ class Units:
 
     def __init__(self, data: Dataset, cfg: RunConfig, seed: int) -> None:
         assert data.train is not None, "units are a prepared dataset's"
-        offsets = [0]
-        for tokens in data.shard_tokens:
-            offsets.append(offsets[-1] + tokens)
+        offsets = [0, *accumulate(data.shard_tokens)]  # each shard's first token in train
         length = cfg.lease_tokens + 1
         self.tensors = [
             data.train[offsets[shard] + start : offsets[shard] + start + length]
@@ -107,7 +116,7 @@ class Dealer:
         if batches not in ("worker", "lease"):
             raise ValueError(f"batches must be worker or lease, got {batches!r}")
         self.data, self.cfg, self.batches, self.seed = data, cfg, batches, seed
-        n = min(workers, len(data.shards))
+        n = min(workers, len(data.shards)) if batches == "worker" else 0
         self.streams = [
             batch_source(data.shards[i], cfg, stream_generator(seed, i)) for i in range(n)
         ]
@@ -119,10 +128,8 @@ class Dealer:
             return Dealt(self.streams[worker])
         n_shards = len(self.data.shards)
         lease = assign_lease(worker, round=round, run_seed=self.seed, n_shards=n_shards)
-        if self.units is None:
-            return Dealt(lease_batches(self.data, self.cfg, lease))
-        unit = self.units.pick()
-        return Dealt(self.units.batches(unit, lease.seed), unit)
+        unit = None if self.units is None else self.units.pick()
+        return Dealt(lease_batches(self.data, self.cfg, lease, self.units, unit), unit)
 
     def trained(self, dealt: Dealt) -> None:
         """The worker's upload reached the server: its unit is covered."""

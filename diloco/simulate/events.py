@@ -266,11 +266,7 @@ class _ProtocolRun:
             # client: its AdamW moments would also carry the steps of such wasted work.
             # Late work trains from its own base version, which the hub keeps.
             assert late is not None or self.hub.version == lease.round - 1
-            if lease.unit is None:
-                next_batch = lease_batches(self.data, cfg, lease.assignment)
-            else:
-                assert self.hub.units is not None
-                next_batch = self.hub.units.batches(lease.unit, lease.seed)
+            next_batch = lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
             base = self.hub.params_of(lease.round - 1)
             upload = train_upload(
                 v.trainer,
