@@ -16,7 +16,18 @@ from typing import IO, Any
 
 import httpx
 
+from tests.support import zygote
+from tests.support.zygote import ForkedPopen
+
 ADMIN_TOKEN = "adm_test_token"
+CLI = [sys.executable, "-m", "client.cli"]
+
+
+def _file_size_limit(size: int) -> Callable[[], None]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    return limit
 
 
 def free_port() -> int:
@@ -46,16 +57,27 @@ class Proc:
         *,
         log: Path,
         env: dict[str, str],
-        preexec_fn: Callable[[], None] | None = None,
+        max_file_bytes: int | None = None,
     ) -> None:
+        """``args`` with ``env`` over this process's environment, output appended to
+        ``log``; ``max_file_bytes``: it cannot write a file past this size (RLIMIT_FSIZE;
+        Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk). A
+        ``python -m client.cli`` command is forked from the test zygote
+        (tests/support/zygote.py)."""
         self.log_path = log
         self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen: subprocess.Popen[bytes] | ForkedPopen
+        if args[:3] == CLI and zygote.enabled():  # `diloco ...`: forked, imports done
+            self.popen = zygote.Zygote.get().spawn(
+                args[3:], env={**os.environ, **env}, log=log, max_file_bytes=max_file_bytes
+            )
+            return
         self.popen = subprocess.Popen(
             args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
-            preexec_fn=preexec_fn,
+            preexec_fn=None if max_file_bytes is None else _file_size_limit(max_file_bytes),
         )
 
     @property
@@ -96,9 +118,7 @@ class ServerProcess(Proc):
         max_file_bytes: int | None = None,
         **settings: Any,
     ) -> None:
-        """``database_url=None``: the embedded Postgres under ``data_dir``.
-        ``max_file_bytes``: the server cannot write a file past this size (RLIMIT_FSIZE;
-        Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk)."""
+        """``database_url=None``: the embedded Postgres under ``data_dir``."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -121,14 +141,8 @@ class ServerProcess(Proc):
         else:
             args += ["--database-url", database_url]
         data_dir.mkdir(parents=True, exist_ok=True)
-        limit = None
-        if max_file_bytes is not None:
-            size = max_file_bytes
-
-            def limit() -> None:
-                resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-        super().__init__(args, log=data_dir / f"server-{self.port}.log", env=env, preexec_fn=limit)
+        log = data_dir / f"server-{self.port}.log"
+        super().__init__(args, log=log, env=env, max_file_bytes=max_file_bytes)
 
     def wait_ready(self, timeout: float = 120) -> ServerProcess:
         """Wait for ``/healthz``; generous, as parallel test workers start servers at once."""
