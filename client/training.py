@@ -58,21 +58,35 @@ def _mps_available() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda if available, else mps, else cpu; an explicit device must exist."""
-    if name not in DEVICES:
-        raise DeviceError(f"--device must be one of {', '.join(DEVICES)}, not {name!r}")
+    """``auto`` → cuda if available, else mps, else cpu; ``cpu``, ``mps``, ``cuda`` or
+    ``cuda:N`` must exist on this machine. The volunteer client and ``diloco simulate``
+    both choose their device here."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("mps" if _mps_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if (
+        device is None
+        or device.type not in ("cpu", "cuda", "mps")
+        or (device.index is not None and device.type != "cuda")
+    ):
+        raise DeviceError(f"--device must be one of {', '.join(DEVICES)} or cuda:N, not {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
-            "--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            f"--device {name}: torch sees no CUDA GPU (torch.cuda.is_available() is False); "
             "install a CUDA build of torch or use --device cpu"
         )
-    if name == "mps" and not _mps_available():
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if device.type == "mps" and not _mps_available():
         raise DeviceError("--device mps: this machine or torch build has no MPS; use --device cpu")
-    return torch.device(name)
+    return device
 
 
 def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:

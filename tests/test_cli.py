@@ -153,8 +153,10 @@ def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
     assert proc.returncode == 2 and "--drop-prob" in proc.stderr
     for device in ("tpu", "not-a-device"):
         proc = diloco("simulate", str(config), "--device", device)
-        assert proc.returncode == 2 and f"--device must be cpu, cuda or cuda:N, not {device!r}" in (
-            proc.stderr
+        assert (
+            proc.returncode == 2
+            and f"--device must be one of auto, cpu, cuda, mps or cuda:N, not {device!r}"
+            in (proc.stderr)
         )
 
 
@@ -162,7 +164,7 @@ def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
 def test_a_cuda_device_where_torch_sees_none_exits_2(tmp_path, corpus):
     proc = diloco("simulate", str(write_config(tmp_path, corpus)), "--device", "cuda")
 
-    assert proc.returncode == 2 and "this torch sees no CUDA device" in proc.stderr
+    assert proc.returncode == 2 and "torch sees no CUDA GPU" in proc.stderr
 
 
 def test_missing_data_file_exits_3(tmp_path, corpus):

@@ -9,54 +9,27 @@ clock (speeds, dropouts, deadlines: ``diloco.simulate.protocol_mode``). Exit cod
 from __future__ import annotations
 
 import json
-from enum import StrEnum
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
+from client.cli.simulate_args import (
+    SimMode,
+    check_choices,
+    device_for,
+    numbers,
+    outage_of,
+    protocol_options,
+    refuse_misfits,
+    run_config,
+)
 from client.cli.support import ExitStatus, fail
-from diloco.config import ConfigError, RunConfig, load_config, parse_config
 
 if TYPE_CHECKING:  # imported where used: they load torch
-    from diloco.simulate.protocol_mode import Outage, ProtocolRound
-
-
-class SimMode(StrEnum):
-    diloco = "diloco"  # K workers, H inner steps per round, outer Nesterov step
-    ddp = "ddp"  # one model, K x the batch per step
-    single = "single"  # one worker, 1 x the batch
-    protocol = "protocol"  # K volunteers against the round protocol, on a simulated clock
-
-
-def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
-    """Apply CLI overrides section by section and validate the result again."""
-    raw = cfg.model_dump()
-    for section, values in overrides.items():
-        raw[section].update({k: v for k, v in values.items() if v is not None})
-    return parse_config(raw)
-
-
-def _numbers(option: str, text: str | None) -> tuple[float, ...] | None:
-    """``--speeds 1,1,0.5``: comma-separated numbers, or a usage error naming the option."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        fail(f"{option} takes comma-separated numbers, not {text!r}", ExitStatus.USAGE)
-
-
-def _outage(text: str) -> Outage:
-    """``--outage 2@30:90``: volunteer 2 offline from 30 s to 90 s (``2@30``: for good)."""
-    from diloco.simulate.protocol_mode import Outage
-
-    try:
-        who, _, when = text.partition("@")
-        at, _, back = when.partition(":")
-        return Outage(int(who), float(at), float(back) if back else None)
-    except ValueError:
-        fail(f"--outage takes VOLUNTEER@START[:END] in seconds, not {text!r}", ExitStatus.USAGE)
+    from diloco.simulate.protocol_mode import ProtocolRound
+    from diloco.simulate.run import RoundRecord, SimResult
 
 
 def _protocol_line(r: ProtocolRound) -> str:
@@ -236,89 +209,52 @@ def simulate(
     device: Annotated[
         str,
         typer.Option(
-            help="cpu, cuda or cuda:N: where every worker trains.", envvar="DILOCO_DEVICE"
+            help="cpu, cuda, cuda:N, mps or auto: where every worker trains.",
+            envvar="DILOCO_DEVICE",
         ),
     ] = "cpu",
     quiet: Annotated[bool, typer.Option(help="No per-round lines.", envvar="DILOCO_QUIET")] = False,
 ) -> None:
     """Run DiLoCo (or a ddp / single baseline, or volunteers against the round protocol on a
     simulated clock) in one process and report eval loss and bytes."""
-    import torch
-
     from diloco.data.text import DataError
-    from diloco.simulate.hub import HubSettings
-    from diloco.simulate.protocol_mode import ProtocolOptions, ProtocolRound
-    from diloco.simulate.run import Downloads, Mode, RoundRecord, SimOptions, save_result
+    from diloco.simulate.run import Downloads, Mode, SimOptions
     from diloco.simulate.run import simulate as run_simulation
 
-    if not 0.0 <= drop_prob < 1.0:
-        fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
-    if single_data not in ("shard", "all"):
-        fail(f"--single-data must be shard or all, not {single_data!r}", ExitStatus.USAGE)
-    if batches not in ("worker", "lease"):
-        fail(f"--batches must be worker or lease, not {batches!r}", ExitStatus.USAGE)
-    if downloads not in ("full", "delta"):
-        fail(f"--downloads must be full or delta, not {downloads!r}", ExitStatus.USAGE)
-    speed_list = _numbers("--speeds", speeds)
-    join_list = _numbers("--join-at", join_at)
+    check_choices(drop_prob, single_data, batches, downloads)
+    speed_list = numbers("--speeds", speeds)
     K = workers if workers is not None else len(speed_list) if speed_list else 4
     if K < 1:
         fail(f"--workers must be at least 1, not {K}", ExitStatus.USAGE)
-    if threads:
-        torch.set_num_threads(threads)
+    chosen = device_for(device, threads)
+    cfg = run_config(
+        config,
+        inner_steps=inner_steps,
+        rounds=rounds,
+        quorum=quorum,
+        target=target,
+        timeout_s=timeout_s,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=nesterov,
+        compression=compression,
+    )
     try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}", ExitStatus.USAGE)
-    if kind not in ("cpu", "cuda"):
-        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}", ExitStatus.USAGE)
-    if kind == "cuda" and not torch.cuda.is_available():
-        fail(f"--device {device}: this torch sees no CUDA device", ExitStatus.USAGE)
-    try:
-        cfg = with_overrides(
-            load_config(config),
-            {
-                "inner": {"steps": inner_steps},
-                "rounds": {
-                    "max_rounds": rounds,
-                    "quorum": quorum,
-                    "target": target,
-                    "timeout_s": timeout_s,
-                },
-                "outer": {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov},
-                "compression": {"kind": compression},
-            },
+        protocol = protocol_options(
+            mode,
+            K,
+            speeds=speed_list,
+            step_s=step_s,
+            join_at=numbers("--join-at", join_at),
+            drop_per_min=drop_per_min,
+            return_per_min=return_per_min,
+            outages=tuple(outage_of(o) for o in outage or ()),
+            sweep_interval_s=sweep_interval_s,
+            close_s=close_s,
+            max_sim_s=max_sim_s,
+            size_h=size_h,
         )
-    except ConfigError as err:
-        fail(str(err), ExitStatus.USAGE)
-    protocol = None
-    try:
-        if mode is SimMode.protocol:
-            protocol = ProtocolOptions(
-                speeds=speed_list,
-                step_s=step_s,
-                join_at_s=join_list,
-                drop_per_min=drop_per_min,
-                return_per_min=return_per_min,
-                outages=tuple(_outage(o) for o in outage or ()),
-                hub=HubSettings(
-                    sweep_interval_s=sweep_interval_s,
-                    close_s=close_s,
-                ),
-                max_sim_s=max_sim_s,
-                size_h=size_h,
-            ).checked(K)
-            if drop_prob:
-                raise ValueError("--drop-prob: protocol mode drops volunteers (--drop-per-min)")
-        elif speed_list or join_list or outage or drop_per_min or return_per_min or size_h:
-            raise ValueError(
-                "--speeds, --join-at, --outage, --drop-per-min, --return-per-min and --size-h "
-                "apply to --mode protocol only"
-            )
-        if batches != "worker" and mode is SimMode.protocol:
-            raise ValueError("--batches: protocol mode always deals leases as the platform does")
-        if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
-            raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
+        refuse_misfits(mode, drop_prob=drop_prob, batches=batches, downloads=downloads)
     except ValueError as err:
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(
@@ -330,8 +266,29 @@ def simulate(
         single_data=cast(Literal["shard", "all"], single_data),
         batches=cast(Literal["worker", "lease"], batches),
         downloads=cast(Downloads, downloads),
-        device=device,
+        device=chosen,
     )
+    try:
+        result = run_simulation(cfg, opts, progress=_reporter(quiet), protocol=protocol)
+    except (DataError, FileNotFoundError) as err:
+        fail(str(err), ExitStatus.DATA)
+    typer.echo(json.dumps(_summary(result)))
+    _save(result, out, plot)
+
+
+def _save(result: SimResult, out: Path | None, plot: Path | None) -> None:
+    from diloco.simulate.run import save_result
+
+    if out:
+        save_result(result, out)
+    if plot:
+        from diloco.simulate.plot import plot_results
+
+        plot_results([result.to_json()], plot)
+
+
+def _reporter(quiet: bool) -> Callable[[RoundRecord], None]:
+    from diloco.simulate.protocol_mode import ProtocolRound
 
     def report(r: RoundRecord) -> None:
         if not quiet:
@@ -342,10 +299,11 @@ def simulate(
                 err=True,
             )
 
-    try:
-        result = run_simulation(cfg, opts, progress=report, protocol=protocol)
-    except (DataError, FileNotFoundError) as err:
-        fail(str(err), ExitStatus.DATA)
+    return report
+
+
+def _summary(result: SimResult) -> dict[str, Any]:
+    """The one JSON line ``diloco simulate`` prints."""
     summary: dict[str, Any] = {
         "mode": result.mode,
         "final_eval_loss": round(result.final_eval_loss, 5),
@@ -370,13 +328,7 @@ def simulate(
             "abandoned": totals.abandoned,
             "extensions": totals.extensions,
         }
-    typer.echo(json.dumps(summary))
-    if out:
-        save_result(result, out)
-    if plot:
-        from diloco.simulate.plot import plot_results
-
-        plot_results([result.to_json()], plot)
+    return summary
 
 
 def plot_cmd(

@@ -1,0 +1,154 @@
+"""What ``diloco simulate``'s options become: the run config with the command line's
+overrides, the device, protocol mode's options; each bad value a usage error (exit 2)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from client.cli.support import ExitStatus, fail
+from diloco.config import ConfigError, RunConfig, load_config, parse_config
+
+if TYPE_CHECKING:  # imported where used: they load torch
+    from diloco.simulate.protocol_mode import Outage, ProtocolOptions
+
+
+class SimMode(StrEnum):
+    diloco = "diloco"  # K workers, H inner steps per round, outer Nesterov step
+    ddp = "ddp"  # one model, K x the batch per step
+    single = "single"  # one worker, 1 x the batch
+    protocol = "protocol"  # K volunteers against the round protocol, on a simulated clock
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
+    """Apply CLI overrides section by section and validate the result again."""
+    raw = cfg.model_dump()
+    for section, values in overrides.items():
+        raw[section].update({k: v for k, v in values.items() if v is not None})
+    return parse_config(raw)
+
+
+def run_config(config: Path, **options: Any) -> RunConfig:
+    """The run config at ``config`` with the command line's options over it (None: the
+    file's value), validated again."""
+    try:
+        return with_overrides(
+            load_config(config),
+            {
+                "inner": {"steps": options["inner_steps"]},
+                "rounds": {
+                    "max_rounds": options["rounds"],
+                    "quorum": options["quorum"],
+                    "target": options["target"],
+                    "timeout_s": options["timeout_s"],
+                },
+                "outer": {
+                    "lr": options["outer_lr"],
+                    "momentum": options["outer_momentum"],
+                    "nesterov": options["nesterov"],
+                },
+                "compression": {"kind": options["compression"]},
+            },
+        )
+    except ConfigError as err:
+        fail(str(err), ExitStatus.USAGE)
+
+
+def numbers(option: str, text: str | None) -> tuple[float, ...] | None:
+    """``--speeds 1,1,0.5``: comma-separated numbers, or a usage error naming the option."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        fail(f"{option} takes comma-separated numbers, not {text!r}", ExitStatus.USAGE)
+
+
+def outage_of(text: str) -> Outage:
+    """``--outage 2@30:90``: volunteer 2 offline from 30 s to 90 s (``2@30``: for good)."""
+    from diloco.simulate.protocol_mode import Outage
+
+    try:
+        who, _, when = text.partition("@")
+        at, _, back = when.partition(":")
+        return Outage(int(who), float(at), float(back) if back else None)
+    except ValueError:
+        fail(f"--outage takes VOLUNTEER@START[:END] in seconds, not {text!r}", ExitStatus.USAGE)
+
+
+def check_choices(drop_prob: float, single_data: str, batches: str, downloads: str) -> None:
+    if not 0.0 <= drop_prob < 1.0:
+        fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
+    for option, value, allowed in (
+        ("--single-data", single_data, ("shard", "all")),
+        ("--batches", batches, ("worker", "lease")),
+        ("--downloads", downloads, ("full", "delta")),
+    ):
+        if value not in allowed:
+            fail(f"{option} must be {' or '.join(allowed)}, not {value!r}", ExitStatus.USAGE)
+
+
+def device_for(name: str, threads: int | None) -> str:
+    """The device every worker trains on (``client.training.resolve_device``, as the
+    volunteer client chooses its own), after setting torch's CPU threads."""
+    import torch
+
+    from client.training import DeviceError, resolve_device
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return str(resolve_device(name))
+    except DeviceError as err:
+        fail(str(err), ExitStatus.USAGE)
+
+
+def protocol_options(
+    mode: SimMode,
+    K: int,
+    *,
+    speeds: tuple[float, ...] | None,
+    step_s: float,
+    join_at: tuple[float, ...] | None,
+    drop_per_min: float,
+    return_per_min: float,
+    outages: tuple[Outage, ...],
+    sweep_interval_s: float,
+    close_s: float,
+    max_sim_s: float | None,
+    size_h: bool,
+) -> ProtocolOptions | None:
+    """Protocol mode's options, checked against K; None in the other modes, which refuse
+    them (ValueError)."""
+    from diloco.simulate.hub import HubSettings
+    from diloco.simulate.protocol_mode import ProtocolOptions
+
+    if mode is not SimMode.protocol:
+        if speeds or join_at or outages or drop_per_min or return_per_min or size_h:
+            raise ValueError(
+                "--speeds, --join-at, --outage, --drop-per-min, --return-per-min and --size-h "
+                "apply to --mode protocol only"
+            )
+        return None
+    return ProtocolOptions(
+        speeds=speeds,
+        step_s=step_s,
+        join_at_s=join_at,
+        drop_per_min=drop_per_min,
+        return_per_min=return_per_min,
+        outages=outages,
+        hub=HubSettings(sweep_interval_s=sweep_interval_s, close_s=close_s),
+        max_sim_s=max_sim_s,
+        size_h=size_h,
+    ).checked(K)
+
+
+def refuse_misfits(mode: SimMode, *, drop_prob: float, batches: str, downloads: str) -> None:
+    """ValueError for an option that does not apply to ``mode``."""
+    if drop_prob and mode is SimMode.protocol:
+        raise ValueError("--drop-prob: protocol mode drops volunteers (--drop-per-min)")
+    if batches != "worker" and mode is SimMode.protocol:
+        raise ValueError("--batches: protocol mode always deals leases as the platform does")
+    if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
+        raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
