@@ -28,6 +28,7 @@ included; the rest was abandoned, refused, lost to a dropout or in flight at the
 
     python bench/goodput.py             # ~15 min on 2 cores
     python bench/goodput.py --quick     # a smoke run on a toy model into bench/out/goodput
+    python bench/goodput.py --links-only   # the home-links table alone (issue 25, item 5)
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ ARMS: dict[str, tuple[str, str, list[str]]] = {
     ),
 }
 IDENTICAL, SAME_ROUNDS = "identical, H", "identical, rounds"
+# issue 25, item 5: home links with a real model's bytes and a real round's compute. Six
+# speed-1 volunteers that stay; H steps of LINK_STEP_S: 5 minutes of compute per round
+LINK, LINK_PARAMS, LINK_STEP_S, LINK_TIMEOUT_S = "20/100/40", 1e9, 30.0, 1800.0
+LINK_ARMS: dict[str, list[str]] = {
+    "home links (20/100 Mb/s), int8, no overlap": [
+        "--link", LINK, "--link-as-params", str(LINK_PARAMS), "--downloads", "delta",
+    ],
+    "instant links (reference)": ["--downloads", "delta"],
+}  # fmt: skip
 
 
 def config(
@@ -98,6 +108,55 @@ def run_one(
     return simulate_json(key, toml, flags, work_dir=args.work_dir, fresh=args.fresh)
 
 
+def run_link(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A ``LINK_ARMS`` run: the platform's defaults, six volunteers, no dropouts."""
+    name = "links_" + arm.split(" ")[0]
+    toml = config("", "", args, args.rounds, args.steps).replace(
+        f"timeout_s = {args.timeout_s}", f"timeout_s = {LINK_TIMEOUT_S}"
+    )
+    n = len(SPEEDS)
+    flags = [*LINK_ARMS[arm], "--workers", str(n), "--speeds", ",".join(["1"] * n),
+             "--mode", "protocol", "--step-s", str(LINK_STEP_S), "--seed", str(seed),
+             "--eval-windows", str(args.eval_windows)]  # fmt: skip
+    key = f"{name}_r{args.rounds}_h{args.steps}_seed{seed}"
+    return simulate_json(key, toml, flags, work_dir=args.work_dir, fresh=args.fresh)
+
+
+def render_links(rows: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
+    """The home-links table: how much of the volunteers' time goes to training."""
+    mean = statistics.fmean
+    lines = [
+        "## Home links: how long volunteers wait on their link (`bench/goodput.py`, issue 25)",
+        "",
+        f"Six volunteers of speed 1 that never drop out, H = {args.steps} steps of "
+        f"{LINK_STEP_S:g} simulated s (a round's compute: {args.steps * LINK_STEP_S / 60:g} "
+        f"min), the platform's defaults ({LINK_TIMEOUT_S:g} s deadline, quorum 2, int8 "
+        "uploads, int8 delta downloads for returning volunteers), "
+        f"{args.rounds} rounds, seeds {', '.join(map(str, args.seeds))}; every transfer sized "
+        f"as for a model of {LINK_PARAMS:.0e} parameters (the demo model's real bytes, "
+        f"scaled) over {LINK.split('/')[0]} Mb/s up and {LINK.split('/')[1]} Mb/s down with "
+        f"{LINK.split('/')[2]} ms latency (`diloco simulate --link {LINK} --link-as-params "
+        f"{LINK_PARAMS:g}`). *busy* = training time over the six volunteers' time; "
+        "*on the link* = uploading and downloading; the rest is waiting for the round to "
+        "close and the next one to open. The reference arm has instant links.",
+        "",
+        "```",
+        "python bench/goodput.py" + (" --quick" if args.quick else ""),
+        "```",
+        "",
+        "| arm | rounds | simulated time | busy | on the link | goodput | final eval loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, runs in rows.items():
+        lines.append(
+            f"| {arm} | {mean(f['rounds'] for f in runs):.0f} | "
+            f"{mean(f['sim_s'] for f in runs):.0f} s | {mean(f['busy'] for f in runs):.0%} | "
+            f"{mean(f['link'] for f in runs):.0%} | {mean(f['goodput'] for f in runs):.1%} | "
+            f"{mean(f['final'] for f in runs):.4f} |"
+        )
+    return "\n".join([*lines, ""])
+
+
 def steps_spent(result: dict[str, Any], step_s: float) -> float:
     """Inner steps the volunteers trained, useful or not: seconds x speed / step_s."""
     return sum(v["compute_s"] * v["speed"] for v in result["protocol"]["volunteers"]) / step_s
@@ -113,6 +172,9 @@ def figures(result: dict[str, Any], step_s: float) -> dict[str, float]:
         "sim_s": p["sim_time_s"],
         "goodput": useful / spent if spent else 0.0,
         "busy": spent / capacity if capacity else 0.0,
+        "link": p.get("transfer_s", 0.0) / (len(vols) * p["sim_time_s"])
+        if p["sim_time_s"]
+        else 0.0,
         "spent": spent,
         "late": sum(v["late"] for v in vols),
         "accepted": sum(v["accepted"] for v in vols),
@@ -209,6 +271,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "goodput")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--links-only", action="store_true", help="only the home-links table")
     p.add_argument(
         "--quick", action="store_true", help="one seed, 3 rounds, a toy model, into --work-dir"
     )
@@ -219,6 +282,17 @@ def main() -> None:
         args.model, args.batch_size = TOY_MODEL, 4
         args.doc = args.work_dir / "benchmarks.md"
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    links = [(arm, seed) for seed in args.seeds for arm in LINK_ARMS]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        linked = list(pool.map(lambda j: run_link(*j, args), links))
+    link_rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in LINK_ARMS}
+    for (arm, _), result in zip(links, linked, strict=True):
+        link_rows[arm].append(figures(result, LINK_STEP_S))
+    link_section = render_links(link_rows, args)
+    replace_section(args.doc, "goodput-links", link_section, after="goodput")
+    print(link_section, flush=True)
+    if args.links_only:
+        return
     jobs = [(arm, seed) for seed in args.seeds for arm in ARMS]
     print(f"{len(jobs)} runs, then {2 * len(args.seeds)} identical ones", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:

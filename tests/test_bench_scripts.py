@@ -180,13 +180,20 @@ def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_pat
         for line in (tmp_path / "benchmarks.md").read_text().splitlines()
         if line.startswith("| ") and not line.startswith("| arm")
     }
+    home, instant = "home links (20/100 Mb/s), int8, no overlap", "instant links (reference)"
     assert set(rows) == {
         "before", "sized", "sized + late", "sized + late, max 2H", "identical, H",
-        "identical, rounds",
+        "identical, rounds", home, instant,
     }  # fmt: skip
+    linked = {arm: rows.pop(arm) for arm in (home, instant)}
     goodput = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in rows.items()}
     assert goodput["sized + late"] >= goodput["before"]
     assert goodput["identical, H"] == 100.0  # nobody slow, nobody drops: nothing wasted
+    # home links: a 1B model's bytes take longer than the round's compute; instant: no wait
+    busy = {arm: float(cells[4].strip().rstrip("%")) for arm, cells in linked.items()}
+    on_link = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in linked.items()}
+    assert busy[home] < 50.0 < on_link[home]
+    assert busy[instant] >= 95.0 and on_link[instant] == 0.0
 
 
 def test_the_gpu_convergence_script_runs_its_pipeline_where_its_options_are_overridden(

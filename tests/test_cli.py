@@ -265,6 +265,20 @@ def test_simulate_protocol_options_that_do_not_fit_exit_2(tmp_path, corpus):
     assert mismatch.returncode == 2 and "speeds: 2 given for 3 volunteers" in mismatch.stderr
     elsewhere = diloco("simulate", str(config), "--speeds", "1,1")
     assert elsewhere.returncode == 2 and "apply to --mode protocol only" in elsewhere.stderr
+    for link, message in [
+        ("20", "--link takes UP/DOWN[/LATENCY_MS]"),
+        ("20/fast", "--link takes UP/DOWN[/LATENCY_MS]"),
+        ("0/100", "links: up_mbps must be a positive number"),
+        ("20/100/-5", "links: latency_s must be 0 or more seconds"),
+    ]:
+        bad = diloco("simulate", str(config), "--mode", "protocol", "--link", link)
+        assert bad.returncode == 2 and message in bad.stderr, (link, bad.stderr)
+    no_link = diloco("simulate", str(config), "--mode", "protocol", "--link-as-params", "1e9")
+    assert no_link.returncode == 2 and "give --link too" in no_link.stderr
+    link_elsewhere = diloco("simulate", str(config), "--link", "20/100")
+    assert link_elsewhere.returncode == 2 and "--link apply to --mode protocol only" in (
+        link_elsewhere.stderr
+    )
 
 
 def test_simulate_delta_downloads_report_their_bytes(tmp_path, corpus):

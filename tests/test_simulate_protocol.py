@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
+from diloco.model.architectures import build_model
 from diloco.protocol.messages import ErrorCode
-from diloco.simulate.protocol_mode import Outage, ProtocolOptions
+from diloco.simulate.protocol_mode import Links, Outage, ProtocolOptions
 from diloco.simulate.run import SimOptions, simulate
 from diloco.train import InnerTrainer
 from tests.conftest import tiny_config
@@ -302,6 +303,60 @@ def test_without_pressure_protocol_mode_equals_diloco_mode_with_lease_batches(co
     assert not all(
         torch.equal(t, streams.final_params[n]) for n, t in protocol.final_params.items()
     )
+
+
+# ---------------------------------------------------------------- links
+
+
+def test_with_links_the_round_waits_for_each_download_and_upload(corpus):
+    # 2 steps of 5 s each; every first join downloads θ, every upload travels
+    links = Links(up_mbps=2.0, down_mbps=8.0, latency_s=0.25)
+    result = run_protocol(corpus, workers=2, quorum=2, rounds=2, links=links)
+    instant = run_protocol(corpus, workers=2, quorum=2, rounds=2)
+
+    checkpoint = result.bytes_down_per_worker // 2  # two downloads each: one per round
+    upload = result.bytes_up_per_worker // 2
+    down_s = 0.25 + checkpoint * 8 / 8e6
+    up_s = 0.25 + upload * 8 / 2e6
+    first, second = result.rounds
+    assert instant.rounds[0].closed_at_s == 10.0
+    assert first.closed_at_s == pytest.approx(down_s + 10.0 + up_s)
+    # round 2: the same wait to join again after the close, then a download, H steps, an upload
+    rejoin_and_train = instant.rounds[1].closed_at_s - instant.rounds[0].closed_at_s
+    assert second.closed_at_s - first.closed_at_s == pytest.approx(rejoin_and_train + down_s + up_s)
+    totals = result.protocol
+    assert totals.transfer_s == pytest.approx(2 * 2 * (down_s + up_s))
+    assert [v.transfer_s for v in totals.volunteers] == pytest.approx([2 * (down_s + up_s)] * 2)
+    # transfers are not training: the same compute, all of it useful
+    assert (totals.compute_s, totals.goodput) == (instant.protocol.compute_s, 1.0)
+    assert instant.protocol.transfer_s == 0.0
+
+
+def test_links_sized_for_a_larger_model_scale_every_transfer(corpus):
+    n_params = sum(p.numel() for p in build_model(tiny_config(corpus).model).parameters())
+    real = Links(up_mbps=1.0, down_mbps=4.0)
+    as_10x = Links(up_mbps=10.0, down_mbps=40.0, as_params=10.0 * n_params)
+
+    a = run_protocol(corpus, workers=2, quorum=2, links=real)
+    b = run_protocol(corpus, workers=2, quorum=2, links=as_10x)
+
+    assert a.protocol.transfer_s > 0.5
+    assert b.rounds[0].closed_at_s == pytest.approx(a.rounds[0].closed_at_s)
+    assert b.protocol.transfer_s == pytest.approx(a.protocol.transfer_s)
+
+
+def test_volunteers_that_drop_out_while_downloading_have_trained_nothing_yet(corpus):
+    # downloads longer than the 10 s of training, and frequent dropouts: many land in one
+    links = Links(up_mbps=100.0, down_mbps=0.02, latency_s=0.5)
+    result = run_protocol(
+        corpus, workers=3, quorum=1, rounds=6, links=links, drop_per_min=0.9,
+        return_per_min=0.9, seed=3,
+    )  # fmt: skip
+    totals = result.protocol
+    assert totals.dropouts >= 3
+    assert all(v.compute_s >= 0.0 for v in totals.volunteers)
+    assert all(seconds >= 0.0 for seconds in totals.wasted_s.values()), totals.wasted_s
+    assert 0.0 <= totals.goodput <= 1.0
 
 
 # ---------------------------------------------------------------- options

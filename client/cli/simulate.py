@@ -19,6 +19,7 @@ from client.cli.simulate_args import (
     SimMode,
     check_choices,
     device_for,
+    links_of,
     numbers,
     outage_of,
     protocol_options,
@@ -186,6 +187,24 @@ def simulate(
             show_default=False,
         ),
     ] = None,
+    link: Annotated[
+        str | None,
+        typer.Option(
+            help="protocol: every volunteer's link, UP/DOWN megabits per second and an "
+            "optional /LATENCY in ms (20/100/40): uploads and downloads take their time.",
+            envvar="DILOCO_LINK",
+            show_default=False,
+        ),
+    ] = None,
+    link_as_params: Annotated[
+        float | None,
+        typer.Option(
+            help="protocol, with --link: transfers sized as for a model of this many "
+            "parameters (1e9: a 1B model's bytes).",
+            envvar="DILOCO_LINK_AS_PARAMS",
+            show_default=False,
+        ),
+    ] = None,
     eval_windows: Annotated[
         int,
         typer.Option(
@@ -253,6 +272,7 @@ def simulate(
             close_s=close_s,
             max_sim_s=max_sim_s,
             size_h=size_h,
+            links=links_of(link, link_as_params),
         )
         refuse_misfits(mode, drop_prob=drop_prob, batches=batches, downloads=downloads)
     except ValueError as err:
@@ -323,6 +343,7 @@ def _summary(result: SimResult) -> dict[str, Any]:
             "rounds": len(result.rounds),
             "stopped_because": totals.stopped_because,
             "sim_time_s": totals.sim_time_s,
+            "transfer_s": round(totals.transfer_s, 3),
             "goodput": round(totals.goodput, 4),
             "refused": totals.refused,
             "abandoned": totals.abandoned,

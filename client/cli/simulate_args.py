@@ -11,7 +11,7 @@ from client.cli.support import ExitStatus, fail
 from diloco.config import ConfigError, RunConfig, load_config, parse_config
 
 if TYPE_CHECKING:  # imported where used: they load torch
-    from diloco.simulate.protocol_mode import Outage, ProtocolOptions
+    from diloco.simulate.protocol_mode import Links, Outage, ProtocolOptions
 
 
 class SimMode(StrEnum):
@@ -118,6 +118,7 @@ def protocol_options(
     close_s: float,
     max_sim_s: float | None,
     size_h: bool,
+    links: Links | None,
 ) -> ProtocolOptions | None:
     """Protocol mode's options, checked against K; None in the other modes, which refuse
     them (ValueError)."""
@@ -125,10 +126,10 @@ def protocol_options(
     from diloco.simulate.protocol_mode import ProtocolOptions
 
     if mode is not SimMode.protocol:
-        if speeds or join_at or outages or drop_per_min or return_per_min or size_h:
+        if speeds or join_at or outages or drop_per_min or return_per_min or size_h or links:
             raise ValueError(
-                "--speeds, --join-at, --outage, --drop-per-min, --return-per-min and --size-h "
-                "apply to --mode protocol only"
+                "--speeds, --join-at, --outage, --drop-per-min, --return-per-min, --size-h "
+                "and --link apply to --mode protocol only"
             )
         return None
     return ProtocolOptions(
@@ -141,6 +142,7 @@ def protocol_options(
         hub=HubSettings(sweep_interval_s=sweep_interval_s, close_s=close_s),
         max_sim_s=max_sim_s,
         size_h=size_h,
+        links=links,
     ).checked(K)
 
 
@@ -152,3 +154,24 @@ def refuse_misfits(mode: SimMode, *, drop_prob: float, batches: str, downloads: 
         raise ValueError("--batches: protocol mode always deals leases as the platform does")
     if downloads != "full" and mode not in (SimMode.diloco, SimMode.protocol):
         raise ValueError(f"--downloads {downloads} applies to --mode diloco and protocol")
+
+
+def links_of(text: str | None, as_params: float | None) -> Links | None:
+    """``--link 20/100/40``: up and down megabits per second, then an optional latency in
+    ms; a ValueError for a malformed or impossible link."""
+    from diloco.simulate.protocol_mode import Links
+
+    if text is None:
+        if as_params is not None:
+            raise ValueError("--link-as-params sizes the transfers of --link: give --link too")
+        return None
+    parts = text.split("/")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        up, down, *latency = (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"--link takes UP/DOWN[/LATENCY_MS], e.g. 20/100/40, not {text!r}"
+        ) from None
+    return Links(up, down, latency[0] / 1000 if latency else 0.0, as_params)

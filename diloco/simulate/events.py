@@ -59,6 +59,7 @@ from diloco.simulate.run import (
     SimOptions,
     Trained,
     train_upload,
+    upload_nbytes,
 )
 from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
 
@@ -116,6 +117,10 @@ class _ProtocolRun:
         self.wasted = dict.fromkeys(WASTE, 0.0)  # seconds, by why
         self.refused: Counter[str] = Counter()  # uploads, by code
         self.extensions = self.bytes_up = self.downloads = self.tokens = 0
+        # with links: how long an upload travels (every body of a run is the same size,
+        # but for a few header bytes), and the model's size that transfers are scaled from
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.upload_bytes = upload_nbytes(cfg, model) if proto.links is not None else 0
 
     # ------------------------------------------------------------ the clock
 
@@ -181,7 +186,7 @@ class _ProtocolRun:
         if not v.online:
             return
         if v.lease is not None:
-            self._spend(v, self.now - v.started, wasted="dropped")
+            self._spend(v, self._trained(v), wasted="dropped")
         v.online, v.lease, v.session, v.task = False, None, v.session + 1, v.task + 1
         v.totals.dropouts += 1
         if self.return_rate:
@@ -193,6 +198,7 @@ class _ProtocolRun:
         rate = None
         if self.proto.size_h:  # it reports its speed, as a client does from its last round
             rate = self.cfg.tokens_per_step / v.step.total_seconds()
+        fetched = 0 if self.hub.ledger is None else self.hub.ledger.bytes
         answer = self.hub.join(self.now, v.name, tokens_per_s=rate)
         if isinstance(answer, Refusal):
             reaction = v.react(Request.JOIN, answer)
@@ -203,10 +209,38 @@ class _ProtocolRun:
             return
         v.lease, new = answer
         v.granted(v.lease.round, self.cfg.rounds.max_staleness)
-        v.started, v.task = self.now, v.task + 1
         self.downloads += new  # a renewed lease's checkpoint is in the client's cache
-        self._later(v, v.lease.inner_steps * v.step, self._finish)
+        if self.hub.ledger is not None:  # the deltas since the version it holds
+            down = self.hub.ledger.bytes - fetched
+        else:
+            down = self.hub.checkpoint_bytes * new
+        wait = self._transfer(v, down, upload=False) if down else timedelta(0)
+        v.started, v.task = self.now + wait, v.task + 1  # it trains once θ is here
+        self._later(v, wait + v.lease.inner_steps * v.step, self._upload)
         self._later(v, self.heartbeat_every, self._heartbeat)
+
+    def _transfer(self, v: Volunteer, nbytes: int, *, upload: bool) -> timedelta:
+        """How long ``nbytes`` take over ``v``'s link (none: no time), counted as its
+        transfer time."""
+        links = self.proto.links
+        if links is None:
+            return timedelta(0)
+        mbps = links.up_mbps if upload else links.down_mbps
+        seconds = links.seconds(nbytes, mbps, self.n_params)
+        v.totals.transfer_s += seconds
+        return timedelta(seconds=seconds)
+
+    def _trained(self, v: Volunteer) -> timedelta:
+        """How long ``v`` has trained on its lease so far (not its download, not its upload)."""
+        assert v.lease is not None
+        return max(timedelta(0), min(self.now - v.started, v.lease.inner_steps * v.step))
+
+    def _upload(self, v: Volunteer) -> None:
+        """H steps done: the body travels, then the hub takes it (``_finish``)."""
+        if self.proto.links is None:
+            self._finish(v)
+        else:
+            self._later(v, self._transfer(v, self.upload_bytes, upload=True), self._finish)
 
     def _heartbeat(self, v: Volunteer) -> None:
         assert v.lease is not None
@@ -220,11 +254,11 @@ class _ProtocolRun:
             raise RuntimeError(f"{v.name}: heartbeat refused: {answer.code}: {answer.reason}")
         # the client stops at the end of the step in progress, unless that is the last one
         # (then it uploads, and the upload is refused)
-        done = -(-(self.now - v.started) // v.step)  # steps begun, ceil
+        done = max(0, -(-(self.now - v.started) // v.step))  # steps begun, ceil
         if done >= v.lease.inner_steps:
             return
-        stop = v.started + done * v.step
-        self._spend(v, stop - v.started, wasted="abandoned")
+        stop = max(self.now, v.started + done * v.step)  # or now, while it downloads
+        self._spend(v, max(timedelta(0), stop - v.started), wasted="abandoned")
         v.totals.abandoned += 1
         v.lease, v.task = None, v.task + 1
         self._later(v, stop - self.now, self._join)
@@ -233,7 +267,7 @@ class _ProtocolRun:
         """H steps done: upload, then join again."""
         lease, cfg = v.lease, self.cfg
         assert lease is not None
-        spent = min(self.now - v.started, lease.inner_steps * v.step)  # not the waits after
+        spent = self._trained(v)  # not the waits after, nor the upload
         v.task += 1
         claim = UploadClaim(
             run_id=SIM_RUN_ID,
@@ -341,44 +375,22 @@ class _ProtocolRun:
 
     def _stalled(self) -> str | None:
         """Why the open round can never close (too few volunteers left to reach quorum)."""
-        index = self.hub.current
-        if index is None:
-            return None
-        log = self.hub.logs[index]
-        possible = sum(
-            1
-            for v in self.volunteers
-            if (v.online or v.arrivals) and log.contribution_of(v.name) is None
-        )
-        accepted, quorum = len(log.contributions), self.hub.closing.quorum
-        if accepted + possible >= quorum:
-            return None
-        return (
-            f"stalled: round {index} has {accepted} of quorum {quorum} accepted and "
-            f"only {possible} volunteer(s) left who could still contribute"
-        )
+        return self.hub.stalled([v.name for v in self.volunteers if v.online or v.arrivals])
 
     def _totals(self) -> ProtocolTotals:
         # work in progress when the clock stopped, and accepted work no step has used yet
         for v in self.volunteers:
             if v.lease is not None:
-                self._spend(v, self.now - v.started, wasted="in_flight")
+                self._spend(v, self._trained(v), wasted="in_flight")
         if self.hub.current is not None:
             log = self.hub.logs[self.hub.current]
             for c in [*log.contributions, *log.late]:
                 self.wasted["in_flight"] += c.compute.total_seconds()
-        compute = sum(v.totals.compute_s for v in self.volunteers)
-        useful = sum(v.totals.useful_s for v in self.volunteers)
-        return ProtocolTotals(
+        return ProtocolTotals.tally(
+            [v.totals for v in self.volunteers],
             stopped_because=self.stopped_because or "no events left",
             sim_time_s=(self.now - EPOCH).total_seconds(),
-            compute_s=compute,
-            useful_s=useful,
-            goodput=useful / compute if compute else 0.0,
             wasted_s=dict(self.wasted),
             refused={str(code): n for code, n in sorted(self.refused.items())},
-            abandoned=sum(v.totals.abandoned for v in self.volunteers),
-            dropouts=sum(v.totals.dropouts for v in self.volunteers),
             extensions=self.extensions,
-            volunteers=[v.totals for v in self.volunteers],
         )

@@ -307,6 +307,22 @@ class Hub:
 
     # ------------------------------------------------------------ closing
 
+    def stalled(self, around: list[str]) -> str | None:
+        """Why the open round can never close: too few of the volunteers still ``around``
+        (online, or coming back) have not contributed to it to reach its quorum."""
+        index = self.current
+        if index is None:
+            return None
+        log = self.logs[index]
+        possible = sum(1 for who in around if log.contribution_of(who) is None)
+        accepted, quorum = len(log.contributions), self.closing.quorum
+        if accepted + possible >= quorum:
+            return None
+        return (
+            f"stalled: round {index} has {accepted} of quorum {quorum} accepted and "
+            f"only {possible} volunteer(s) left who could still contribute"
+        )
+
     def close(self, now: datetime) -> Closed:
         """Aggregate, step and publish the closing round; open the next one, if any."""
         assert self.current is not None

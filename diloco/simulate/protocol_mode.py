@@ -52,6 +52,42 @@ def per_second(name: str, p: float) -> float:
 
 
 @dataclass(frozen=True)
+class Links:
+    """Every volunteer's home link: ``up_mbps`` and ``down_mbps`` megabits per second and
+    ``latency_s`` added to each transfer. An upload reaches the hub that long after its
+    training ends, and a new lease's download (the checkpoint, or the deltas since the
+    version the volunteer holds) delays its training; the volunteer is idle meanwhile.
+    ``as_params``: transfers sized as for a model of that many parameters (the simulated
+    model's real bytes scaled by as_params / its parameters), so a small model can stand
+    for a large one's links; None: the real bytes."""
+
+    up_mbps: float
+    down_mbps: float
+    latency_s: float = 0.0
+    as_params: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("up_mbps", "down_mbps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(
+                    f"links: {name} must be a positive number, got {getattr(self, name)}"
+                )
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"links: latency_s must be 0 or more seconds, got {self.latency_s}")
+        if self.as_params is not None and not (
+            math.isfinite(self.as_params) and self.as_params >= 1
+        ):
+            raise ValueError(
+                f"links: as_params must be a number of parameters, got {self.as_params}"
+            )
+
+    def seconds(self, nbytes: int, mbps: float, n_params: int) -> float:
+        """How long ``nbytes`` of a model of ``n_params`` parameters take at ``mbps``."""
+        scale = self.as_params / n_params if self.as_params is not None else 1.0
+        return self.latency_s + nbytes * scale * 8 / (mbps * 1e6)
+
+
+@dataclass(frozen=True)
 class ProtocolOptions:
     speeds: tuple[float, ...] | None = None  # each volunteer's relative speed (None: all 1)
     step_s: float = 1.0  # simulated seconds of one inner step at speed 1
@@ -65,6 +101,7 @@ class ProtocolOptions:
     # (diloco.protocol.sizing): volunteers report their speed with each join. False: every
     # lease trains the run's steps
     size_h: bool = False
+    links: Links | None = None  # None: transfers take no time
 
     def __post_init__(self) -> None:
         if self.speeds is not None and not all(math.isfinite(s) and s > 0 for s in self.speeds):
@@ -121,6 +158,7 @@ class VolunteerTotals:
     dropouts: int = 0
     compute_s: float = 0.0  # simulated seconds of training
     useful_s: float = 0.0  # of which went into an outer step
+    transfer_s: float = 0.0  # simulated seconds uploading and downloading (with links)
     credit_flops: float = 0.0  # close_effects' credit for its contributions
 
 
@@ -129,6 +167,7 @@ class ProtocolTotals:
     stopped_because: str
     sim_time_s: float  # simulated time from the start to the last event handled
     compute_s: float  # volunteer-seconds of training, all volunteers
+    transfer_s: float  # volunteer-seconds of uploads and downloads, all volunteers
     useful_s: float  # of which reached an outer step
     goodput: float  # useful_s / compute_s
     wasted_s: dict[str, float]  # the rest, by why: refused, abandoned, dropped, in_flight
@@ -137,3 +176,32 @@ class ProtocolTotals:
     dropouts: int
     extensions: int  # deadline extensions, all rounds
     volunteers: list[VolunteerTotals]
+
+    @classmethod
+    def tally(
+        cls,
+        volunteers: list[VolunteerTotals],
+        *,
+        stopped_because: str,
+        sim_time_s: float,
+        wasted_s: dict[str, float],
+        refused: dict[str, int],
+        extensions: int,
+    ) -> ProtocolTotals:
+        """The run's totals: the volunteers' summed, with what the hub counted."""
+        compute = sum(v.compute_s for v in volunteers)
+        useful = sum(v.useful_s for v in volunteers)
+        return cls(
+            stopped_because=stopped_because,
+            sim_time_s=sim_time_s,
+            compute_s=compute,
+            transfer_s=sum(v.transfer_s for v in volunteers),
+            useful_s=useful,
+            goodput=useful / compute if compute else 0.0,
+            wasted_s=wasted_s,
+            refused=refused,
+            abandoned=sum(v.abandoned for v in volunteers),
+            dropouts=sum(v.dropouts for v in volunteers),
+            extensions=extensions,
+            volunteers=volunteers,
+        )

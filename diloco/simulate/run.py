@@ -58,7 +58,7 @@ from diloco.train import (
     load_parameters_file,
     snapshot,
 )
-from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.contribution import ContributionMeta, contribution_nbytes, encode_contribution
 from diloco.wire.exchange import encode_delta
 
 if TYPE_CHECKING:
@@ -179,6 +179,26 @@ def train_upload(
         codec=codec,
     )
     return Upload(list(encode_contribution(meta, encoded)), codec, result, delta, meta)
+
+
+def upload_nbytes(cfg: RunConfig, model: LanguageModel) -> int:
+    """The size of a volunteer's upload body for ``model`` under the run's codec (a zero Δ
+    through ``encode_delta`` and the wire format, as ``train_upload`` sends it)."""
+    zeros = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in snapshot(model).items()}
+    encoded, codec = encode_delta(
+        zeros, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+    )
+    steps = cfg.inner.steps
+    meta = ContributionMeta(
+        run_id=SIM_RUN_ID,
+        round=1,
+        base_version=0,
+        tokens=steps * cfg.tokens_per_step,
+        inner_steps=steps,
+        loss=0.0,
+        codec=codec,
+    )
+    return contribution_nbytes(meta, encoded)
 
 
 class Recorder:
