@@ -21,7 +21,7 @@ from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
 from diloco.protocol.state import Refusal
-from diloco.simulate.attacks import hostile_body
+from diloco.simulate.attacks import Attack, hostile_body
 from diloco.simulate.dealing import Dealer, stream_generator
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.run import (
@@ -29,9 +29,10 @@ from diloco.simulate.run import (
     Recorder,
     SimOptions,
     Trained,
+    Upload,
     train_upload,
 )
-from diloco.simulate.server import SIM_RUN_ID, open_round
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
 from diloco.simulate.versions import Versions
 from diloco.train import InnerTrainer, load_parameters, parameters_of
 
@@ -55,6 +56,73 @@ def run_diloco(
         versions.cleanup()
 
 
+class _Workers:
+    """diloco mode's K workers: each its own model and AdamW (kept across rounds), its own
+    data; what they have sent and downloaded."""
+
+    def __init__(self, cfg: RunConfig, opts: SimOptions, data: Dataset, device: torch.device,
+                 checkpoint_bytes: int, ledger: Ledger | None) -> None:  # fmt: skip
+        self.cfg, self.opts = cfg, opts
+        self.trainers = [
+            InnerTrainer(build_model(cfg.model), cfg.inner, total_steps=cfg.total_inner_steps,
+                         device=device)
+            for _ in range(opts.workers)
+        ]  # fmt: skip
+        self.dealer = Dealer(data, cfg, batches=opts.batches, seed=opts.seed, workers=opts.workers)
+        self.drops = stream_generator(opts.seed, 10_000)
+        self.checkpoint_bytes, self.ledger = checkpoint_bytes, ledger
+        self.earlier: dict[int, dict[str, torch.Tensor]] = {}  # each one's Δ of the round before
+        self.bytes_up = self.bytes_down = self.tokens = 0
+
+    def train(self, r: int, start: dict[str, torch.Tensor], desk: RoundDesk) -> list[float]:
+        """Round ``r`` (from 0): every worker downloads θ(t−1) = ``start``, trains H steps
+        and sends Δ through codec and wire to ``desk`` (unless its upload is dropped);
+        their mean training losses."""
+        losses: list[float] = []
+        first_delta = None  # what a copier sends: the first honest worker's Δ
+        for i, trainer in enumerate(self.trainers):
+            dealt = self.dealer.deal(r + 1, i)  # this round's batches (simulate.dealing)
+            if self.ledger is None:
+                self.bytes_down += self.checkpoint_bytes
+            else:
+                self.ledger.fetch(f"worker-{i}", r)
+            upload = train_upload(trainer, start, cfg=self.cfg, round=r + 1,
+                                  next_batch=dealt.next_batch)  # fmt: skip
+            self.tokens += upload.result.tokens
+            losses.append(upload.result.mean_loss)
+            chunks = upload.chunks
+            if attack := self.opts.attacks.get(i):  # what a hostile volunteer sends instead
+                chunks = [self._hostile(attack, i, r, upload, first_delta)]
+            elif first_delta is None:
+                first_delta = upload.delta
+            self.earlier[i] = upload.delta
+            self.bytes_up += sum(len(c) for c in chunks)
+            # a dropped upload never reaches the server
+            if (
+                self.opts.drop_prob
+                and float(torch.rand((), generator=self.drops)) < self.opts.drop_prob
+            ):
+                continue
+            if not isinstance(desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks), Refusal):
+                self.dealer.trained(dealt)  # the server counts the unit covered at upload
+        return losses
+
+    def _hostile(
+        self, attack: Attack, i: int, r: int, upload: Upload, other: dict[str, torch.Tensor] | None
+    ) -> bytes:
+        assert upload.meta is not None
+        return hostile_body(
+            attack,
+            upload.delta,
+            upload.meta,
+            kind=self.cfg.compression.kind,
+            block_size=self.cfg.compression.block_size,
+            seed=self.opts.seed * 1_000 + r,
+            other_delta=other,
+            stale_delta=self.earlier.get(i, upload.delta),
+        )
+
+
 def _rounds(
     cfg: RunConfig,
     opts: SimOptions,
@@ -64,64 +132,20 @@ def _rounds(
     model: LanguageModel,
     versions: Versions,
 ) -> Trained:
-    R, K = cfg.rounds.max_rounds, opts.workers
+    K = opts.workers
     checkpoint_bytes = len(safetensors_save(versions.theta))  # what a worker downloads per round
     ledger = Ledger(versions.sizes, checkpoint_bytes) if opts.downloads == "delta" else None
-    # every worker: its own copy of the model, its own AdamW (kept across rounds), its own data
-    trainers = [
-        InnerTrainer(build_model(cfg.model), cfg.inner, total_steps=cfg.total_inner_steps,
-                     device=device)
-        for _ in range(K)
-    ]  # fmt: skip
-    dealer = Dealer(data, cfg, batches=opts.batches, seed=opts.seed, workers=K)
-    drops = stream_generator(opts.seed, 10_000)
+    workers = _Workers(cfg, opts, data, device, checkpoint_bytes, ledger)
     recorder = Recorder(cfg, opts, data, device, progress)
     judge = recorder.evaluator(build_model(cfg.model))
     history: list[float] = []  # norms of aggregated contributions: the clipping's reference
-    earlier: dict[int, dict[str, torch.Tensor]] = {}  # each worker's Δ of the round before
-    bytes_up = bytes_down = tokens = 0
-    for r in range(R):
+    for r in range(cfg.rounds.max_rounds):
         desk = open_round(cfg, r + 1)
-        losses, first_delta = [], None
-        start = versions.theta
-        for i, trainer in enumerate(trainers):
-            dealt = dealer.deal(r + 1, i)  # this round's batches (simulate.dealing)
-            # download θ(t−1), train H steps, Δ = θ(t−1) − θi through codec and wire
-            if ledger is None:
-                bytes_down += checkpoint_bytes
-            else:
-                ledger.fetch(f"worker-{i}", r)
-            upload = train_upload(trainer, start, cfg=cfg, round=r + 1, next_batch=dealt.next_batch)
-            tokens += upload.result.tokens
-            losses.append(upload.result.mean_loss)
-            chunks = upload.chunks
-            if attack := opts.attacks.get(i):  # what a hostile volunteer sends instead
-                assert upload.meta is not None
-                chunks = [
-                    hostile_body(
-                        attack,
-                        upload.delta,
-                        upload.meta,
-                        kind=cfg.compression.kind,
-                        block_size=cfg.compression.block_size,
-                        seed=opts.seed * 1_000 + r,
-                        other_delta=first_delta,
-                        stale_delta=earlier.get(i, upload.delta),
-                    )
-                ]
-            elif first_delta is None:
-                first_delta = upload.delta
-            earlier[i] = upload.delta
-            bytes_up += sum(len(c) for c in chunks)
-            # a dropped upload never reaches the server
-            if opts.drop_prob and float(torch.rand((), generator=drops)) < opts.drop_prob:
-                continue
-            if not isinstance(desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks), Refusal):
-                dealer.trained(dealt)  # the server counts the unit covered at upload
+        losses = workers.train(r, versions.theta, desk)
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it
         stepped = desk.close(versions, evaluate=judge, history=history)
-        update_norm, left_out, accepted = stepped.update_norm, len(stepped.left_out), 0
+        accepted = 0
         if stepped.update_norm is not None:
             accepted = len(stepped.shares)
             norms = [share.norm for share in stepped.shares.values()]
@@ -130,20 +154,20 @@ def _rounds(
         recorder.close_round(
             model,
             round=r + 1,
-            tokens=tokens,
+            tokens=workers.tokens,
             train_loss=sum(losses) / len(losses),
             accepted=accepted,
-            update_norm=update_norm,
+            update_norm=stepped.update_norm,
             refused=sum(desk.refused.values()),
-            left_out=left_out,
+            left_out=len(stepped.left_out),
         )
     if ledger is None:
-        return Trained(recorder.records, bytes_up // K, bytes_down // K)
+        return Trained(recorder.records, workers.bytes_up // K, workers.bytes_down // K)
     last = versions.sizes[versions.version]
     report = DeltaReport(checkpoint_bytes, last, residual_norms=list(versions.residual_norms))
     return Trained(
         recorder.records,
-        bytes_up // K,
+        workers.bytes_up // K,
         ledger.bytes // K,
         delta=report,
         outer_params=versions.exact(),
