@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
@@ -42,6 +43,7 @@ from diloco.wire.codec import make_codec
 from diloco.wire.contribution import (
     ContributionDecoder,
     ContributionHeader,
+    ContributionMeta,
     NonFiniteWireError,
     WireFormatError,
 )
@@ -202,7 +204,7 @@ async def receive(
     async with sessions() as session:
         run = await runs_service.get(session=session, run_id=run_id)
         cfg = rounds_service.run_config(run)
-        facts, existing, lease_id = await upload_facts(
+        facts, existing, _ = await upload_facts(
             session, run, index, contributor_id, max_staleness=cfg.rounds.max_staleness
         )
     verdict = admit_upload(facts)
@@ -210,11 +212,7 @@ async def receive(
         raise refused(verdict)
     assert facts.round is not None  # admitted uploads name an existing round
     limit = rounds_service.max_upload_bytes(cfg, settings)
-    if content_length is None:
-        raise LengthRequired("send the upload with a Content-Length header")
-    if not (content_length.isascii() and content_length.isdigit()):  # "¹".isdigit() is True
-        raise MalformedUpload(f"Content-Length {content_length!r} is not a number")
-    declared_length(content_length, limit=limit, what="this round", too_large=UploadTooLarge)
+    _check_length(content_length, limit)
 
     # 2. stream into a temp blob, checking the header as soon as it is in, then every
     # tensor as it streams (finite; measured); the blob is not kept unless all pass
@@ -244,90 +242,135 @@ async def receive(
             storage.delete(key)
             raise
 
-    # 4. one transaction: the rules again, under the run's and the round's locks, then the row
+    # 3. one transaction: the rules again, under the run's and the round's locks, then the row
     assert decoder.header is not None
-    meta = decoder.header.meta
+    body = _Body(key, sha, writer.nbytes, decoder.header.meta, inspection)
     try:
-        async with sessions() as session, session.begin():
-            locked = await runs_service.get(session=session, run_id=run_id, lock="share")
-            await lock_rounds(session, run_id, index)
-            await not_banned(session, contributor_id)
-            facts, raced, lease_id = await upload_facts(
-                session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness
-            )
-            verdict = admit_upload(facts)
-            if isinstance(verdict, Refusal):
-                raise refused(verdict)
-            if raced is not None:  # a concurrent upload of the same contributor won the race
-                storage.delete(key)
-                return retry_answer(raced, sha)
-            assert lease_id is not None
-            # late work (its round closed): merged into the open round, discounted
-            late = verdict if isinstance(verdict, LateGrant) else None
-            step, staleness = (index, 0) if late is None else (late.merged_into, late.staleness)
-            row_id = f"con_{secrets.token_hex(8)}"
-            leased = await sizing.leased_steps(session, lease_id, cfg)  # this lease's H
-            weight = upload_weight(meta.tokens, cfg.lease_tokens_for(leased))
-            inserted = await session.scalar(
-                insert(Contribution)
-                .values(
-                    id=row_id,
-                    run_id=run_id,
-                    round_index=index,
-                    merged_into_round=step,
-                    staleness=staleness,
-                    contributor_id=contributor_id,
-                    lease_id=lease_id,
-                    base_version=meta.base_version,
-                    tokens=meta.tokens,
-                    inner_steps=min(meta.inner_steps, leased),  # at most the lease's H
-                    loss=meta.loss,
-                    nbytes=writer.nbytes,
-                    sha256=sha,
-                    blob_key=key,
-                    created_at=datetime.now(UTC),
-                    weight=weight,
-                    norm=inspection.norm,
-                    payload_sha256=inspection.payload_sha256,
-                )
-                .on_conflict_do_nothing()
-                .returning(Contribution.id)
-            )
-            if inserted is None:  # another contributor's upload holds these tensors?
-                replay = await replayed(
-                    session,
-                    run_id,
-                    index=index,
-                    step=step,
-                    contributor_id=contributor_id,
-                    inspection=inspection,
-                )
-                if (refusal := admit_payload(replay)) is not None:
-                    raise refused(refusal)
-            if inserted is None:  # the same contributor's concurrent upload got in first
-                raced = await session.scalar(
-                    select(Contribution).where(
-                        Contribution.run_id == run_id,
-                        Contribution.round_index == index,
-                        Contribution.contributor_id == contributor_id,
-                    )
-                )
-                if raced is None:
-                    raise DuplicateContribution("a concurrent upload conflicted; retry")
-                storage.delete(key)
-                return retry_answer(raced, sha)
-            # what it trained on is covered (a dataset run's unit; nothing for a text run)
-            await coverage.record(session, lease_id=lease_id, tokens=weight)
-            await notify.rounds_changed(session, run_id)
+        return await _record(sessions, storage, cfg, run_id, index, contributor_id, body)
     except BaseException:
         storage.delete(key)
         raise
+
+
+def _check_length(content_length: str | None, limit: int) -> None:
+    """The upload's Content-Length: present, a number, within ``limit``."""
+    if content_length is None:
+        raise LengthRequired("send the upload with a Content-Length header")
+    if not (content_length.isascii() and content_length.isdigit()):  # "¹".isdigit() is True
+        raise MalformedUpload(f"Content-Length {content_length!r} is not a number")
+    declared_length(content_length, limit=limit, what="this round", too_large=UploadTooLarge)
+
+
+@dataclass(frozen=True)
+class _Body:
+    """A checked upload body, landed in storage under ``key``."""
+
+    key: str
+    sha: str
+    nbytes: int
+    meta: ContributionMeta
+    inspection: UploadInspector
+
+
+async def _record(
+    sessions: async_sessionmaker[AsyncSession],
+    storage: Storage,
+    cfg: RunConfig,
+    run_id: str,
+    index: int,
+    contributor_id: str,
+    body: _Body,
+) -> Accepted:
+    """The contribution's row, in one transaction that checks the rules again under the
+    run's and the round's locks; a retry's answer when a concurrent upload of the same
+    contributor got in first (this body's blob deleted)."""
+    async with sessions() as session, session.begin():
+        locked = await runs_service.get(session=session, run_id=run_id, lock="share")
+        await lock_rounds(session, run_id, index)
+        await not_banned(session, contributor_id)
+        facts, raced, lease_id = await upload_facts(
+            session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness
+        )
+        verdict = admit_upload(facts)
+        if isinstance(verdict, Refusal):
+            raise refused(verdict)
+        if raced is not None:  # a concurrent upload of the same contributor won the race
+            storage.delete(body.key)
+            return retry_answer(raced, body.sha)
+        assert lease_id is not None
+        # late work (its round closed): merged into the open round, discounted
+        late = verdict if isinstance(verdict, LateGrant) else None
+        step, staleness = (index, 0) if late is None else (late.merged_into, late.staleness)
+        leased = await sizing.leased_steps(session, lease_id, cfg)  # this lease's H
+        weight = upload_weight(body.meta.tokens, cfg.lease_tokens_for(leased))
+        row_id = f"con_{secrets.token_hex(8)}"
+        inserted = await session.scalar(
+            insert(Contribution)
+            .values(
+                id=row_id,
+                run_id=run_id,
+                round_index=index,
+                merged_into_round=step,
+                staleness=staleness,
+                contributor_id=contributor_id,
+                lease_id=lease_id,
+                base_version=body.meta.base_version,
+                tokens=body.meta.tokens,
+                inner_steps=min(body.meta.inner_steps, leased),  # at most the lease's H
+                loss=body.meta.loss,
+                nbytes=body.nbytes,
+                sha256=body.sha,
+                blob_key=body.key,
+                created_at=datetime.now(UTC),
+                weight=weight,
+                norm=body.inspection.norm,
+                payload_sha256=body.inspection.payload_sha256,
+            )
+            .on_conflict_do_nothing()
+            .returning(Contribution.id)
+        )
+        if inserted is None:
+            return await _not_inserted(session, storage, run_id, index, step, contributor_id, body)
+        # what it trained on is covered (a dataset run's unit; nothing for a text run)
+        await coverage.record(session, lease_id=lease_id, tokens=weight)
+        await notify.rounds_changed(session, run_id)
     out = Receipt(
         contribution_id=row_id,
         round=index,
-        sha256=sha,
+        sha256=body.sha,
         merged_into_round=step,
         staleness=staleness,
         weight=late_weight(weight, staleness),
     )
     return Accepted(True, out)
+
+
+async def _not_inserted(
+    session: AsyncSession,
+    storage: Storage,
+    run_id: str,
+    index: int,
+    step: int,
+    contributor_id: str,
+    body: _Body,
+) -> Accepted:
+    """The row was not inserted: another contributor's upload holds these tensors (a
+    replay, refused), or the same contributor's concurrent upload got in first (its
+    retry answer)."""
+    replay = await replayed(
+        session, run_id, index=index, step=step, contributor_id=contributor_id,
+        inspection=body.inspection,
+    )  # fmt: skip
+    if (refusal := admit_payload(replay)) is not None:
+        raise refused(refusal)
+    raced = await session.scalar(
+        select(Contribution).where(
+            Contribution.run_id == run_id,
+            Contribution.round_index == index,
+            Contribution.contributor_id == contributor_id,
+        )
+    )
+    if raced is None:
+        raise DuplicateContribution("a concurrent upload conflicted; retry")
+    storage.delete(body.key)
+    return retry_answer(raced, body.sha)
