@@ -55,6 +55,17 @@ def _check_scales(scales: torch.Tensor, expected: int, what: str) -> torch.Tenso
     return scales
 
 
+def _check_body(e: EncodedTensor, nbytes: int, n_scales: int, what: str) -> torch.Tensor:
+    """``e``'s scales, once its data is ``nbytes`` bytes and its scales ``n_scales``
+    finite values in [0, MAX_SCALE]; a ValueError naming ``what`` otherwise."""
+    if e.data.dtype != torch.uint8 or e.data.numel() != nbytes:
+        raise ValueError(
+            f"{what} expects {nbytes} bytes for {e.numel} values, "
+            f"got {e.data.numel()} of {e.data.dtype}"
+        )
+    return _check_scales(e.scales, n_scales, what)
+
+
 def pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
     """Rows of ``width``-bit unsigned fields (int64, shape (R, F)) as bytes (R, ceil(F·width/8)):
     field j of a row starts at bit j·width of the row, the lowest bit first."""
@@ -118,12 +129,7 @@ class LowBitCodec:
 
     def decode(self, e: EncodedTensor) -> torch.Tensor:
         n = e.numel
-        if e.data.dtype != torch.uint8 or e.data.numel() != self.data_nbytes(n):
-            raise ValueError(
-                f"{self.kind} codec expects {self.data_nbytes(n)} bytes for {n} values, "
-                f"got {e.data.numel()} of {e.data.dtype}"
-            )
-        scales = _check_scales(e.scales, self.n_scales(n), f"{self.kind} codec")
+        scales = _check_body(e, self.data_nbytes(n), self.n_scales(n), f"{self.kind} codec")
         fields, _ = unpack_fields(
             e.data.view(1, -1), self.data_nbytes(n) * self.per_byte, self.bits
         )
@@ -198,12 +204,7 @@ class SparseCodec:
 
     def decode(self, e: EncodedTensor) -> torch.Tensor:
         n = e.numel
-        if e.data.dtype != torch.uint8 or e.data.numel() != self.data_nbytes(n):
-            raise ValueError(
-                f"sparse codec expects {self.data_nbytes(n)} bytes for {n} values, "
-                f"got {e.data.numel()} of {e.data.dtype}"
-            )
-        scales = _check_scales(e.scales, self.n_scales(n), "sparse codec")
+        scales = _check_body(e, self.data_nbytes(n), self.n_scales(n), "sparse codec")
         full, last = self._chunks(n)
         out = torch.zeros(self.n_scales(n) * self.chunk, dtype=torch.float32)
         record = self._record_bytes(self.topk)
