@@ -59,7 +59,9 @@ class EncodedTensor:
 class Codec(Protocol):
     """What the wire format and the server need from a codec."""
 
-    kind: ClassVar[str]
+    @property
+    def kind(self) -> str: ...
+
     data_dtype: ClassVar[torch.dtype]
 
     def encode(self, t: torch.Tensor) -> EncodedTensor: ...
@@ -199,6 +201,7 @@ class NoneCodec:
 
 
 KNOWN_KINDS = (Int8Codec.kind, NoneCodec.kind)
+PACKED_KINDS = ("int4", "int2", "sparse")  # diloco.wire.lowbit: on the wire, not in a run yet
 
 
 def make_codec(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Int8Codec | NoneCodec:
@@ -210,14 +213,20 @@ def make_codec(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Int8Codec | N
     raise ValueError(f"unknown codec kind {kind!r}; known kinds: {', '.join(KNOWN_KINDS)}")
 
 
-def codec_from_description(d: object) -> Int8Codec | NoneCodec:
+def codec_from_description(d: object) -> Codec:
     """Rebuild a codec from ``describe()`` output. Strict, because the description arrives
-    over the network: unknown kinds, missing or extra keys, and wrong types are errors."""
+    over the network: unknown kinds, missing or extra keys, and wrong types are errors.
+    Besides the run config's kinds it knows the packed ones of ``diloco.wire.lowbit``
+    (int4, int2, sparse), which the wire format carries and no run can name yet."""
     if not isinstance(d, dict):
         raise ValueError(f"codec description must be a map, got {type(d).__name__}")
     kind = d.get("kind")
     if not isinstance(kind, str):
         raise ValueError(f"codec description needs a string 'kind'; known kinds: {KNOWN_KINDS}")
+    if kind in PACKED_KINDS:
+        from diloco.wire.lowbit import packed_from_description
+
+        return packed_from_description(d)
     allowed = {"kind", "block_size"} if kind == Int8Codec.kind else {"kind"}
     extra = sorted(str(k) for k in d if k not in allowed)
     if extra:

@@ -259,8 +259,11 @@ class ContributionDecoder:
             if self._sink is not None:
                 self._sink.end(self._scales)
             else:
-                assert self._data is not None
-                completed.append((spec.name, EncodedTensor(spec.shape, self._data, self._scales)))
+                assert self._data is not None and self._header is not None
+                encoded = EncodedTensor(spec.shape, self._data, self._scales)
+                if spec.dtype == "uint8":  # packed codes: the codec's own checks
+                    _check_packed(spec.name, self._header.meta.codec, encoded)
+                completed.append((spec.name, encoded))
             self._start_tensor(self._index + 1)
         elif self._stage is _Stage.TRAILER:
             digest = self._digest.digest()
@@ -281,13 +284,12 @@ class ContributionDecoder:
             self._enter(_Stage.TRAILER, DIGEST_BYTES)
             return
         spec = self._spec()
-        itemsize = DTYPES[spec.dtype].itemsize
         if self._sink is not None:
             self._sink.begin(spec)
-            self._enter(_Stage.DATA, spec.numel * itemsize)
+            self._enter(_Stage.DATA, spec.data_bytes)
             return
-        self._data = torch.empty(spec.numel, dtype=DTYPES[spec.dtype])
-        self._enter(_Stage.DATA, spec.numel * itemsize, self._data)
+        self._data = torch.empty(spec.data_len, dtype=DTYPES[spec.dtype])
+        self._enter(_Stage.DATA, spec.data_bytes, self._data)
 
     def _check_header(self, header: ContributionHeader) -> None:
         """The caller's expectations, checked before any tensor memory is allocated."""
@@ -343,8 +345,17 @@ def _check_frame(name: str, part: str, x: torch.Tensor) -> None:
             raise non_finite_values(name, int((~finite).sum()), part)
         if part == "scales" and bool((x < 0).any()):
             raise WireFormatError(f"tensor {name!r} has negative scales")
-    elif bool((x == -INT8_MAX - 1).any()):
+    elif x.dtype == torch.int8 and bool((x == -INT8_MAX - 1).any()):
         raise out_of_range_int8(name)
+
+
+def _check_packed(name: str, codec: dict[str, Any], encoded: EncodedTensor) -> None:
+    """A packed codec's frames (``diloco.wire.lowbit``): sizes, indices, codes, pad bits,
+    scales, as its decoder checks them."""
+    try:
+        codec_from_description(codec).decode(encoded)
+    except ValueError as e:
+        raise WireFormatError(f"tensor {name!r}: {e}") from e
 
 
 def decode_contribution(

@@ -49,7 +49,8 @@ MAX_HEADER_BYTES = 16 << 20  # a header describes tensors; it never needs to be 
 MAX_NUMEL = 1 << 40  # per tensor; refuses absurd shapes before anything is allocated
 DIGEST_BYTES = 32
 PREFIX = struct.Struct("<8sI")  # magic, header length
-DTYPES = {"int8": torch.int8, "float32": torch.float32}
+# uint8: packed low-bit and sparse codes (diloco.wire.lowbit), whose data length is the codec's
+DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_KEYS = (
     "format_version", "run_id", "round", "base_version", "tokens", "inner_steps", "loss",
@@ -89,16 +90,28 @@ class ContributionMeta:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    dtype: str  # "int8" | "float32"
+    dtype: str  # "int8" | "float32" | "uint8"
     n_scales: int
+    # the data frame's length: numel values of dtype, or a packed codec's bytes
+    # (``Codec.data_nbytes``); never on the wire, the codec and the shape say it
+    data_bytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.data_bytes < 0:
+            object.__setattr__(self, "data_bytes", self.numel * DTYPES[self.dtype].itemsize)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
+    def data_len(self) -> int:
+        """Values of ``dtype`` in the data frame."""
+        return self.data_bytes // DTYPES[self.dtype].itemsize
+
+    @property
     def frame_bytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize + 4 * self.n_scales
+        return self.data_bytes + 4 * self.n_scales
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,18 @@ def _check_spec(spec: TensorSpec, codec: Codec) -> None:
             f"tensor {spec.name!r} declares {spec.n_scales} scales but codec "
             f"{codec.describe()} needs {codec.n_scales(spec.numel)} for {spec.numel} values"
         )
+    if spec.data_bytes != data_nbytes(codec, spec.numel):
+        raise WireFormatError(
+            f"tensor {spec.name!r} has {spec.data_bytes} data bytes but codec "
+            f"{codec.describe()} needs {data_nbytes(codec, spec.numel)} for {spec.numel} values"
+        )
+
+
+def data_nbytes(codec: Codec, numel: int) -> int:
+    """A tensor's data frame length in ``codec``: one value of its dtype per parameter, or
+    what a packed codec says."""
+    packed = getattr(codec, "data_nbytes", None)
+    return int(packed(numel)) if packed is not None else numel * codec.data_dtype.itemsize
 
 
 def parse_header(raw: bytes) -> ContributionHeader:
@@ -203,7 +228,11 @@ def parse_header(raw: bytes) -> ContributionHeader:
         if dtype not in DTYPES:
             raise WireFormatError(f"{where} key 'dtype' must be one of {list(DTYPES)}: {dtype!r}")
         n_scales = _get(t, "n_scales", int, where)
-        spec = TensorSpec(_get(t, "name", str, where), tuple(shape), dtype, n_scales)
+        name = _get(t, "name", str, where)
+        numel = math.prod(shape)
+        if numel > MAX_NUMEL:
+            raise WireFormatError(f"tensor {name!r} has {numel} values, over {MAX_NUMEL}")
+        spec = TensorSpec(name, tuple(shape), dtype, n_scales, data_nbytes(codec, numel))
         _check_spec(spec, codec)
         specs.append(spec)
     twice = sorted(name for name, n in Counter(s.name for s in specs).items() if n > 1)
@@ -225,12 +254,13 @@ def spec_of(name: str, t: EncodedTensor) -> TensorSpec:
     for part, x in (("data", data), ("scales", scales)):
         if x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
             raise WireFormatError(f"tensor {name!r} {part} must be 1-D, contiguous, on the CPU")
-    if data.numel() != t.numel:
+    if data.dtype != torch.uint8 and data.numel() != t.numel:
         raise WireFormatError(
             f"tensor {name!r} has {data.numel()} values for shape {list(t.shape)} ({t.numel})"
         )
     shape = tuple(int(d) for d in t.shape)
-    return TensorSpec(name, shape, _DTYPE_NAMES[data.dtype], scales.numel())
+    nbytes = data.numel() * data.element_size()
+    return TensorSpec(name, shape, _DTYPE_NAMES[data.dtype], scales.numel(), nbytes)
 
 
 def specs_for(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
@@ -238,7 +268,13 @@ def specs_for(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> list[Tenso
     known before anything is encoded (what ``spec_of`` gives of the encoded tensors)."""
     dtype = _DTYPE_NAMES[codec.data_dtype]
     return [
-        TensorSpec(name, tuple(shape), dtype, codec.n_scales(math.prod(shape)))
+        TensorSpec(
+            name,
+            tuple(shape),
+            dtype,
+            codec.n_scales(math.prod(shape)),
+            data_nbytes(codec, math.prod(shape)),
+        )
         for name, shape in shapes.items()
     ]
 

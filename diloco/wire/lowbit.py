@@ -1,10 +1,12 @@
 """Low-bit and sparse codecs for pseudo-gradients (issue 25's ``[compression]`` kinds
 ``int4``, ``int2`` and ``sparse``): what an upload under 0.05 byte per parameter is made of.
 
-Not yet a kind a run can name: the wire format (``diloco.wire.contribution``), the chunked
-close and the client's error feedback do not carry these bodies yet, so neither
-``codec.make_codec`` nor ``codec_from_description`` builds them. This module is their one
-definition: the layout, the encoder and the strict decoder those parts will call.
+Not yet a kind a run can name: the wire format (``diloco.wire.contribution``) carries these
+bodies (``codec_from_description`` builds them; a whole body's decoder checks every packed
+frame with ``decode``), but the server's streaming inspection, the chunked close and the
+client's error feedback do not yet, so ``codec.make_codec`` (the run config's kinds) does
+not build them. This module is their one definition: the layout, the encoder and the strict
+decoder those parts will call.
 
 Both keep the int8 codec's shape (``EncodedTensor``: flat ``data``, one fp32 scale per
 block) with ``data`` as packed bytes (``uint8``), ``data_nbytes(numel)`` long:
@@ -240,6 +242,20 @@ class SparseCodec:
         return {"kind": self.kind, "chunk": self.chunk, "topk": self.topk, "bits": self.bits}
 
 
+def packed_from_description(d: dict[str, Any]) -> LowBitCodec | SparseCodec:
+    """``describe()``'s output back to its codec; strict (it arrives over the network)."""
+    kind = d["kind"]
+    keys = ("kind", "chunk", "topk", "bits") if kind == SparseCodec.kind else ("kind", "block_size")
+    if sorted(d) != sorted(keys):
+        raise ValueError(f"codec description for {kind!r} needs exactly the keys {list(keys)}")
+    values = {k: d[k] for k in keys[1:]}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+        raise ValueError(f"codec description for {kind!r}: {list(keys[1:])} must be integers")
+    if kind == SparseCodec.kind:
+        return SparseCodec(**values)
+    return LowBitCodec(int(kind.removeprefix("int")), values["block_size"])
+
+
 def encode_with_feedback(
     codec: LowBitCodec | SparseCodec, delta: torch.Tensor, error: torch.Tensor | None, decay: float
 ) -> tuple[EncodedTensor, torch.Tensor]:
@@ -263,5 +279,6 @@ __all__ = [
     "bytes_per_value",
     "encode_with_feedback",
     "pack_fields",
+    "packed_from_description",
     "unpack_fields",
 ]
