@@ -11,9 +11,12 @@ import torch
 
 from diloco.config import ModelSection
 from diloco.model.architectures import build_model
-from diloco.outer.robust import UploadInspector
+from diloco.outer.chunked import UploadFile
+from diloco.outer.inspection import UploadInspector
+from diloco.outer.robust import SourceUnreadable
 from diloco.wire.codec import EncodedTensor, codec_from_description
 from diloco.wire.contribution import (
+    ContributionDecoder,
     ContributionMeta,
     WireFormatError,
     contribution_nbytes,
@@ -139,6 +142,35 @@ def test_packed_codec_descriptions_are_strict(description, message) -> None:
         codec_from_description(description)
 
 
-def test_the_servers_inspection_does_not_misread_a_packed_upload() -> None:
-    with pytest.raises(ValueError, match="uploads in sparse are not inspected yet"):
-        UploadInspector(SparseCodec().describe())
+@pytest.mark.parametrize("codec", CODECS[:3], ids=["sparse", "int4", "int2"])
+def test_the_servers_inspection_measures_a_packed_upload_as_it_streams(codec) -> None:
+    encoded = {n: codec.encode(t) for n, t in delta_of(SHAPES, seed=2).items()}
+    body = b"".join(encode_contribution(meta_for(codec), encoded))
+    streamed = UploadInspector(codec.describe())
+    decoder = ContributionDecoder(SHAPES, codec=codec.describe(), sink=streamed)
+    for at in range(0, len(body), 333):  # pieces cut anywhere, inside records too
+        decoder.feed(body[at : at + 333])
+    decoder.finish()
+    whole = UploadInspector(codec.describe())
+    for name, e in encoded.items():
+        whole.add(name, e)
+
+    expected = math.sqrt(
+        sum(float(codec.decode(e).double().pow(2).sum()) for e in encoded.values())
+    )
+    assert streamed.norm == pytest.approx(expected, rel=1e-12)
+    assert (whole.norm, whole.payload_sha256) == (streamed.norm, streamed.payload_sha256)
+
+
+def test_the_servers_inspection_refuses_a_malformed_packed_frame_as_it_streams() -> None:
+    body = body_with(SPARSE, lambda e: set_byte(e, 0, 0xFF))  # indices out of order
+    decoder = ContributionDecoder(sink=UploadInspector(SPARSE.describe()))
+    with pytest.raises(WireFormatError, match=r"tensor 'w'.*do not increase"):
+        decoder.feed(body)
+
+
+def test_the_close_does_not_misread_a_packed_upload(tmp_path) -> None:
+    path = tmp_path / "upload.bin"
+    path.write_bytes(body_with(SPARSE, lambda e: e))
+    with pytest.raises(SourceUnreadable, match="does not read sparse bodies yet"):
+        UploadFile("con_1", path, {"w": (1000,)}, SPARSE.describe())

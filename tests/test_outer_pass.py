@@ -23,7 +23,8 @@ from diloco.checkpoint import (
 from diloco.config import AggregationSection
 from diloco.outer import chunked as outer_pass
 from diloco.outer.chunked import Hyper, Outputs, Step, UploadFile, run_pass
-from diloco.outer.robust import Source, SourceUnreadable, UploadInspector, robust_aggregate
+from diloco.outer.inspection import UploadInspector
+from diloco.outer.robust import Source, SourceUnreadable, robust_aggregate
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec
 from diloco.wire.contribution import ContributionMeta, encode_contribution

@@ -1,4 +1,4 @@
-"""An upload inspected as it streams (diloco.outer.robust.UploadInspector as a wire.FrameSink):
+"""An upload inspected as it streams (diloco.outer.inspection.UploadInspector as a wire.FrameSink):
 the same verdicts, norm and digest as decoding every tensor, without holding or
 dequantising one, whatever pieces the body arrives in."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.outer.robust import UploadInspector, int8_block_stats
+from diloco.outer.inspection import UploadInspector, int8_block_stats
 from diloco.wire.codec import EncodedTensor, Int8Codec
 from diloco.wire.contribution import (
     ContributionDecoder,

@@ -3,7 +3,7 @@
 
 - ``RoundDesk.admit``: an upload as the server takes it: the body decoded and checked
   (``diloco.wire.contribution``), every tensor decoded to finite values and measured
-  (``diloco.outer.robust.UploadInspector``), its header against the round (``admit_claim``),
+  (``diloco.outer.inspection.UploadInspector``), its header against the round (``admit_claim``),
   a replay of another's tensors refused (``admit_payload``), its weight capped at what
   a lease allows (``upload_weight``) and, for late work merged into this round from an
   earlier one (``origin``), discounted by its staleness (``late_weight``).
@@ -29,7 +29,8 @@ from pathlib import Path
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
 from diloco.outer.close import CloseInputs, StepRejected, Upload, close_round
-from diloco.outer.robust import Share, Source, UploadInspector
+from diloco.outer.inspection import UploadInspector
+from diloco.outer.robust import Share, Source
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.outer.robust import UploadInspector
+from diloco.outer.inspection import UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_retry

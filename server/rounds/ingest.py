@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config import RunConfig
-from diloco.outer.robust import UploadInspector
+from diloco.outer.inspection import UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight

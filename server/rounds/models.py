@@ -159,7 +159,7 @@ class Contribution(Base):
     # left out of its round's step (e.g. its stored blob could not be read): earns nothing
     excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
     excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
-    # measured by the server when it was accepted (diloco.outer.robust.UploadInspector)
+    # measured by the server when it was accepted (diloco.outer.inspection.UploadInspector)
     # tokens it was worth when accepted (its claim, at most its lease's); what it counts for
     # in its step and in credit is late_weight(weight, staleness)
     weight: Mapped[int | None] = mapped_column(BigInteger, default=None)

@@ -21,8 +21,9 @@ from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
 from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
+from diloco.outer.inspection import UploadInspector
 from diloco.outer.optimizer import pseudo_gradient
-from diloco.outer.robust import Source, UploadInspector, robust_aggregate
+from diloco.outer.robust import Source, robust_aggregate
 from diloco.protocol.late import late_weight
 from diloco.protocol.rules import upload_weight
 from diloco.train import InnerTrainer, load_parameters, snapshot
