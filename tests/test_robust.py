@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from diloco.config import AggregationSection
+from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import (
     Source,
     SourceUnreadable,
-    UploadInspector,
     reference_norm,
     robust_aggregate,
 )
