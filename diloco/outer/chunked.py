@@ -39,6 +39,7 @@ from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
 from diloco.wire.contribution import DIGEST_BYTES, ContributionDecoder, WireFormatError
 from diloco.wire.header import MAX_HEADER_BYTES, PREFIX
+from diloco.wire.lowbit import LowBitCodec, SparseCodec
 from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter, byte_view
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -101,8 +102,11 @@ class UploadFile:
         assert header is not None
         self._sha = hashlib.sha256(os.pread(self._fd, PREFIX.size + header_len, 0))
         self.codec = codec_from_description(header.meta.codec)
-        if self.codec.data_dtype == torch.uint8:  # diloco.wire.lowbit: no run uses them yet
-            raise self.damaged(f"the close does not read {self.codec.kind} bodies yet")
+        # diloco.wire.lowbit's packed codes: ranges of bytes, decoded range by range
+        self._packed: LowBitCodec | SparseCodec | None = None
+        if isinstance(self.codec, LowBitCodec | SparseCodec):
+            self._packed = self.codec
+        self._numel = 0
         self._data: dict[str, int] = {}
         self._scales: dict[str, int] = {}
         at = PREFIX.size + header_len
@@ -150,6 +154,7 @@ class UploadFile:
     def start_tensor(self, name: str, numel: int) -> None:
         """Read the tensor's scales (hashed after its data: file order)."""
         n = self.codec.n_scales(numel)
+        self._numel = numel
         self._tensor_scales = torch.empty(n, dtype=torch.float32)
         view = byte_view(self._tensor_scales)
         if n and os.preadv(self._fd, [view], self._scales[name]) != len(view):
@@ -160,8 +165,12 @@ class UploadFile:
         self._hash(byte_view(self._tensor_scales), self._tensor_scales_at)  # a fresh tensor
 
     def chunk(self, name: str, start: int, n: int) -> torch.Tensor:
-        """Elements [start, start + n) of the tensor's data, in a buffer reused next call."""
+        """Elements [start, start + n) of the tensor's data, in a buffer reused next call
+        (packed codes: the bytes that hold them, ``decode_into`` unpacks them)."""
         dtype = self.codec.data_dtype
+        at = 0
+        if self._packed is not None:
+            at, n = self._packed.packed_range(start, n, self._numel)
         self._turn ^= 1
         if (pending := self._pending[self._turn]) is not None:
             pending.result()  # this buffer's bytes are hashed: it may be read into again
@@ -170,11 +179,18 @@ class UploadFile:
         if buf.dtype != dtype or buf.numel() < n:
             buf = self._bufs[self._turn] = torch.empty(n, dtype=dtype)
         out = buf[:n]
-        self._pread_into(out, self._data[name] + start * out.element_size())
+        self._pread_into(
+            out, self._data[name] + (at if self._packed is not None else start * out.element_size())
+        )
         return out
 
     def decode_into(self, q: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
         """Dequantise the chunk ``q`` (from element ``start``) into ``out``."""
+        if self._packed is not None:
+            try:
+                return self._packed.decode_packed(q, start, out, self._numel, self._tensor_scales)
+            except ValueError as err:  # checked on arrival: the stored bytes changed since
+                raise self.damaged(err) from None
         if not isinstance(self.codec, Int8Codec):
             return q  # fp32 already
         first = start // self.codec.block_size

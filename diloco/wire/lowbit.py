@@ -1,12 +1,14 @@
 """Low-bit and sparse codecs for pseudo-gradients (issue 25's ``[compression]`` kinds
 ``int4``, ``int2`` and ``sparse``): what an upload under 0.05 byte per parameter is made of.
 
-Not yet a kind a run can name: the wire format (``diloco.wire.contribution``) carries these
+Not yet a kind a run can name. The wire format (``diloco.wire.contribution``) carries these
 bodies (``codec_from_description`` builds them; a whole body's decoder checks every packed
-frame with ``decode``), but the server's streaming inspection, the chunked close and the
-client's error feedback do not yet, so ``codec.make_codec`` (the run config's kinds) does
-not build them. This module is their one definition: the layout, the encoder and the strict
-decoder those parts will call.
+frame with ``decode``), the server's streaming inspection checks and measures them
+(``diloco.outer.inspection``), and the close's pass reads them range by range
+(``packed_range``, ``decode_packed``: ``diloco.outer.chunked``); but the run config's
+``[compression]`` cannot choose them yet (``codec.make_codec``) and neither the client nor
+the simulator keeps their error feedback. This module is their one definition: the layout,
+the encoder and the strict decoder those parts call.
 
 Both keep the int8 codec's shape (``EncodedTensor``: flat ``data``, one fp32 scale per
 block) with ``data`` as packed bytes (``uint8``), ``data_nbytes(numel)`` long:
@@ -147,6 +149,22 @@ class LowBitCodec:
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "block_size": self.block_size}
 
+    def packed_range(self, start: int, n: int, numel: int) -> tuple[int, int]:
+        """(offset, length) of the data bytes that hold values [start, start + n)."""
+        first = start // self.per_byte
+        return first, -(-(start + n) // self.per_byte) - first
+
+    def decode_packed(
+        self, raw: torch.Tensor, start: int, out: torch.Tensor, numel: int, scales: torch.Tensor
+    ) -> torch.Tensor:
+        """Values [start, start + len(out)) into ``out`` from ``packed_range``'s bytes
+        ``raw`` and the tensor's ``scales``; unchecked (the upload was checked on arrival)."""
+        n, skip = out.numel(), start % self.per_byte
+        fields, _ = unpack_fields(raw.view(1, -1), raw.numel() * self.per_byte, self.bits)
+        q = fields.reshape(-1)[skip : skip + n] - self.levels
+        block = torch.arange(start, start + n) // self.block_size
+        return torch.mul(q.to(torch.float32), scales[block], out=out)
+
 
 class SparseCodec:
     """Top-k per chunk, ``bits``-bit codes with one scale per chunk, indices and codes
@@ -240,6 +258,51 @@ class SparseCodec:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "chunk": self.chunk, "topk": self.topk, "bits": self.bits}
+
+    def _covering(self, start: int, n: int, numel: int) -> tuple[int, int]:
+        """The chunks [first, stop) that hold values [start, start + n)."""
+        return start // self.chunk, min(self.n_scales(numel), -(-(start + n) // self.chunk))
+
+    def _offset(self, c: int, numel: int) -> int:
+        """Where chunk ``c``'s record starts (the short last chunk's record may be shorter)."""
+        full, _ = self._chunks(numel)
+        return min(c, full) * self._record_bytes(self.topk) + (
+            self.data_nbytes(numel) - full * self._record_bytes(self.topk) if c > full else 0
+        )
+
+    def packed_range(self, start: int, n: int, numel: int) -> tuple[int, int]:
+        """(offset, length) of the records of the chunks that hold values [start, start + n)."""
+        first, stop = self._covering(start, n, numel)
+        at = self._offset(first, numel)
+        return at, self._offset(stop, numel) - at
+
+    def decode_packed(
+        self, raw: torch.Tensor, start: int, out: torch.Tensor, numel: int, scales: torch.Tensor
+    ) -> torch.Tensor:
+        """Values [start, start + len(out)) into ``out`` (zeros but at the sent indices)
+        from ``packed_range``'s records ``raw`` and the tensor's ``scales``; checked as on
+        arrival (records cost little next to the pass)."""
+        n = out.numel()
+        first, stop = self._covering(start, n, numel)
+        full, last = self._chunks(numel)
+        dense = torch.zeros((stop - first) * self.chunk, dtype=torch.float32)
+        whole = min(stop, full) - first  # whole chunks among them
+        record = self._record_bytes(self.topk)
+        self._decode_rows(
+            raw[: whole * record].view(whole, record), self.topk, self.chunk,
+            scales[first : first + whole], dense,
+        )  # fmt: skip
+        if stop > full:  # and the short last one
+            k = min(self.topk, last)
+            self._decode_rows(
+                raw[whole * record :].view(1, -1),
+                k,
+                last,
+                scales[full:],
+                dense[whole * self.chunk :],
+            )
+        at = start - first * self.chunk
+        return out.copy_(dense[at : at + n])
 
 
 def packed_from_description(d: dict[str, Any]) -> LowBitCodec | SparseCodec:
