@@ -324,9 +324,7 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
     for i in range(k):
         gen = torch.Generator().manual_seed(i)
         delta = {n: torch.randn(shape, generator=gen) * 1e-3 for n, shape in shapes.items()}
-        encoded, codec = encode_delta(
-            delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
-        )
+        encoded, codec, _ = encode_delta(delta, cfg.compression)
         meta = ContributionMeta(
             lease["run_id"],
             lease["round"],

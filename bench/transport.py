@@ -209,12 +209,13 @@ def contribution_body(run_id: str, lease: dict, shapes: dict[str, tuple[int, ...
     """A real int8 contribution body for these shapes (a synthetic Δ, block 4096)."""
     import torch
 
+    from diloco.config import CompressionSection
     from diloco.wire.contribution import ContributionMeta, encode_contribution
     from diloco.wire.exchange import encode_delta
 
     gen = torch.Generator().manual_seed(seed)
     delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
-    encoded, codec = encode_delta(delta, kind="int8", block_size=4096)
+    encoded, codec, _ = encode_delta(delta, CompressionSection())
     meta = ContributionMeta(run_id, lease["round"], lease["base_version"], 16 * 128, 1, 3.0, codec)
     return b"".join(encode_contribution(meta, encoded, chunk_size=8 << 20))
 

@@ -2,7 +2,10 @@
 moments it had (DiLoCo: a contributor that stays keeps its AdamW state across rounds).
 
 Format: safetensors (never pickle). Tensors are the optimizer's per-parameter state under
-``state.<index>.<key>`` (``step``, ``exp_avg``, ``exp_avg_sq``); the metadata holds the
+``state.<index>.<key>`` (``step``, ``exp_avg``, ``exp_avg_sq``), and the upload codec's
+error-feedback residual under ``error.<parameter name>`` when the run's codec keeps one
+(int4, int2, sparse: a volunteer that returns goes on from it; one without it, or a new
+volunteer, starts from zero); the metadata holds the
 format version, the run, the run-config key the state belongs to, the parameter names and
 shapes in optimizer order, the param groups (JSON), and ``steps``: inner steps taken with
 this state. Written atomically (temp file, fsync, rename): a crash leaves the old file or
@@ -33,6 +36,7 @@ class OptimizerStateError(ValueError):
 class SavedState:
     steps: int  # inner steps taken with this state, over every round
     round: int  # the round whose training produced it
+    error: dict[str, torch.Tensor] | None = None  # the upload codec's residual, if any
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -49,8 +53,10 @@ def save_state(
     config_key: str,
     steps: int,
     round: int,
+    error: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``optimizer``'s state for ``model`` to ``path`` (atomically)."""
+    """Write ``optimizer``'s state for ``model`` (and the codec's residual ``error``) to
+    ``path`` (atomically)."""
     sd = optimizer.state_dict()
     tensors = {
         f"state.{index}.{key}": value.detach().to("cpu", copy=True).contiguous()
@@ -58,6 +64,8 @@ def save_state(
         for key, value in per_param.items()
         if isinstance(value, torch.Tensor)
     }
+    for name, residual in (error or {}).items():
+        tensors[f"error.{name}"] = residual.detach().to("cpu", torch.float32).contiguous()
     names = _param_names(model, optimizer)
     params = dict(model.named_parameters())
     metadata = {
@@ -111,7 +119,12 @@ def load_state(
     if saved != current:
         raise OptimizerStateError(f"{path} was saved for a model with other parameters")
     state: dict[int, dict[str, torch.Tensor]] = {}
+    error = {k.removeprefix("error."): v for k, v in tensors.items() if k.startswith("error.")}
+    if any(n not in params or tuple(v.shape) != tuple(params[n].shape) for n, v in error.items()):
+        raise OptimizerStateError(f"{path}: its error-feedback residual does not fit the model")
     for key, value in tensors.items():
+        if key.startswith("error."):
+            continue
         _, position, name = key.split(".", 2)
         state.setdefault(int(position), {})[name] = value
     for index, per_param in state.items():
@@ -122,4 +135,4 @@ def load_state(
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as err:
         raise OptimizerStateError(f"{path} does not fit this optimizer: {err}") from err
-    return SavedState(steps=steps, round=round_)
+    return SavedState(steps=steps, round=round_, error=error or None)

@@ -239,6 +239,7 @@ class LocalTrainer:
             config_key=self.config_key,
             steps=self.steps_taken,
             round=round,
+            error=self.trainer.error_feedback,
         )
 
     def restore_state(self, path: Path, *, run_id: str) -> SavedState:
@@ -253,6 +254,7 @@ class LocalTrainer:
             config_key=self.config_key,
         )
         self.steps_taken = saved.steps
+        self.trainer.error_feedback = saved.error
         return saved
 
     def train(
@@ -329,8 +331,10 @@ class LocalTrainer:
         delta = pseudo_gradient(params, new)
         if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
             raise DivergedError("the inner loop diverged (Δ holds NaN or Inf)")
-        comp = self.cfg.compression
-        encoded, codec = encode_delta(delta, kind=comp.kind, block_size=comp.block_size)
+        # the residual of error feedback (int4, int2, sparse) is kept with the AdamW state
+        encoded, codec, self.trainer.error_feedback = encode_delta(
+            delta, self.cfg.compression, self.trainer.error_feedback
+        )
         meta = ContributionMeta(
             run_id=lease.run_id,
             round=lease.round,

@@ -259,8 +259,24 @@ class EvalSection(_Section):
 
 
 class CompressionSection(_Section):
-    kind: Literal["int8", "none"] = "int8"
+    """How uploads are compressed (``diloco.wire``): int8 or fp32 ("none") per value; int4
+    or int2 per value with error feedback; sparse: per ``chunk`` values the ``topk``
+    largest of the error-feedback accumulator, ``bits``-bit codes (diloco.wire.lowbit).
+    ``block_size`` is the int8/int4/int2 scale block (and the int8 download deltas');
+    ``ef_decay`` weighs the residual carried into the next round (a = ef_decay·e + Δ)."""
+
+    kind: Literal["int8", "none", "int4", "int2", "sparse"] = "int8"
     block_size: int = Field(4096, ge=64, le=1 << 24)
+    chunk: int = Field(4096, ge=2, le=1 << 16)
+    topk: int = Field(64, ge=1, le=1 << 16)
+    bits: Literal[1, 2, 3, 4, 8] = 2
+    ef_decay: float = Field(1.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _topk_fits_the_chunk(self) -> CompressionSection:
+        if self.topk > self.chunk:
+            raise ValueError(f"topk: {self.topk} values cannot be kept of a chunk of {self.chunk}")
+        return self
 
 
 class AggregationSection(_Section):

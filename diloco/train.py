@@ -130,6 +130,9 @@ class InnerTrainer:
         self.micro_batch = micro_batch
         self.optimizer = make_adamw(self.model, inner, fused=device.type == "cuda")
         self.skipped_steps = 0  # fp16 steps skipped because the gradients overflowed
+        # the upload codec's error-feedback residual (int4, int2, sparse: diloco.wire.lowbit),
+        # carried from one upload to the next; None: zeros (a new volunteer)
+        self.error_feedback: dict[str, torch.Tensor] | None = None
 
     def start_lease(self, params: Mapping[str, torch.Tensor]) -> None:
         """Begin a lease's inner steps from θ(t−1) = ``params``: load them and, with

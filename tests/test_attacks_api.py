@@ -213,10 +213,9 @@ def test_a_normal_norm_upload_that_raises_the_loss_is_never_published(http: http
     mine = works[attacker]
     honest_norm = math.sqrt(sum(float(t.pow(2).sum()) for t in mine.delta.values()))
     cfg = parse_config(run["config"])
-    encoded, _ = encode_delta(
+    encoded, _, _ = encode_delta(
         loss_raising_delta(http, mine, honest_norm),
-        kind=cfg.compression.kind,
-        block_size=cfg.compression.block_size,
+        cfg.compression,
     )
     body = Work(mine.lease, mine.meta, encoded).body()
 

@@ -247,3 +247,34 @@ def test_each_rejection_is_one_line_and_repeated_invalid_bodies_stop_the_worker(
     )
     assert lines[-1].endswith("rejected: wrong_tensors: tensor 'wte.weight' has shape (1, 2)")
     assert worker.summary.rejected == 5 + MAX_INVALID_IN_A_ROW
+
+
+SPARSE = {**TINY, "compression": {"kind": "sparse", "chunk": 64, "topk": 4}}
+
+
+def test_the_upload_codecs_residual_is_saved_with_the_state_and_restored(tmp_path):
+    """A returning volunteer goes on from its error-feedback residual, restored exactly
+    from the saved state; a new one starts from none (zeros)."""
+    path = tmp_path / "adamw.safetensors"
+    base = _global_params()
+    torch.manual_seed(0)
+    steady = LocalTrainer(torch.device("cpu"))
+    steady.prepare(copy.deepcopy(SPARSE))
+    lease = _tiny_lease(SPARSE, round=1, start_step=0, seed=1)
+    result = steady.train(lease, base, _shard(), on_step=lambda *a: None, stop=never)
+    steady.contribution(lease, base, result)
+    assert steady.trainer is not None and steady.trainer.error_feedback is not None
+    steady.save_state(path, run_id=RUN, round=1)
+    residual = {n: t.clone() for n, t in steady.trainer.error_feedback.items()}
+
+    restarted = LocalTrainer(torch.device("cpu"))
+    restarted.prepare(copy.deepcopy(SPARSE))
+    restarted.restore_state(path, run_id=RUN)
+    fresh = LocalTrainer(torch.device("cpu"))
+    fresh.prepare(copy.deepcopy(SPARSE))
+
+    assert restarted.trainer is not None and restarted.trainer.error_feedback is not None
+    assert residual.keys() == restarted.trainer.error_feedback.keys()
+    assert all(torch.equal(residual[n], restarted.trainer.error_feedback[n]) for n in residual)
+    assert fresh.trainer is not None and fresh.trainer.error_feedback is None
+    assert any(bool(t.abs().sum() > 0) for t in residual.values())

@@ -99,7 +99,10 @@ def test_heads_must_divide_width():
 
 
 def test_unknown_compression_kind_is_named():
-    with pytest.raises(ConfigError, match=r"compression\.kind: Input should be 'int8' or 'none'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compression\.kind: Input should be 'int8', 'none', 'int4', 'int2' or 'sparse'",
+    ):
         parse_config(minimal(compression={"kind": "fp8"}))
 
 
@@ -147,3 +150,33 @@ def test_the_issues_1_2_billion_parameter_model_needs_about_ten_gigabytes_to_clo
     )
 
     assert 9 << 30 < close_memory_bytes(cfg) < 10 << 30  # 1.21e9 params x 4 bytes x 2
+
+
+def test_the_packed_compression_kinds_and_their_keys():
+    cfg = parse_config(minimal(compression={"kind": "sparse"}))
+    c = cfg.compression
+    assert (c.kind, c.chunk, c.topk, c.bits, c.ef_decay) == ("sparse", 4096, 64, 2, 1.0)
+    assert (
+        parse_config(minimal(compression={"kind": "int2", "ef_decay": 0.9})).compression.ef_decay
+        == 0.9
+    )
+
+
+@pytest.mark.parametrize(
+    ("compression", "message"),
+    [
+        (
+            {"kind": "sparse", "chunk": 64, "topk": 65},
+            "topk: 65 values cannot be kept of a chunk of 64",
+        ),
+        ({"kind": "sparse", "bits": 5}, r"compression\.bits: Input should be 1, 2, 3, 4 or 8"),
+        (
+            {"kind": "int2", "ef_decay": 1.5},
+            r"compression\.ef_decay: Input should be less than or equal to 1",
+        ),
+        ({"kind": "int3"}, r"compression\.kind: Input should be"),
+    ],
+)
+def test_bad_compression_settings_are_refused_naming_the_key(compression, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(minimal(compression=compression))

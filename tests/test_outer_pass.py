@@ -20,7 +20,7 @@ from diloco.checkpoint import (
     state_metadata,
     write_params,
 )
-from diloco.config import AggregationSection
+from diloco.config import AggregationSection, CompressionSection
 from diloco.outer import chunked as outer_pass
 from diloco.outer.chunked import Hyper, Outputs, Step, UploadFile, run_pass
 from diloco.outer.inspection import UploadInspector
@@ -42,7 +42,7 @@ def upload_body(seed: int, order: list[str] | None = None) -> bytes:
     gen = torch.Generator().manual_seed(seed)
     drawn = {n: torch.randn(s, generator=gen) * (1 + seed) for n, s in SHAPES.items()}
     delta = {n: drawn[n] for n in order or SHAPES}  # the same values, in the body's order
-    encoded, codec = encode_delta(delta, kind="int8", block_size=BLOCK)
+    encoded, codec, _ = encode_delta(delta, CompressionSection(kind="int8", block_size=BLOCK))
     meta = ContributionMeta("run_t", 1, 0, 100, 1, 3.0, codec)
     return b"".join(encode_contribution(meta, encoded))
 

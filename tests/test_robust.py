@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from diloco.config import AggregationSection
+from diloco.config import AggregationSection, CompressionSection
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import (
     Source,
@@ -37,7 +37,7 @@ def delta(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 def body(d: dict[str, torch.Tensor], tokens: int = 100, kind: str = KIND) -> bytes:
-    encoded, codec = encode_delta(d, kind=kind, block_size=BLOCK)
+    encoded, codec, _ = encode_delta(d, CompressionSection(kind=kind, block_size=BLOCK))
     meta = ContributionMeta("run_x", 1, 0, tokens, 5, 2.0, codec)
     return b"".join(encode_contribution(meta, encoded))
 

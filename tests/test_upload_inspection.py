@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from diloco.config import CompressionSection
 from diloco.outer.inspection import UploadInspector, int8_block_stats
 from diloco.wire.codec import EncodedTensor, Int8Codec
 from diloco.wire.contribution import (
@@ -40,7 +41,7 @@ def delta(seed: int) -> dict[str, torch.Tensor]:
 
 
 def body(kind: str, seed: int = 1) -> bytes:
-    encoded, codec = encode_delta(delta(seed), kind=kind, block_size=BLOCK)
+    encoded, codec, _ = encode_delta(delta(seed), CompressionSection(kind=kind, block_size=BLOCK))
     meta = ContributionMeta("run_x", 1, 0, 100, 5, 2.0, codec)
     return b"".join(encode_contribution(meta, encoded))
 

@@ -66,7 +66,11 @@ def simulate(
         ),
     ] = None,
     compression: Annotated[
-        str | None, typer.Option(help="none | int8 (default: config).", envvar="DILOCO_COMPRESSION")
+        str | None,
+        typer.Option(
+            help="none | int8 | int4 | int2 | sparse (default: config).",
+            envvar="DILOCO_COMPRESSION",
+        ),
     ] = None,
     inner_steps: Annotated[
         int | None,

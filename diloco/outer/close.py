@@ -64,7 +64,8 @@ from diloco.outer.robust import (
 from diloco.protocol.rules import decide_after_exclusions, judge_step, should_judge
 from diloco.protocol.state import Action, Decision, StepVerdict
 from diloco.wire import delta as deltas
-from diloco.wire.codec import Int8Codec, make_codec
+from diloco.wire.codec import Int8Codec
+from diloco.wire.exchange import codec_for
 from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter
 
 log = logging.getLogger("diloco.rounds")
@@ -187,7 +188,7 @@ def _open_base(inputs: CloseInputs) -> _Base:
         params,
         state,
         {n: params.entries[n].shape for n in names},
-        make_codec(cfg.compression.kind, cfg.compression.block_size).describe(),
+        codec_for(cfg.compression).describe(),
         Int8Codec(cfg.compression.block_size),
         Hyper(cfg.outer.lr_at(inputs.version), cfg.outer.momentum, cfg.outer.nesterov),
     )

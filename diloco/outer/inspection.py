@@ -21,7 +21,7 @@ from diloco.wire.contribution import (
     non_finite_values,
     out_of_range_int8,
 )
-from diloco.wire.header import data_nbytes
+from diloco.wire.header import data_nbytes, dtype_name
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -148,7 +148,7 @@ class UploadInspector:
                 f"tensor {name!r} is not in {codec!r}'s form: {encoded.data.dtype}, "
                 f"{encoded.scales.numel()} scales for {encoded.numel} values"
             )
-        dtype = {torch.int8: "int8", torch.uint8: "uint8"}.get(codec.data_dtype, "float32")
+        dtype = dtype_name(codec.data_dtype)
         self.begin(TensorSpec(name, tuple(encoded.shape), dtype, encoded.scales.numel()))
         data = encoded.data.contiguous().numpy()
         self.data(data.astype(data.dtype.newbyteorder("<"), copy=False).view(np.uint8).data)

@@ -14,6 +14,7 @@ from typing import Literal, get_args
 
 import torch
 
+from diloco.config import CompressionSection
 from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from diloco.wire.exchange import encode_delta
@@ -89,7 +90,8 @@ def hostile_body(
         delta = stale_delta
     else:
         delta = tamper_delta(attack, delta, seed=seed)
-    encoded, codec = encode_delta(delta, kind=kind, block_size=block_size)
+    compression = CompressionSection(kind=kind, block_size=block_size)
+    encoded, codec, _ = encode_delta(delta, compression)  # an attacker keeps no residual
     if attack == "huge_scales":
         encoded = huge_scales(encoded)
     if attack == "token_inflation":

@@ -166,8 +166,9 @@ def train_upload(
     trainer.start_lease(params)
     result = trainer.run(steps or H, start_step=(round - 1) * H, next_batch=next_batch)
     delta = pseudo_gradient(params, snapshot(trainer.model))
-    encoded, codec = encode_delta(
-        delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
+    # the worker's error-feedback residual, kept with its AdamW state, as the client does
+    encoded, codec, trainer.error_feedback = encode_delta(
+        delta, cfg.compression, trainer.error_feedback
     )
     meta = ContributionMeta(
         run_id=SIM_RUN_ID,
@@ -185,9 +186,7 @@ def upload_nbytes(cfg: RunConfig, model: LanguageModel) -> int:
     """The size of a volunteer's upload body for ``model`` under the run's codec (a zero Δ
     through ``encode_delta`` and the wire format, as ``train_upload`` sends it)."""
     zeros = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in snapshot(model).items()}
-    encoded, codec = encode_delta(
-        zeros, kind=cfg.compression.kind, block_size=cfg.compression.block_size
-    )
+    encoded, codec, _ = encode_delta(zeros, cfg.compression)
     steps = cfg.inner.steps
     meta = ContributionMeta(
         run_id=SIM_RUN_ID,

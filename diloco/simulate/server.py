@@ -36,8 +36,8 @@ from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
 from diloco.protocol.state import Refusal, RoundState, RoundView, StepVerdict, UploadClaim
 from diloco.simulate.versions import Versions
-from diloco.wire.codec import make_codec
 from diloco.wire.contribution import ContributionDecoder, NonFiniteWireError, WireFormatError
+from diloco.wire.exchange import codec_for
 
 SIM_RUN_ID = "simulate"  # the run id in every simulated upload's header
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
@@ -181,4 +181,4 @@ def open_round(cfg: RunConfig, index: int) -> RoundDesk:
 
 def _model(cfg: RunConfig) -> tuple[dict[str, tuple[int, ...]], dict]:
     shapes = parameter_shapes(cfg.model)
-    return shapes, make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
+    return shapes, codec_for(cfg.compression).describe()

@@ -201,7 +201,7 @@ class NoneCodec:
 
 
 KNOWN_KINDS = (Int8Codec.kind, NoneCodec.kind)
-PACKED_KINDS = ("int4", "int2", "sparse")  # diloco.wire.lowbit: on the wire, not in a run yet
+PACKED_KINDS = ("int4", "int2", "sparse")  # diloco.wire.lowbit (diloco.wire.exchange.codec_for)
 
 
 def make_codec(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Int8Codec | NoneCodec:
@@ -216,8 +216,8 @@ def make_codec(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Int8Codec | N
 def codec_from_description(d: object) -> Codec:
     """Rebuild a codec from ``describe()`` output. Strict, because the description arrives
     over the network: unknown kinds, missing or extra keys, and wrong types are errors.
-    Besides the run config's kinds it knows the packed ones of ``diloco.wire.lowbit``
-    (int4, int2, sparse), which the wire format carries and no run can name yet."""
+    It knows the packed kinds of ``diloco.wire.lowbit`` (int4, int2, sparse) besides
+    ``make_codec``'s."""
     if not isinstance(d, dict):
         raise ValueError(f"codec description must be a map, got {type(d).__name__}")
     kind = d.get("kind")

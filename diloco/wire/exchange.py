@@ -10,12 +10,36 @@ from collections.abc import Mapping
 
 import torch
 
-from diloco.wire.codec import EncodedTensor, make_codec
+from diloco.config import CompressionSection
+from diloco.wire.codec import Codec, EncodedTensor, make_codec
+from diloco.wire.lowbit import LowBitCodec, SparseCodec, encode_with_feedback
+
+Residual = dict[str, torch.Tensor]
+
+
+def codec_for(compression: CompressionSection) -> Codec:
+    """The codec a run's ``[compression]`` names: the one every upload of the run uses."""
+    if compression.kind == "sparse":
+        return SparseCodec(compression.chunk, compression.topk, compression.bits)
+    if compression.kind in ("int4", "int2"):
+        return LowBitCodec(int(compression.kind.removeprefix("int")), compression.block_size)
+    return make_codec(compression.kind, compression.block_size)
 
 
 def encode_delta(
-    delta: Mapping[str, torch.Tensor], *, kind: str, block_size: int
-) -> tuple[dict[str, EncodedTensor], dict]:
-    """Compress each tensor of Δ; returns the encoded tensors and the codec description."""
-    codec = make_codec(kind, block_size)
-    return {n: codec.encode(t) for n, t in delta.items()}, codec.describe()
+    delta: Mapping[str, torch.Tensor],
+    compression: CompressionSection,
+    error: Residual | None = None,
+) -> tuple[dict[str, EncodedTensor], dict, Residual | None]:
+    """Compress each tensor of Δ: the encoded tensors, the codec's description, and for
+    the codecs with error feedback (int4, int2, sparse) the residual to carry into the
+    next round, from ``error`` (None: zeros, as a new volunteer's)."""
+    codec = codec_for(compression)
+    if not isinstance(codec, LowBitCodec | SparseCodec):
+        return {n: codec.encode(t) for n, t in delta.items()}, codec.describe(), None
+    encoded: dict[str, EncodedTensor] = {}
+    residual: Residual = {}
+    for n, t in delta.items():
+        carried = None if error is None else error.get(n)
+        encoded[n], residual[n] = encode_with_feedback(codec, t, carried, compression.ef_decay)
+    return encoded, codec.describe(), residual

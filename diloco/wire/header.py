@@ -279,6 +279,11 @@ def specs_for(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> list[Tenso
     ]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire's name of a data dtype (``DTYPES``' key)."""
+    return _DTYPE_NAMES[dtype]
+
+
 def body_bytes(head_bytes: int, specs: list[TensorSpec]) -> int:
     """A contribution body's size: ``head_bytes`` of prefix and header, then the frames of
     ``specs`` and the digest."""

@@ -1,14 +1,15 @@
 """Low-bit and sparse codecs for pseudo-gradients (issue 25's ``[compression]`` kinds
 ``int4``, ``int2`` and ``sparse``): what an upload under 0.05 byte per parameter is made of.
 
-Not yet a kind a run can name. The wire format (``diloco.wire.contribution``) carries these
-bodies (``codec_from_description`` builds them; a whole body's decoder checks every packed
-frame with ``decode``), the server's streaming inspection checks and measures them
-(``diloco.outer.inspection``), and the close's pass reads them range by range
-(``packed_range``, ``decode_packed``: ``diloco.outer.chunked``); but the run config's
-``[compression]`` cannot choose them yet (``codec.make_codec``) and neither the client nor
-the simulator keeps their error feedback. This module is their one definition: the layout,
-the encoder and the strict decoder those parts call.
+A run chooses one with ``[compression] kind`` (``diloco.wire.exchange.codec_for``: the
+keys ``block_size``, ``chunk``, ``topk``, ``bits``, ``ef_decay``). The wire format carries
+these bodies (``codec_from_description``; a whole body's decoder checks every packed frame
+with ``decode``), the server's streaming inspection checks and measures them
+(``diloco.outer.inspection``), the close's pass reads them range by range
+(``packed_range``, ``decode_packed``: ``diloco.outer.chunked``), and the volunteer keeps
+its error-feedback residual with its AdamW state (``encode_delta``; the client's
+``client.optimizer_state``, the simulator's workers alike). This module is their one
+definition: the layout, the encoder and the strict decoder.
 
 Both keep the int8 codec's shape (``EncodedTensor``: flat ``data``, one fp32 scale per
 block) with ``data`` as packed bytes (``uint8``), ``data_nbytes(numel)`` long:

@@ -39,7 +39,6 @@ from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight
 from diloco.protocol.state import LateGrant, Refusal, UploadClaim
-from diloco.wire.codec import make_codec
 from diloco.wire.contribution import (
     ContributionDecoder,
     ContributionHeader,
@@ -47,6 +46,8 @@ from diloco.wire.contribution import (
     NonFiniteWireError,
     WireFormatError,
 )
+from diloco.wire.exchange import codec_for
+from diloco.wire.header import dtype_name
 from server.http.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -83,7 +84,7 @@ __all__ = ["FEED_BYTES", "Accepted", "check_model", "receive"]
 
 def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
     """The header's codec and tensors against the run's model and codec."""
-    codec = make_codec(cfg.compression.kind, cfg.compression.block_size)
+    codec = codec_for(cfg.compression)
     if header.meta.codec != codec.describe():
         raise WrongCodec(f"codec {header.meta.codec} is not the run's {codec.describe()}")
     expected = rounds_service.model_shapes(cfg)
@@ -96,7 +97,7 @@ def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
             f"tensors differ from the run's model: missing {missing}, unknown {extra}, "
             f"wrong shape {[f'{n} {got[n]} != {expected[n]}' for n in wrong]}"
         )
-    dtype = "int8" if cfg.compression.kind == "int8" else "float32"
+    dtype = dtype_name(codec.data_dtype)
     if bad := [t.name for t in header.tensors if t.dtype != dtype]:
         raise WrongTensors(f"tensors {bad} are not {dtype}, as the run's codec requires")
 
@@ -225,7 +226,7 @@ async def receive(
         check_model(header, cfg=cfg)
 
     # the run's codec: check_model refuses any other before a tensor byte is looked at
-    codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
+    codec = codec_for(cfg.compression).describe()
     inspection = UploadInspector(codec, digest_later=True)
     decoder = ContributionDecoder(max_bytes=limit, on_header=check_header, sink=inspection)
     with (landing or storage.writer)(key) as writer:

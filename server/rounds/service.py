@@ -38,7 +38,7 @@ from diloco.protocol.state import (
     RoundState,
     RoundView,
 )
-from diloco.wire.codec import make_codec
+from diloco.wire.exchange import codec_for
 from diloco.wire.header import PREFIX, body_bytes, specs_for
 from server.contributors.models import Contributor
 from server.http.errors import NotFound
@@ -71,7 +71,7 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
 
 def max_upload_bytes(cfg: RunConfig, settings: Settings) -> int:
     """The exact frame bytes of a contribution for this model and codec, plus header room."""
-    codec = make_codec(cfg.compression.kind, cfg.compression.block_size)
+    codec = codec_for(cfg.compression)
     specs = specs_for(codec, model_shapes(cfg))
     return body_bytes(PREFIX.size + settings.upload_slack_bytes, specs)
 

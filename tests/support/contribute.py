@@ -114,9 +114,7 @@ def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = No
         ),
     )
     delta = pseudo_gradient(base, snapshot(trainer.model))
-    encoded, codec = encode_delta(
-        delta, kind=cfg.compression.kind, block_size=cfg.compression.block_size
-    )
+    encoded, codec, _ = encode_delta(delta, cfg.compression)
     meta = ContributionMeta(
         run_id=run_id,
         round=lease["round"],
