@@ -91,7 +91,7 @@ def test_the_server_answers_others_while_it_creates_a_run_from_a_large_data_file
         ("inner", {"lr": -1}, "inner.lr"),
         ("rounds", {"quorum": 3, "target": 2}, "rounds.target"),
         ("model", {"n_embd": 30, "n_head": 4}, "model.n_head"),
-        ("compression", {"kind": "int4"}, "compression.kind"),
+        ("compression", {"kind": "fp8"}, "compression.kind"),
     ],
 )
 def test_bad_run_config_is_422_naming_the_key(http, data_file, section, values, key):

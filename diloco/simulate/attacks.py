@@ -14,10 +14,8 @@ from typing import Literal, get_args
 
 import torch
 
-from diloco.config import CompressionSection
-from diloco.wire.codec import EncodedTensor
+from diloco.wire.codec import EncodedTensor, make_codec
 from diloco.wire.contribution import ContributionMeta, encode_contribution
-from diloco.wire.exchange import encode_delta
 
 Attack = Literal[
     "huge_scales",  # finite int8 scales so large that the decoded values overflow to Inf
@@ -90,8 +88,9 @@ def hostile_body(
         delta = stale_delta
     else:
         delta = tamper_delta(attack, delta, seed=seed)
-    compression = CompressionSection(kind=kind, block_size=block_size)
-    encoded, codec, _ = encode_delta(delta, compression)  # an attacker keeps no residual
+    codec_ = make_codec(kind, block_size)  # int8 or none: an attacker keeps no residual
+    encoded = {n: codec_.encode(t) for n, t in delta.items()}
+    codec = codec_.describe()
     if attack == "huge_scales":
         encoded = huge_scales(encoded)
     if attack == "token_inflation":
