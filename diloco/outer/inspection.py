@@ -21,7 +21,7 @@ from diloco.wire.contribution import (
     non_finite_values,
     out_of_range_int8,
 )
-from diloco.wire.header import data_nbytes, dtype_name
+from diloco.wire.header import dtype_name
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -141,7 +141,7 @@ class UploadInspector:
         codec, numel = self._codec, encoded.numel
         if (
             encoded.data.dtype != codec.data_dtype
-            or encoded.data.numel() * encoded.data.element_size() != data_nbytes(codec, numel)
+            or encoded.data.numel() * encoded.data.element_size() != codec.data_nbytes(numel)
             or encoded.scales.numel() != codec.n_scales(numel)
         ):
             raise ValueError(

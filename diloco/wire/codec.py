@@ -68,6 +68,7 @@ class Codec(Protocol):
     def decode(self, e: EncodedTensor) -> torch.Tensor: ...
     def describe(self) -> dict[str, Any]: ...
     def n_scales(self, numel: int) -> int: ...
+    def data_nbytes(self, numel: int) -> int: ...
 
 
 def _flat_finite_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -113,6 +114,10 @@ class Int8Codec:
 
     def n_scales(self, numel: int) -> int:
         return self.n_blocks(numel)
+
+    def data_nbytes(self, numel: int) -> int:
+        """A tensor's data frame: one byte per value."""
+        return numel
 
     def encode(self, t: torch.Tensor) -> EncodedTensor:
         flat = t.detach().reshape(-1).to(torch.float32)  # (N,)
@@ -178,6 +183,10 @@ class NoneCodec:
 
     def n_scales(self, numel: int) -> int:
         return 0
+
+    def data_nbytes(self, numel: int) -> int:
+        """A tensor's data frame: four bytes per value."""
+        return 4 * numel
 
     def encode(self, t: torch.Tensor) -> EncodedTensor:
         flat = _flat_finite_fp32(t)

@@ -176,18 +176,11 @@ def _check_spec(spec: TensorSpec, codec: Codec) -> None:
             f"tensor {spec.name!r} declares {spec.n_scales} scales but codec "
             f"{codec.describe()} needs {codec.n_scales(spec.numel)} for {spec.numel} values"
         )
-    if spec.data_bytes != data_nbytes(codec, spec.numel):
+    if spec.data_bytes != codec.data_nbytes(spec.numel):
         raise WireFormatError(
             f"tensor {spec.name!r} has {spec.data_bytes} data bytes but codec "
-            f"{codec.describe()} needs {data_nbytes(codec, spec.numel)} for {spec.numel} values"
+            f"{codec.describe()} needs {codec.data_nbytes(spec.numel)} for {spec.numel} values"
         )
-
-
-def data_nbytes(codec: Codec, numel: int) -> int:
-    """A tensor's data frame length in ``codec``: one value of its dtype per parameter, or
-    what a packed codec says."""
-    packed = getattr(codec, "data_nbytes", None)
-    return int(packed(numel)) if packed is not None else numel * codec.data_dtype.itemsize
 
 
 def parse_header(raw: bytes) -> ContributionHeader:
@@ -232,7 +225,7 @@ def parse_header(raw: bytes) -> ContributionHeader:
         numel = math.prod(shape)
         if numel > MAX_NUMEL:
             raise WireFormatError(f"tensor {name!r} has {numel} values, over {MAX_NUMEL}")
-        spec = TensorSpec(name, tuple(shape), dtype, n_scales, data_nbytes(codec, numel))
+        spec = TensorSpec(name, tuple(shape), dtype, n_scales, codec.data_nbytes(numel))
         _check_spec(spec, codec)
         specs.append(spec)
     twice = sorted(name for name, n in Counter(s.name for s in specs).items() if n > 1)
@@ -273,7 +266,7 @@ def specs_for(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> list[Tenso
             tuple(shape),
             dtype,
             codec.n_scales(math.prod(shape)),
-            data_nbytes(codec, math.prod(shape)),
+            codec.data_nbytes(math.prod(shape)),
         )
         for name, shape in shapes.items()
     ]
