@@ -143,9 +143,15 @@ class LowBitCodec:
             raise ValueError(f"{self.kind} codec: a code is out of range (> {2 * self.levels})")
         if bool(codes[n:].any()):
             raise ValueError(f"{self.kind} codec: bits set past the last value")
-        q = (codes[:n] - self.levels).to(torch.float32)
-        q = torch.nn.functional.pad(q, (0, -n % self.block_size)).view(-1, self.block_size)
-        return (q * scales[:, None]).reshape(-1)[:n].reshape(e.shape)
+        out = torch.empty(n, dtype=torch.float32)
+        return self._dequantize(codes[:n], 0, scales, out).reshape(e.shape)
+
+    def _dequantize(
+        self, codes: torch.Tensor, start: int, scales: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Codes of values [start, start + len(out)) times their blocks' scales, into ``out``."""
+        block = torch.arange(start, start + out.numel()) // self.block_size
+        return torch.mul((codes - self.levels).to(torch.float32), scales[block], out=out)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "block_size": self.block_size}
@@ -160,11 +166,9 @@ class LowBitCodec:
     ) -> torch.Tensor:
         """Values [start, start + len(out)) into ``out`` from ``packed_range``'s bytes
         ``raw`` and the tensor's ``scales``; unchecked (the upload was checked on arrival)."""
-        n, skip = out.numel(), start % self.per_byte
+        skip = start % self.per_byte
         fields, _ = unpack_fields(raw.view(1, -1), raw.numel() * self.per_byte, self.bits)
-        q = fields.reshape(-1)[skip : skip + n] - self.levels
-        block = torch.arange(start, start + n) // self.block_size
-        return torch.mul(q.to(torch.float32), scales[block], out=out)
+        return self._dequantize(fields.reshape(-1)[skip : skip + out.numel()], start, scales, out)
 
 
 class SparseCodec:
@@ -226,19 +230,8 @@ class SparseCodec:
     def decode(self, e: EncodedTensor) -> torch.Tensor:
         n = e.numel
         scales = _check_body(e, self.data_nbytes(n), self.n_scales(n), "sparse codec")
-        full, last = self._chunks(n)
-        out = torch.zeros(self.n_scales(n) * self.chunk, dtype=torch.float32)
-        record = self._record_bytes(self.topk)
-        cut = full * record
-        self._decode_rows(
-            e.data[:cut].view(full, record), self.topk, self.chunk, scales[:full], out
-        )
-        if last:
-            k = min(self.topk, last)
-            self._decode_rows(
-                e.data[cut:].view(1, -1), k, last, scales[full:], out[full * self.chunk :]
-            )
-        return out[:n].reshape(e.shape)
+        out = torch.empty(n, dtype=torch.float32)
+        return self.decode_packed(e.data, 0, out, n, scales).reshape(e.shape)
 
     def _decode_rows(
         self, records: torch.Tensor, k: int, length: int, scales: torch.Tensor, out: torch.Tensor
@@ -265,11 +258,8 @@ class SparseCodec:
         return start // self.chunk, min(self.n_scales(numel), -(-(start + n) // self.chunk))
 
     def _offset(self, c: int, numel: int) -> int:
-        """Where chunk ``c``'s record starts (the short last chunk's record may be shorter)."""
-        full, _ = self._chunks(numel)
-        return min(c, full) * self._record_bytes(self.topk) + (
-            self.data_nbytes(numel) - full * self._record_bytes(self.topk) if c > full else 0
-        )
+        """Where chunk ``c``'s record starts: the records of the values before it."""
+        return self.data_nbytes(min(c * self.chunk, numel))
 
     def packed_range(self, start: int, n: int, numel: int) -> tuple[int, int]:
         """(offset, length) of the records of the chunks that hold values [start, start + n)."""
@@ -281,8 +271,8 @@ class SparseCodec:
         self, raw: torch.Tensor, start: int, out: torch.Tensor, numel: int, scales: torch.Tensor
     ) -> torch.Tensor:
         """Values [start, start + len(out)) into ``out`` (zeros but at the sent indices)
-        from ``packed_range``'s records ``raw`` and the tensor's ``scales``; checked as on
-        arrival (records cost little next to the pass)."""
+        from ``packed_range``'s records ``raw`` and the tensor's ``scales``, each record
+        checked (``decode`` is the whole tensor's range)."""
         n = out.numel()
         first, stop = self._covering(start, n, numel)
         full, last = self._chunks(numel)
