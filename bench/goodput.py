@@ -78,14 +78,20 @@ LINK_ARMS: dict[str, list[str]] = {
 
 
 def config(
-    arm_inner: str, arm_rounds: str, args: argparse.Namespace, rounds: int, steps: int
+    arm_inner: str,
+    arm_rounds: str,
+    args: argparse.Namespace,
+    rounds: int,
+    steps: int,
+    timeout_s: float | None = None,
 ) -> str:
+    """The arm's run config; ``timeout_s``: the round deadline (default ``--timeout-s``)."""
     return (
         f'name = "goodput"\n[model]\n{args.model}'
         f'[data]\npath = "{args.data}"\nval_fraction = 0.05\n'
         f"[inner]\nsteps = {steps}\nbatch_size = {args.batch_size}\nlr = 2e-3\nwarmup_steps = 10\n"
         f"{arm_inner}"
-        f"[rounds]\nquorum = 2\ntimeout_s = {args.timeout_s}\nmax_rounds = {rounds}\n"
+        f"[rounds]\nquorum = 2\ntimeout_s = {timeout_s or args.timeout_s}\nmax_rounds = {rounds}\n"
         f"{arm_rounds}"
     )
 
@@ -111,9 +117,7 @@ def run_one(
 def run_link(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """A ``LINK_ARMS`` run: the platform's defaults, six volunteers, no dropouts."""
     name = "links_" + arm.split(" ")[0]
-    toml = config("", "", args, args.rounds, args.steps).replace(
-        f"timeout_s = {args.timeout_s}", f"timeout_s = {LINK_TIMEOUT_S}"
-    )
+    toml = config("", "", args, args.rounds, args.steps, timeout_s=LINK_TIMEOUT_S)
     n = len(SPEEDS)
     flags = [*LINK_ARMS[arm], "--workers", str(n), "--speeds", ",".join(["1"] * n),
              "--mode", "protocol", "--step-s", str(LINK_STEP_S), "--seed", str(seed),
