@@ -252,15 +252,17 @@ def simulate(
     chosen = device_for(device, threads)
     cfg = run_config(
         config,
-        inner_steps=inner_steps,
-        rounds=rounds,
-        quorum=quorum,
-        target=target,
-        timeout_s=timeout_s,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        nesterov=nesterov,
-        compression=compression,
+        {
+            "inner": {"steps": inner_steps},
+            "rounds": {
+                "max_rounds": rounds,
+                "quorum": quorum,
+                "target": target,
+                "timeout_s": timeout_s,
+            },
+            "outer": {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov},
+            "compression": {"kind": compression},
+        },
     )
     try:
         protocol = protocol_options(

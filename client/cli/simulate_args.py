@@ -29,28 +29,11 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunC
     return parse_config(raw)
 
 
-def run_config(config: Path, **options: Any) -> RunConfig:
-    """The run config at ``config`` with the command line's options over it (None: the
-    file's value), validated again."""
+def run_config(config: Path, overrides: dict[str, dict[str, Any]]) -> RunConfig:
+    """The run config at ``config`` with the command line's values over it, section by
+    section (None: the file's value), validated again; a usage error otherwise."""
     try:
-        return with_overrides(
-            load_config(config),
-            {
-                "inner": {"steps": options["inner_steps"]},
-                "rounds": {
-                    "max_rounds": options["rounds"],
-                    "quorum": options["quorum"],
-                    "target": options["target"],
-                    "timeout_s": options["timeout_s"],
-                },
-                "outer": {
-                    "lr": options["outer_lr"],
-                    "momentum": options["outer_momentum"],
-                    "nesterov": options["nesterov"],
-                },
-                "compression": {"kind": options["compression"]},
-            },
-        )
+        return with_overrides(load_config(config), overrides)
     except ConfigError as err:
         fail(str(err), ExitStatus.USAGE)
 
