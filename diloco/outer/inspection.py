@@ -18,6 +18,7 @@ from diloco.wire.contribution import (
     NonFiniteWireError,
     TensorSpec,
     WireFormatError,
+    checked_decode,
     non_finite_values,
     out_of_range_int8,
 )
@@ -128,10 +129,7 @@ class UploadInspector:
         indices, pad bits, scales: ``diloco.wire.lowbit``)."""
         data = torch.from_numpy(np.frombuffer(self._packed, dtype=np.uint8).copy())
         encoded = EncodedTensor(self._shape, data, scales.clone())
-        try:
-            x = self._codec.decode(encoded)
-        except ValueError as e:
-            raise WireFormatError(f"tensor {self._name!r}: {e}") from e
+        x = checked_decode(self._name, self._codec, encoded)
         return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
     # -- whole tensors

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from diloco.wire.codec import INT8_MAX, EncodedTensor, codec_from_description
+from diloco.wire.codec import INT8_MAX, Codec, EncodedTensor, codec_from_description
 from diloco.wire.encode import contribution_nbytes, encode_contribution
 from diloco.wire.header import (
     DIGEST_BYTES,
@@ -65,6 +65,7 @@ __all__ = [
     "NonFiniteWireError",
     "TensorSpec",
     "WireFormatError",
+    "checked_decode",
     "contribution_nbytes",
     "decode_contribution",
     "encode_contribution",
@@ -145,6 +146,7 @@ class ContributionDecoder:
         self._received = 0
         self._header_len = 0
         self._header: ContributionHeader | None = None
+        self._header_codec: Codec | None = None  # the header's codec, once it arrived
         self._error: WireFormatError | None = None
         self._index = 0  # tensor being filled, in header order
         self._data: torch.Tensor | None = None
@@ -240,6 +242,7 @@ class ContributionDecoder:
             self._enter(_Stage.HEADER, header_len)
         elif self._stage is _Stage.HEADER:
             self._header = parse_header(bytes(self._buf))
+            self._header_codec = codec_from_description(self._header.meta.codec)
             self._check_header(self._header)
             if self._on_header is not None:
                 self._on_header(self._header)
@@ -262,7 +265,8 @@ class ContributionDecoder:
                 assert self._data is not None and self._header is not None
                 encoded = EncodedTensor(spec.shape, self._data, self._scales)
                 if spec.dtype == "uint8":  # packed codes: the codec's own checks
-                    _check_packed(spec.name, self._header.meta.codec, encoded)
+                    assert self._header_codec is not None
+                    checked_decode(spec.name, self._header_codec, encoded)
                 completed.append((spec.name, encoded))
             self._start_tensor(self._index + 1)
         elif self._stage is _Stage.TRAILER:
@@ -349,11 +353,12 @@ def _check_frame(name: str, part: str, x: torch.Tensor) -> None:
         raise out_of_range_int8(name)
 
 
-def _check_packed(name: str, codec: dict[str, Any], encoded: EncodedTensor) -> None:
-    """A packed codec's frames (``diloco.wire.lowbit``): sizes, indices, codes, pad bits,
-    scales, as its decoder checks them."""
+def checked_decode(name: str, codec: Codec, encoded: EncodedTensor) -> torch.Tensor:
+    """Tensor ``name`` decoded, its frames checked as its codec's decoder checks them (for
+    the packed codecs of ``diloco.wire.lowbit``: sizes, indices, codes, pad bits, scales);
+    a WireFormatError naming the tensor otherwise."""
     try:
-        codec_from_description(codec).decode(encoded)
+        return codec.decode(encoded)
     except ValueError as e:
         raise WireFormatError(f"tensor {name!r}: {e}") from e
 
