@@ -56,10 +56,12 @@ from diloco.train import (
     evaluate,
     load_parameters,
     load_parameters_file,
+    parameters_of,
     snapshot,
 )
-from diloco.wire.contribution import ContributionMeta, contribution_nbytes, encode_contribution
-from diloco.wire.exchange import encode_delta
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.exchange import codec_for, encode_delta
+from diloco.wire.header import body_bytes, prefix_and_header, specs_for
 
 if TYPE_CHECKING:
     from diloco.simulate.protocol_mode import ProtocolOptions, ProtocolTotals
@@ -183,10 +185,10 @@ def train_upload(
 
 
 def upload_nbytes(cfg: RunConfig, model: LanguageModel) -> int:
-    """The size of a volunteer's upload body for ``model`` under the run's codec (a zero Δ
-    through ``encode_delta`` and the wire format, as ``train_upload`` sends it)."""
-    zeros = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in snapshot(model).items()}
-    encoded, codec, _ = encode_delta(zeros, cfg.compression)
+    """The size of a volunteer's upload body for ``model`` under the run's codec, from the
+    shapes alone (``specs_for``, as the server's upload limit is computed)."""
+    codec = codec_for(cfg.compression)
+    specs = specs_for(codec, {n: tuple(p.shape) for n, p in parameters_of(model).items()})
     steps = cfg.inner.steps
     meta = ContributionMeta(
         run_id=SIM_RUN_ID,
@@ -195,9 +197,9 @@ def upload_nbytes(cfg: RunConfig, model: LanguageModel) -> int:
         tokens=steps * cfg.tokens_per_step,
         inner_steps=steps,
         loss=0.0,
-        codec=codec,
+        codec=codec.describe(),
     )
-    return contribution_nbytes(meta, encoded)
+    return body_bytes(len(prefix_and_header(meta, specs)), specs)
 
 
 class Recorder:
