@@ -258,12 +258,23 @@ class EvalSection(_Section):
     windows: int = Field(64, ge=1, le=1 << 20)
 
 
+# the download codec a run gets when its [compression] names none, by upload kind: the
+# same family as its uploads (docs/tuning-notes.md, "Compressed downloads")
+DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int2", "sparse": "int2"}
+
+
 class CompressionSection(_Section):
     """How uploads are compressed (``diloco.wire``): int8 or fp32 ("none") per value; int4
     or int2 per value with error feedback; sparse: per ``chunk`` values the ``topk``
     largest of the error-feedback accumulator, ``bits``-bit codes (diloco.wire.lowbit).
-    ``block_size`` is the int8/int4/int2 scale block (and the int8 download deltas');
-    ``ef_decay`` weighs the residual carried into the next round (a = ef_decay·e + Δ)."""
+    ``block_size`` is the int8/int4/int2 scale block; ``ef_decay`` weighs the residual
+    carried into the next round (a = ef_decay·e + Δ).
+
+    ``download`` is the codec of the deltas between published versions, what a returning
+    volunteer downloads (``diloco.wire.delta``; the server keeps their residual): int8,
+    int4, int2 or sparse (its chunk and bits are the uploads', its top-k
+    ``download_topk``). Left out, it follows ``kind`` (``DOWNLOAD_FOR``; ``download_kind``)
+    and a run records the one it uses (``RunConfig.pinned``)."""
 
     kind: Literal["int8", "none", "int4", "int2", "sparse"] = "int8"
     block_size: int = Field(4096, ge=64, le=1 << 24)
@@ -271,12 +282,31 @@ class CompressionSection(_Section):
     topk: int = Field(64, ge=1, le=1 << 16)
     bits: Literal[1, 2, 3, 4, 8] = 2
     ef_decay: float = Field(1.0, ge=0.0, le=1.0)
+    download: Literal["int8", "int4", "int2", "sparse"] | None = None
+    download_topk: int | None = Field(None, ge=1, le=1 << 16)
 
     @model_validator(mode="after")
     def _topk_fits_the_chunk(self) -> CompressionSection:
-        if self.topk > self.chunk:
-            raise ValueError(f"topk: {self.topk} values cannot be kept of a chunk of {self.chunk}")
+        for key, topk in (("topk", self.topk), ("download_topk", self.download_topk)):
+            if topk is not None and topk > self.chunk:
+                raise ValueError(f"{key}: {topk} values cannot be kept of a chunk of {self.chunk}")
         return self
+
+    @property
+    def download_kind(self) -> str:
+        """The published deltas' codec: ``download``, else the one ``kind`` implies."""
+        return self.download or DOWNLOAD_FOR[self.kind]
+
+    @property
+    def download_k(self) -> int:
+        """A sparse delta's top-k per chunk: ``download_topk``, else ``topk``."""
+        return self.download_topk or self.topk
+
+    def pinned(self) -> CompressionSection:
+        """This section with the download codec it implies written in (what a run records)."""
+        return self.model_copy(
+            update={"download": self.download_kind, "download_topk": self.download_k}
+        )
 
 
 class AggregationSection(_Section):
@@ -358,6 +388,11 @@ class RunConfig(_Section):
         """The most tokens a lease of the nominal H can hold (H steps of batch_size x
         block_size); ``lease_tokens_for`` a lease sized otherwise."""
         return self.lease_tokens_for(self.inner.steps)
+
+    def pinned(self) -> RunConfig:
+        """The config with the choices its defaults imply written in: what a run records
+        at its creation, so that it keeps them whatever later defaults say."""
+        return self.model_copy(update={"compression": self.compression.pinned()})
 
     def lease_tokens_for(self, inner_steps: int | None) -> int:
         """The most tokens one lease's work can hold, for a lease of ``inner_steps`` (None:

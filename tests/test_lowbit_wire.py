@@ -187,7 +187,7 @@ def test_the_close_sums_packed_uploads_range_by_range_as_the_whole_tensors_would
         uploads.append(UploadFile(f"con_{i}", path, shapes, codec.describe()))
         decoded.append({n: codec.decode(e) for n, e in encoded.items()})
 
-    result = chunked.run_pass(uploads, coefficients, shapes, block_size=100, keep=True)
+    result = chunked.run_pass(uploads, coefficients, shapes, align=100, keep=True)
 
     for name, shape in shapes.items():
         g = torch.zeros(shape)

@@ -4,6 +4,7 @@ piece by piece (``diloco.wire.tensorfile``), on real files, against whole-tensor
 from __future__ import annotations
 
 import hashlib
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from diloco.wire.exchange import encode_delta
+from diloco.wire.lowbit import LowBitCodec, SparseCodec
 from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 from tests.support.contribute import Reference, outer_reference, read_outer_state
 
@@ -75,12 +77,26 @@ def base_version(
     return theta, state
 
 
-def close(folder: Path, bodies: list[bytes], coefficients: list[float], hasher=None):  # type: ignore[no-untyped-def]
+# the published delta's codecs: whole pieces of each land at their offsets
+DELTA_CODECS = {
+    "int8": Int8Codec(BLOCK),
+    "int4": LowBitCodec(4, BLOCK),
+    "int2": LowBitCodec(2, BLOCK),
+    "sparse": SparseCodec(chunk=BLOCK, topk=8, bits=2),
+}
+
+
+def close(  # type: ignore[no-untyped-def]
+    folder: Path,
+    bodies: list[bytes],
+    coefficients: list[float],
+    hasher=None,
+    codec: deltas.DeltaCodec = DELTA_CODECS["int8"],
+):
     paths = []
     for i, body in enumerate(bodies):
         paths.append(folder / f"u{i}.bin")
         paths[-1].write_bytes(body)
-    codec = Int8Codec(BLOCK)
     names = list(SHAPES)
     out = Outputs(
         TensorFileWriter(
@@ -104,7 +120,8 @@ def close(folder: Path, bodies: list[bytes], coefficients: list[float], hasher=N
         codec,
         out,
     )
-    result = run_pass(uploads, coefficients, SHAPES, block_size=BLOCK, step=step)
+    align = math.lcm(deltas.alignment(codec), BLOCK)
+    result = run_pass(uploads, coefficients, SHAPES, align=align, step=step)
     if not result.finite:  # as the close does: a step that is not finite is not published
         out.abort()
         return result, None, None
@@ -113,15 +130,18 @@ def close(folder: Path, bodies: list[bytes], coefficients: list[float], hasher=N
     return result, sha, delta_sha
 
 
+@pytest.mark.parametrize("delta", list(DELTA_CODECS))
 @pytest.mark.parametrize("momentum", [False, True], ids=["first step", "later step"])
-def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum):
-    # Prepare: a base version, three uploads, the plain mean
+def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum, delta, monkeypatch):
+    # Prepare: a base version, three uploads, the plain mean; the pass cut in pieces of a
+    # block, so that every tensor but the short one is published piece by piece
     theta, state = base_version(tmp_path, momentum=momentum)
     bodies = [upload_body(seed) for seed in range(3)]
     coefficients = [0.5, 0.3, 0.2]
+    monkeypatch.setattr(outer_pass, "CHUNK_ELEMENTS", BLOCK)
 
     # Execute
-    result, sha, delta_sha = close(tmp_path, bodies, coefficients)
+    result, sha, delta_sha = close(tmp_path, bodies, coefficients, codec=DELTA_CODECS[delta])
 
     # Assert: the files hold the reference step, bit for bit
     sources = [
@@ -132,8 +152,8 @@ def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum):
         sources, shapes=SHAPES, codec=CODEC, policy=AggregationSection(method="mean")
     )
     want = outer_reference(
-        theta, mean.delta, hyper=(HYPER.lr, HYPER.momentum, HYPER.nesterov), codec=Int8Codec(BLOCK),
-        state=state,
+        theta, mean.delta, hyper=(HYPER.lr, HYPER.momentum, HYPER.nesterov),
+        codec=DELTA_CODECS[delta], state=state,
     )  # fmt: skip
     params = load_file(tmp_path / "new.safetensors")
     got_state = read_outer_state(tmp_path / "new.state")
@@ -165,7 +185,8 @@ def _dot(body: bytes, v: dict[str, torch.Tensor]) -> float:
     )
 
 
-def test_the_chunk_size_and_a_hashing_thread_change_no_byte(tmp_path, monkeypatch):
+@pytest.mark.parametrize("delta", list(DELTA_CODECS))
+def test_the_chunk_size_and_a_hashing_thread_change_no_byte(tmp_path, monkeypatch, delta):
     bodies = [upload_body(seed) for seed in range(2)]
     outs = []
     for chunk, threaded in ((BLOCK, False), (1 << 20, True)):
@@ -174,7 +195,9 @@ def test_the_chunk_size_and_a_hashing_thread_change_no_byte(tmp_path, monkeypatc
         base_version(folder, momentum=True)
         monkeypatch.setattr(outer_pass, "CHUNK_ELEMENTS", chunk)
         with ThreadPoolExecutor(1) as hasher:
-            _, sha, delta_sha = close(folder, bodies, [0.5, 0.5], hasher if threaded else None)
+            _, sha, delta_sha = close(
+                folder, bodies, [0.5, 0.5], hasher if threaded else None, DELTA_CODECS[delta]
+            )
         outs.append((sha, delta_sha, (folder / "new.state").read_bytes()))
     assert outs[0] == outs[1]
 

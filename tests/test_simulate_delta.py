@@ -1,5 +1,5 @@
-"""Delta downloads in the simulator: θ published by the close's int8 deltas, what workers
-download counted as those deltas."""
+"""Delta downloads in the simulator: θ published by the close's deltas (int8 by default,
+the run's download codec), what workers download counted as those deltas."""
 
 import json
 import math
@@ -79,8 +79,14 @@ def test_delta_mode_residual_is_bounded_by_each_rounds_quantisation_error(cfg):
         residual = now
 
 
-def test_delta_mode_final_theta_is_theta0_plus_every_rounds_delta_file(cfg, tmp_path):
-    # Prepare: θ_0 is the seed's initial model, as simulate builds it
+@pytest.mark.parametrize(("download", "per_param"), [("int8", 1.1), ("int2", 0.3), ("sparse", 0.3)])
+def test_delta_mode_final_theta_is_theta0_plus_every_rounds_delta_file(
+    corpus, tmp_path, download, per_param
+):
+    # Prepare: θ_0 is the seed's initial model, as simulate builds it; the run's deltas
+    # in its download codec (sparse: 256 of each 4096 values)
+    compression = {"download": download, "download_topk": 256}
+    cfg = tiny_config(corpus, rounds={"max_rounds": 4}, compression=compression)
     torch.manual_seed(2)
     theta = snapshot(GPT(cfg.model.gpt_config()))
     shapes = parameter_shapes(cfg.model)
@@ -94,9 +100,15 @@ def test_delta_mode_final_theta_is_theta0_plus_every_rounds_delta_file(cfg, tmp_
     for v, path in enumerate(paths, start=1):
         delta = read_delta(path, shapes)
         assert (delta.version, delta.base_version) == (v, v - 1)
+        assert delta.codec.kind == download
         apply_delta(theta, delta)
     for name, tensor in result.final_params.items():
         assert torch.equal(theta[name], tensor)
+    # what a returning worker downloads a round: the last delta file; its tensors, without
+    # the header (large beside a model this small), weigh what the codec promises
+    assert result.delta is not None and result.delta.delta_bytes == paths[-1].stat().st_size
+    numel = sum(t.numel() for t in theta.values())
+    assert sum(e.nbytes for e in delta.tensors.values()) <= per_param * numel
 
 
 def test_delta_downloads_apply_to_diloco_and_protocol_modes_only(cfg):

@@ -5,7 +5,7 @@ round's stored uploads (``os.preadv`` into small reusable buffers, never the who
 blob), dequantises and sums them with their coefficients, measures each one's dot product
 with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
 error feedback (``diloco.wire.delta``) and writes the new parameters, momentum, residual and
-int8 delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
+compressed delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
 upload, whatever the model's size; the base version is read, never modified, so a step
 the guard discards costs nothing to undo.
 
@@ -47,12 +47,12 @@ CHUNK_ELEMENTS = 1 << 17  # 512 KiB of fp32: the ops stay in the core's L2 here
 UPLOAD_BUFFER_BUDGET = 64 << 20  # bytes of upload chunks held at once, all uploads together
 
 
-def chunk_elements(n_sources: int, block_size: int) -> int:
-    """The pass's chunk: a whole number of blocks, smaller when many uploads share the
-    buffer budget."""
+def chunk_elements(n_sources: int, align: int) -> int:
+    """The pass's chunk: a multiple of ``align`` values (the delta codec's
+    ``diloco.wire.delta.alignment``), smaller when many uploads share the buffer budget."""
     # per upload and element: two int8 read buffers and the decoded fp32 chunk
     want = min(CHUNK_ELEMENTS, UPLOAD_BUFFER_BUDGET // (6 * max(1, n_sources)))
-    return max(block_size, want // block_size * block_size)
+    return max(align, want // align * align)
 
 
 class UploadFile:
@@ -248,7 +248,7 @@ class Step:
     hyper: Hyper
     params: TensorFileReader  # θ at the base version
     state: OuterStateFile  # its momentum and residual
-    codec: Int8Codec  # the delta's
+    codec: deltas.DeltaCodec  # the published delta's
     out: Outputs
 
 
@@ -279,14 +279,14 @@ def run_pass(
     coefficients: Sequence[float],
     shapes: Shapes,
     *,
-    block_size: int,
+    align: int,
     center: tuple[Mapping[str, torch.Tensor], float] | None = None,
     step: Step | None = None,
     keep: bool = False,
 ) -> PassResult:
     """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
     the new version's files from g; with ``keep``, g itself (memory O(model))."""
-    chunk = chunk_elements(len(uploads), block_size)
+    chunk = chunk_elements(len(uploads), align)
     decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
@@ -367,7 +367,8 @@ def _step_chunk(
     out.params.write(name, start, theta)
     out.state.write(MOMENTUM_PREFIX + name, start, m)
     out.state.write(RESIDUAL_PREFIX + name, start, d)
-    out.delta.write(deltas.DATA + name, start, encoded.data)
-    out.delta.write(deltas.SCALES + name, start // step.codec.block_size, encoded.scales)
+    at, scale_at = deltas.piece_offsets(step.codec, start)
+    out.delta.write(deltas.DATA + name, at, encoded.data)
+    out.delta.write(deltas.SCALES + name, scale_at, encoded.scales)
     res.lap("write", t)
     return True

@@ -1,4 +1,4 @@
-"""A round's close: robust aggregate, outer step, int8 delta, judged before it is published.
+"""A round's close: robust aggregate, outer step, compressed delta, judged before it is published.
 
 The one implementation of the close. The server (``server.rounds.outer_step``) calls
 ``close_round`` on the files it staged and publishes what it commits; ``diloco simulate``
@@ -13,10 +13,10 @@ differ.
   version; ``centered_clip`` needs the clipped mean first (one more pass, and the model's
   size in memory for it).
 - The version's files: parameters, outer state (momentum and delta residual), and the
-  int8 delta from the base version (``diloco.wire.delta``): the published parameters are the
-  base's plus the decoded delta, and what the quantisation left out is carried in the
-  residual. Memory stays a few chunks a contribution: nothing of the model's size is held
-  but by ``centered_clip``.
+  delta from the base version in the run's download codec (``diloco.wire.delta``): the
+  published parameters are the base's plus the decoded delta, and what the compression
+  left out is carried in the residual. Memory stays a few chunks a contribution: nothing
+  of the model's size is held but by ``centered_clip``.
 - Every step is judged before anything is published (``diloco.protocol.rules``:
   ``should_judge`` then ``judge_step``): one that is not finite, or whose loss on the
   run's small fixed judging sample (``[aggregation] judge_windows``) passes
@@ -64,8 +64,7 @@ from diloco.outer.robust import (
 from diloco.protocol.rules import decide_after_exclusions, judge_step, should_judge
 from diloco.protocol.state import Action, Decision, StepVerdict
 from diloco.wire import delta as deltas
-from diloco.wire.codec import Int8Codec
-from diloco.wire.exchange import codec_for
+from diloco.wire.exchange import codec_for, delta_codec_for
 from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter
 
 log = logging.getLogger("diloco.rounds")
@@ -160,8 +159,15 @@ class _Base:
     state: OuterStateFile
     shapes: dict[str, tuple[int, ...]]
     upload_codec: dict
-    delta_codec: Int8Codec
+    delta_codec: deltas.DeltaCodec
     hyper: Hyper
+
+    def align(self) -> int:
+        """The pass's chunks start at multiples of this: whole blocks of int8 uploads and
+        whole pieces of the delta (``diloco.wire.delta.alignment``)."""
+        int8 = self.upload_codec["kind"] == "int8"
+        uploads = self.upload_codec["block_size"] if int8 else 1
+        return math.lcm(deltas.alignment(self.delta_codec), uploads)
 
     def close(self) -> None:
         self.params.close()
@@ -189,7 +195,7 @@ def _open_base(inputs: CloseInputs) -> _Base:
         state,
         {n: params.entries[n].shape for n in names},
         codec_for(cfg.compression).describe(),
-        Int8Codec(cfg.compression.block_size),
+        delta_codec_for(cfg.compression),
         Hyper(cfg.outer.lr_at(inputs.version), cfg.outer.momentum, cfg.outer.nesterov),
     )
 
@@ -295,20 +301,20 @@ def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _Stag
             ]
 
         step = Step(base.hyper, base.params, base.state, base.delta_codec, out)
-        block = base.delta_codec.block_size
+        align = base.align()
         try:
             uploads = open_uploads()
             if policy.method != "centered_clip":
-                result = run_pass(uploads, coefficients, base.shapes, block_size=block, step=step)
+                result = run_pass(uploads, coefficients, base.shapes, align=align, step=step)
                 dots, v_sq, factors = result.dots, result.g_sq, clip
             else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
-                first = run_pass(uploads, coefficients, base.shapes, block_size=block, keep=True)
+                first = run_pass(uploads, coefficients, base.shapes, align=align, keep=True)
                 dots, v_sq = first.dots, first.g_sq
                 factors = centre_pulls(distances(norms, dots, v_sq))
                 pulls = [u.weight * factors[u.id] / total for u in kept]
                 centre = (first.kept, 1.0 - sum(pulls))
                 result = run_pass(
-                    open_uploads(), pulls, base.shapes, block_size=block, center=centre, step=step
+                    open_uploads(), pulls, base.shapes, align=align, center=centre, step=step
                 )
             out.params.settle()  # before its hashing thread goes
         except BaseException:

@@ -1,11 +1,12 @@
 """The simulator's checkpoint store: each version's files, as the server keeps them.
 
 A simulated run keeps its versions in a temp dir of its own: the parameters file, the
-outer state file (momentum and delta residual) and the int8 delta from the version before,
-written by the close itself (``diloco.outer.close``, through ``diloco.simulate.server.RoundDesk``)
-exactly as the server writes them. The published parameters θ are the base's plus the
-decoded delta; what the quantisation left out is carried in the residual r, so θ + r is
-the exact Nesterov iterate x (``exact``, for information).
+outer state file (momentum and delta residual) and the delta from the version before (in
+the run's download codec), written by the close itself (``diloco.outer.close``, through
+``diloco.simulate.server.RoundDesk``) exactly as the server writes them. The published
+parameters θ are the base's plus the decoded delta; what the compression left out is
+carried in the residual r, so θ + r is the exact Nesterov iterate x (``exact``, for
+information).
 
 A round whose step was rejected, or that had nothing to aggregate, still publishes a
 version in the simulator (the server would retry that close): the same files, and a delta
@@ -16,7 +17,6 @@ of zeros. With ``delta_dir`` every version's delta file is also copied there
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -27,8 +27,8 @@ import torch
 from diloco.checkpoint import RESIDUAL_PREFIX, write_initial_state, write_params
 from diloco.config import RunConfig
 from diloco.outer.close import VersionPaths
-from diloco.wire.codec import EncodedTensor, Int8Codec
-from diloco.wire.delta import publish_change, write_delta
+from diloco.wire.delta import write_delta
+from diloco.wire.exchange import delta_codec_for
 from diloco.wire.tensorfile import TensorFileReader
 
 Params = Mapping[str, torch.Tensor]
@@ -43,7 +43,7 @@ class Versions:
         self._tmp = tempfile.TemporaryDirectory(prefix="diloco-simulate-")
         self.root = Path(self._tmp.name)
         self.run_id, self.delta_dir = run_id, delta_dir
-        self.codec = Int8Codec(cfg.compression.block_size)
+        self.codec = delta_codec_for(cfg.compression)
         hparams = {
             "lr": cfg.outer.lr,
             "momentum": cfg.outer.momentum,
@@ -83,10 +83,7 @@ class Versions:
         before, now = self.latest, self.paths(version)
         shutil.copyfile(before.params, now.params)
         shutil.copyfile(before.state, now.state)
-        zeros = {}
-        for name, shape in self.shapes.items():
-            flat, _ = publish_change(torch.zeros(math.prod(shape)), self.codec)
-            zeros[name] = EncodedTensor(shape, flat.data, flat.scales)
+        zeros = {name: self.codec.encode(torch.zeros(shape)) for name, shape in self.shapes.items()}
         write_delta(
             now.delta,
             zeros,

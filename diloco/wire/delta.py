@@ -1,8 +1,11 @@
-"""int8 deltas between published versions: 1 byte a parameter a round instead of 4.
+"""Compressed deltas between published versions: what a returning volunteer downloads.
 
 Every version v the server publishes also has a delta from v−1: the change of each
-parameter, int8 with one fp32 scale per block (``diloco.wire.codec.Int8Codec``). The published
-parameters are *defined* by the deltas:
+parameter in the run's download codec (``[compression] download``, built by
+``diloco.wire.exchange.delta_codec_for``): int8 with one fp32 scale per block
+(``diloco.wire.codec.Int8Codec``, 1 byte a parameter), or int4, int2 or sparse top-k
+(``diloco.wire.lowbit``: 0.5, 0.25, 0.03 byte a parameter). The published parameters are
+*defined* by the deltas:
 
     θ_v = θ_{v−1} + decode(q_v)          (fp32, elementwise: the same bits everywhere)
 
@@ -14,13 +17,17 @@ leaves out is not lost: the server keeps the residual r_v and adds it to the nex
     d_v = r_{v−1} − lr·u_v     (u_v the Nesterov update; r_0 = 0)
     q_v = quantise(d_v),  θ_v = θ_{v−1} + decode(q_v),  r_v = d_v − decode(q_v)
 
-``publish_change`` is that one step on any flat piece of a tensor whose length is a
-multiple of the block size (or that ends the tensor): the server applies it chunk by
-chunk (``diloco.outer.chunked``), the simulator to whole tensors, with the same bits.
+``publish_change`` is that one step on any flat piece of a tensor that starts at a
+multiple of ``alignment(codec)`` values (a whole number of the codec's blocks, chunks or
+packed bytes): the server applies it chunk by chunk (``diloco.outer.chunked``, writing each
+piece at ``piece_offsets``), the simulator and the tests' reference to whole tensors, with
+the same bits.
 
-A delta file is a safetensors file: ``scales/<name>`` (fp32, one per block) and
-``delta/<name>`` (int8, the parameter's shape), with metadata naming the format, the run,
-``version`` and ``base_version`` and the block size.
+A delta file is a safetensors file: ``scales/<name>`` (fp32, one per block or chunk) and
+``delta/<name>`` (int8 in the parameter's shape for int8; the packed bytes, uint8, for the
+others), with metadata naming the format, the run, ``version`` and ``base_version`` and
+the codec (its ``describe()`` as JSON). Format 1 (int8 only, a ``block_size`` key) is
+still read.
 """
 
 from __future__ import annotations
@@ -33,24 +40,43 @@ from pathlib import Path
 
 import torch
 
-from diloco.wire.codec import EncodedTensor, Int8Codec, NonFiniteError
+from diloco.wire.codec import EncodedTensor, Int8Codec, NonFiniteError, codec_from_description
+from diloco.wire.lowbit import LowBitCodec, SparseCodec
 from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
 
 FORMAT = "diloco-delta"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READ_VERSIONS = ("1", "2")  # 1: int8 only, its block size under "block_size"
 SCALES, DATA = "scales/", "delta/"
+DeltaCodec = Int8Codec | LowBitCodec | SparseCodec
 
 
 class DeltaError(ValueError):
     """A delta file that is not the one expected (format, run, versions, tensors)."""
 
 
-def publish_change(d: torch.Tensor, codec: Int8Codec) -> tuple[EncodedTensor, torch.Tensor]:
+def alignment(codec: DeltaCodec) -> int:
+    """Where a piece of a tensor may start for ``publish_change``: a multiple of this many
+    values (whole scale blocks or sparse chunks, and whole bytes of packed codes)."""
+    if isinstance(codec, SparseCodec):
+        return codec.chunk
+    if isinstance(codec, LowBitCodec):
+        return math.lcm(codec.block_size, codec.per_byte)
+    return codec.block_size
+
+
+def piece_offsets(codec: DeltaCodec, start: int) -> tuple[int, int]:
+    """Where the encoding of the piece that starts at value ``start`` (a multiple of
+    ``alignment``) goes in its tensor's data and scales entries: (element, scale)."""
+    return codec.data_nbytes(start), codec.n_scales(start)
+
+
+def publish_change(d: torch.Tensor, codec: DeltaCodec) -> tuple[EncodedTensor, torch.Tensor]:
     """The published change for a flat fp32 piece ``d`` of a tensor's wanted change:
-    (its int8 encoding, the decoded change volunteers will add). Raises
-    ``NonFiniteError`` when ``d`` is not finite."""
+    (its encoding, the decoded change volunteers will add). Raises ``NonFiniteError``
+    when ``d`` is not finite."""
     encoded = codec.encode(d)
-    return encoded, codec.decode(encoded)
+    return encoded, codec.decode(encoded).reshape(-1)
 
 
 def apply_change(theta: torch.Tensor, change: torch.Tensor) -> None:
@@ -58,15 +84,21 @@ def apply_change(theta: torch.Tensor, change: torch.Tensor) -> None:
     theta.add_(change)
 
 
-def entries(shapes: Mapping[str, tuple[int, ...]], codec: Int8Codec) -> list[Entry]:
+def _data_entry(name: str, shape: tuple[int, ...], codec: DeltaCodec) -> Entry:
+    if isinstance(codec, Int8Codec):
+        return Entry(DATA + name, torch.int8, tuple(shape))
+    return Entry(DATA + name, torch.uint8, (codec.data_nbytes(math.prod(shape)),))
+
+
+def entries(shapes: Mapping[str, tuple[int, ...]], codec: DeltaCodec) -> list[Entry]:
     out = [
-        Entry(SCALES + n, torch.float32, (codec.n_blocks(math.prod(s)),)) for n, s in shapes.items()
+        Entry(SCALES + n, torch.float32, (codec.n_scales(math.prod(s)),)) for n, s in shapes.items()
     ]
-    return out + [Entry(DATA + n, torch.int8, tuple(s)) for n, s in shapes.items()]
+    return out + [_data_entry(n, s, codec) for n, s in shapes.items()]
 
 
 def metadata(
-    *, run_id: str, version: int, base_version: int, names: list[str], codec: Int8Codec
+    *, run_id: str, version: int, base_version: int, names: list[str], codec: DeltaCodec
 ) -> dict[str, str]:
     return {
         "format": FORMAT,
@@ -74,7 +106,7 @@ def metadata(
         "run_id": run_id,
         "version": str(version),
         "base_version": str(base_version),
-        "block_size": str(codec.block_size),
+        "codec": json.dumps(codec.describe(), sort_keys=True),
         "param_names": json.dumps(names),
     }
 
@@ -86,7 +118,7 @@ def write_delta(
     run_id: str,
     version: int,
     base_version: int,
-    codec: Int8Codec,
+    codec: DeltaCodec,
 ) -> str:
     """Write a whole delta at once (the simulator, tests); returns its sha256."""
     shapes = {n: e.shape for n, e in encoded.items()}
@@ -96,7 +128,7 @@ def write_delta(
     with TensorFileWriter(path, entries(shapes, codec), meta) as out:
         for name, e in encoded.items():
             out.write(SCALES + name, 0, e.scales)
-            out.write(DATA + name, 0, e.data)
+            out.write(DATA + name, 0, e.data.reshape(-1))
         return out.commit()
 
 
@@ -105,7 +137,7 @@ class Delta:
     run_id: str
     version: int
     base_version: int
-    codec: Int8Codec
+    codec: DeltaCodec
     tensors: dict[str, EncodedTensor]
 
 
@@ -114,13 +146,13 @@ def read_delta(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Delta:
     try:
         with TensorFileReader(path) as f:
             meta = f.metadata
-            if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-                raise DeltaError(f"{path} is not a {FORMAT} file of format {FORMAT_VERSION}")
+            if meta.get("format") != FORMAT or meta.get("format_version") not in READ_VERSIONS:
+                raise DeltaError(f"{path} is not a {FORMAT} file of a format {READ_VERSIONS}")
             try:
-                codec = Int8Codec(int(meta["block_size"]))
+                codec = _codec_of(meta)
                 version, base = int(meta["version"]), int(meta["base_version"])
                 names = json.loads(meta["param_names"])
-            except (KeyError, ValueError) as err:
+            except (KeyError, ValueError, TypeError) as err:
                 raise DeltaError(f"{path} has malformed metadata: {err}") from err
             if names != list(shapes):
                 raise DeltaError(f"{path} is a delta of other parameters than this model's")
@@ -138,14 +170,27 @@ def read_delta(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Delta:
     return Delta(meta.get("run_id", ""), version, base, codec, tensors)
 
 
+def _codec_of(meta: Mapping[str, str]) -> DeltaCodec:
+    if meta["format_version"] == "1":
+        return Int8Codec(int(meta["block_size"]))
+    codec = codec_from_description(json.loads(meta["codec"]))
+    if not isinstance(codec, DeltaCodec):
+        raise ValueError(f"a delta cannot be in the {codec.kind!r} codec")
+    return codec
+
+
 def apply_delta(params: Mapping[str, torch.Tensor], delta: Delta) -> None:
-    """θ ← θ + decode(q), in place, for every parameter (fp32, contiguous)."""
+    """θ ← θ + decode(q), in place, for every parameter (fp32, contiguous); a packed
+    body that does not decode (``diloco.wire.lowbit``'s strict checks) is a DeltaError."""
     if params.keys() != delta.tensors.keys():
         raise DeltaError("the delta names other parameters than the model's")
     for name, theta in params.items():
         if theta.dtype != torch.float32 or not theta.is_contiguous():
             raise DeltaError(f"parameter {name!r} must be contiguous fp32 to take a delta")
-        change = delta.codec.decode(delta.tensors[name])
+        try:
+            change = delta.codec.decode(delta.tensors[name])
+        except ValueError as err:
+            raise DeltaError(f"the delta of {name!r} does not decode: {err}") from err
         if not bool(torch.isfinite(change).all()):
             raise DeltaError(f"the delta of {name!r} is not finite")
         apply_change(theta.view(-1), change.view(-1))
@@ -164,11 +209,14 @@ def catch_up(
 
 __all__ = [
     "Delta",
+    "DeltaCodec",
     "DeltaError",
     "NonFiniteError",
+    "alignment",
     "apply_change",
     "apply_delta",
     "catch_up",
+    "piece_offsets",
     "publish_change",
     "read_delta",
     "write_delta",

@@ -1,4 +1,5 @@
-"""A worker's Δ on its way out: Δ → codec (``encode_delta``), then
+"""The run's codecs, from its ``[compression]``: the uploads' (``codec_for``) and the published
+deltas' (``delta_codec_for``). A worker's Δ on its way out: Δ → codec (``encode_delta``), then
 ``diloco.wire.contribution.encode_contribution`` for the chunks. The client and the simulator both
 call it; the server reads the stored body back in the close (``diloco.outer.close``, through
 ``diloco.outer.chunked.UploadFile``).
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.config import CompressionSection
-from diloco.wire.codec import Codec, EncodedTensor, make_codec
+from diloco.wire.codec import Codec, EncodedTensor, Int8Codec, make_codec
 from diloco.wire.lowbit import LowBitCodec, SparseCodec, encode_with_feedback
 
 Residual = dict[str, torch.Tensor]
@@ -24,6 +25,17 @@ def codec_for(compression: CompressionSection) -> Codec:
     if compression.kind in ("int4", "int2"):
         return LowBitCodec(int(compression.kind.removeprefix("int")), compression.block_size)
     return make_codec(compression.kind, compression.block_size)
+
+
+def delta_codec_for(compression: CompressionSection) -> Int8Codec | LowBitCodec | SparseCodec:
+    """The codec of the run's published deltas (``[compression] download``): what a
+    returning volunteer downloads (``diloco.wire.delta``)."""
+    kind = compression.download_kind
+    if kind == "sparse":
+        return SparseCodec(compression.chunk, compression.download_k, compression.bits)
+    if kind in ("int4", "int2"):
+        return LowBitCodec(int(kind.removeprefix("int")), compression.block_size)
+    return Int8Codec(compression.block_size)
 
 
 def encode_delta(

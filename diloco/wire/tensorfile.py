@@ -11,9 +11,9 @@ reading the file back otherwise.
 ``TensorFileReader`` reads one tensor's elements ``[start, stop)`` into a caller's buffer
 (``os.preadv``): a pass over a model holds one chunk, not the model.
 
-Layout: float32 tensors first, then int8, in the order given within each dtype, so every
-tensor's bytes are aligned to its item size (``safetensors.torch.load`` and ``safe_open``
-read the files as usual).
+Layout: float32 tensors first, then int8, then uint8, in the order given within each dtype,
+so every tensor's bytes are aligned to its item size (``safetensors.torch.load`` and
+``safe_open`` read the files as usual).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 
 from diloco import atomic
 
-DTYPE_NAMES = {torch.float32: "F32", torch.int8: "I8"}
+DTYPE_NAMES = {torch.float32: "F32", torch.int8: "I8", torch.uint8: "U8"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-_ORDER = (torch.float32, torch.int8)  # larger items first: every offset stays aligned
+_ORDER = (torch.float32, torch.int8, torch.uint8)  # larger items first: every offset stays aligned
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 

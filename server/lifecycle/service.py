@@ -123,7 +123,7 @@ async def create(
             seed=seed,
             init=init_file,
         )
-        config = cfg.model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
+        config = cfg.pinned().model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
         config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
         run = Run(
             id=run_id,
@@ -184,7 +184,7 @@ async def create_on_dataset(
             id=run_id,
             name=cfg.name,
             status=RunStatus.ACTIVE,
-            config=cfg.model_dump(mode="json") | {"seed": seed},
+            config=cfg.pinned().model_dump(mode="json") | {"seed": seed},
             seed=seed,
             n_params=n_params,
             checkpoint_version=0,

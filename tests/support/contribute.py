@@ -27,10 +27,10 @@ from diloco.outer.robust import Source, robust_aggregate
 from diloco.protocol.late import late_weight
 from diloco.protocol.rules import upload_weight
 from diloco.train import InnerTrainer, load_parameters, snapshot
-from diloco.wire.codec import EncodedTensor, Int8Codec
+from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, decode_contribution, encode_contribution
-from diloco.wire.delta import apply_change, publish_change
-from diloco.wire.exchange import encode_delta
+from diloco.wire.delta import DeltaCodec, apply_change, publish_change
+from diloco.wire.exchange import delta_codec_for, encode_delta
 from diloco.wire.tensorfile import TensorFileReader
 
 API = "/api/v1"
@@ -210,7 +210,7 @@ def reference_step(
             cfg.outer.momentum,
             cfg.outer.nesterov,
         ),
-        codec=Int8Codec(cfg.compression.block_size),
+        codec=delta_codec_for(cfg.compression),
         state=state,
     )
 
@@ -220,14 +220,14 @@ def outer_reference(
     delta: Mapping[str, torch.Tensor],
     *,
     hyper: tuple[float, float, bool],
-    codec: Int8Codec,
+    codec: DeltaCodec,
     state: Reference | None = None,
 ) -> Reference:
     """The tests' one reference of the outer step, in plain torch: ``torch.optim.SGD``
     (Nesterov as configured) with the aggregate ``delta`` as the gradient, from the base's
-    momentum and residual (``state``; none for the first step), published through the int8
-    delta with error feedback. The optimizer steps the residual r, so that r − lr·u is the
-    value d to publish; θ moves by decode(quantise(d)) and r keeps d − that."""
+    momentum and residual (``state``; none for the first step), published through the
+    delta in ``codec`` with error feedback. The optimizer steps the residual r, so that
+    r − lr·u is the value d to publish; θ moves by decode(quantise(d)) and r keeps d − that."""
     lr, momentum, nesterov = hyper
     residual = {
         n: (
