@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
-from diloco.config import parse_config
+from diloco.config import RunConfig, parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
 from diloco.outer.inspection import UploadInspector
@@ -30,7 +30,7 @@ from diloco.train import InnerTrainer, load_parameters, snapshot
 from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, decode_contribution, encode_contribution
 from diloco.wire.delta import DeltaCodec, apply_change, publish_change
-from diloco.wire.exchange import delta_codec_for, encode_delta
+from diloco.wire.exchange import codec_for, delta_codec_for, encode_delta
 from diloco.wire.tensorfile import TensorFileReader
 
 API = "/api/v1"
@@ -175,41 +175,53 @@ def reference_step(
     history: Sequence[float] = (),
 ) -> Reference:
     """What the server must compute for a round from these uploads (in the order they were
-    accepted), with whole tensors and the library's in-memory aggregate: each body
-    inspected as ingest does (its norm), weighted by the tokens it counts for (late work:
-    discounted by its ``staleness``, one per work, 0 when not given), the run's robust
-    aggregate, one Nesterov step from the base version's momentum and residual (``state``;
-    none for round 1), published through the int8 delta (``diloco.wire.delta``). ``round``: the
-    round whose step it is (default: the first work's); ``history``: the norms of the
-    run's earlier aggregated contributions, the clipping's reference in a small round."""
+    accepted): ``reference_close`` of their bodies, each weighted by the tokens it counts
+    for (late work: discounted by its ``staleness``, one per work, 0 when not given).
+    ``round``: the round whose step it is (default: the first work's)."""
     cfg = parse_config(run["config"])
     stale = list(staleness) or [0] * len(works)
+    bodies = [
+        (work.body(), late_weight(upload_weight(work.meta.tokens, cfg.lease_tokens), s))
+        for work, s in zip(works, stale, strict=True)
+    ]
+    return reference_close(
+        cfg, base, bodies, round=round or works[0].lease["round"], state=state, history=history
+    )
+
+
+def reference_close(
+    cfg: RunConfig,
+    base: Mapping[str, torch.Tensor],
+    bodies: Sequence[tuple[bytes, float]],
+    *,
+    round: int,
+    state: Reference | None = None,
+    history: Sequence[float] = (),
+) -> Reference:
+    """A round's close from its uploads' bodies and weights (in the order they were
+    accepted), with whole tensors and the library's in-memory aggregate: each body
+    inspected as ingest does (its norm), the run's robust aggregate, one outer step at
+    round ``round``'s lr from the base version's momentum and residual (``state``; none for
+    round 1), published through the run's delta codec (``diloco.wire.delta``). ``history``:
+    the norms of the run's earlier aggregated contributions, the clipping's reference in a
+    small round."""
     shapes = {n: tuple(p.shape) for n, p in base.items()}
+    codec = codec_for(cfg.compression).describe()
     sources = []
-    for i, work in enumerate(works):
-        body = work.body()
-        _, encoded = decode_contribution(body, shapes, codec=work.meta.codec)
-        inspector = UploadInspector(work.meta.codec)
+    for i, (body, weight) in enumerate(bodies):
+        _, encoded = decode_contribution(body, shapes, codec=codec)
+        inspector = UploadInspector(codec)
         for name, tensor in encoded.items():
             inspector.add(name, tensor)
-        weight = late_weight(upload_weight(work.meta.tokens, cfg.lease_tokens), stale[i])
         sources.append(Source(str(i), float(weight), inspector.norm, lambda body=body: [body]))
     aggregate = robust_aggregate(
-        sources,
-        shapes=shapes,
-        codec=works[0].meta.codec,
-        policy=cfg.aggregation,
-        history=list(history),
+        sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=list(history)
     )
     return outer_reference(
         base,
         aggregate.delta,
         # the round's outer lr, as the server takes it (OuterSection.lr_at)
-        hyper=(
-            cfg.outer.lr_at(round or works[0].lease["round"]),
-            cfg.outer.momentum,
-            cfg.outer.nesterov,
-        ),
+        hyper=(cfg.outer.lr_at(round), cfg.outer.momentum, cfg.outer.nesterov),
         codec=delta_codec_for(cfg.compression),
         state=state,
     )

@@ -1,0 +1,177 @@
+"""Issue 25's acceptance run: a real ``diloco serve``, two real ``diloco join`` processes and
+``[compression] kind = "sparse"`` with every other compression setting its default, on a
+model of about 0.4M parameters. Every stored upload weighs under 0.04 byte a parameter,
+headers included; a returning volunteer downloads the round's compressed delta (int2, the
+download codec sparse implies), under 0.3 byte a parameter, counted by the server's own
+``diloco_served_bytes_total``; every published version is exactly the close an in-process
+reference computes from the stored uploads; and the eval loss falls round over round."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diloco.config import parse_config
+from diloco.protocol.late import late_weight
+from diloco.wire import delta as deltas
+from tests.support.contribute import API, read_outer_state, reference_close
+from tests.support.corpora import TINYSHAKESPEARE
+from tests.support.live import ServerProcess, wait_for
+from tests.test_e2e import Volunteers, create_run
+
+ROUNDS = 4
+
+
+def write_config(path: Path) -> Path:
+    path.write_text(
+        f"""name = "sparse-acceptance"
+seed = 7
+[model]
+n_layer = 2
+n_head = 4
+n_embd = 128
+block_size = 128
+[data]
+path = "{TINYSHAKESPEARE}"
+chunk_size = 4096
+[inner]
+steps = 12
+batch_size = 4
+lr = 3e-3
+warmup_steps = 4
+[rounds]
+quorum = 2
+target = 2
+timeout_s = 300
+max_rounds = {ROUNDS}
+heartbeat_interval_s = 1
+[compression]
+kind = "sparse"
+"""
+    )
+    return path
+
+
+def rows(database_url: str, query: str, *args: object) -> list[dict[str, Any]]:
+    async def go() -> list[dict[str, Any]]:
+        conn = await asyncpg.connect(database_url.replace("+asyncpg", ""))
+        try:
+            return [dict(r) for r in await conn.fetch(query, *args)]
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+def served(text: str, kind: str) -> float:
+    found = re.search(rf'^diloco_served_bytes_total\{{kind="{kind}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.slow
+def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
+    database_url: str, tmp_path: Path
+) -> None:
+    # Prepare: a server, a run created with the CLI, two volunteers
+    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url).wait_ready()
+    volunteers = Volunteers(tmp_path / "volunteers")
+    try:
+        run_id = create_run(server, write_config(tmp_path / "run.toml"))
+        for name in ("v1", "v2"):
+            volunteers.start(name, server, run_id)
+        http = httpx.Client(base_url=server.url, timeout=30)
+
+        # Execute: the run to its end
+        wait_for(
+            lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
+            timeout=400,
+            what="the run to complete",
+            every=1.0,
+        )
+        volunteers.wait_all_done()
+        metrics = http.get("/metrics").text
+        run = http.get(f"{API}/runs/{run_id}").json()
+        rounds = wait_for(
+            lambda: (
+                (rs := http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"])
+                and all(r["eval_loss"] is not None for r in rs)
+                and rs
+            ),
+            timeout=60,
+            what="every round's eval loss",
+        )  # measured after each version is published
+    finally:
+        volunteers.stop_all()
+        server.stop()
+
+    # Assert: the run recorded the download codec its upload kind implies
+    cfg = parse_config(run["config"])
+    n = run["n_params"]
+    assert 350_000 < n < 500_000, n
+    assert (run["config"]["compression"]["download"], cfg.compression.kind) == ("int2", "sparse")
+    assert [r["state"] for r in rounds] == ["closed"] * ROUNDS
+    blobs = server.data_dir / "blobs"
+    uploads = rows(
+        database_url,
+        "SELECT round_index, blob_key, weight, staleness, norm FROM contributions "
+        "WHERE run_id = $1 AND aggregated_at IS NOT NULL ORDER BY created_at, id",
+        run_id,
+    )
+    assert sorted(u["round_index"] for u in uploads) == sorted(list(range(1, ROUNDS + 1)) * 2)
+
+    # every stored upload: under 0.04 byte a parameter, headers included
+    sizes = [(blobs / u["blob_key"]).stat().st_size for u in uploads]
+    assert max(sizes) <= 0.04 * n, [s / n for s in sizes]
+
+    # downloads: each volunteer fetched the fp32 checkpoint once (its first round), then
+    # one delta a round, each under 0.3 byte a parameter, headers and scales included
+    checkpoint_bytes = (blobs / "runs" / run_id / "checkpoints" / "0.safetensors").stat().st_size
+    assert served(metrics, "checkpoint") == 2 * checkpoint_bytes
+    delta_files = [
+        blobs / "runs" / run_id / "checkpoints" / f"{v}.delta.safetensors"
+        for v in range(1, ROUNDS + 1)
+    ]
+    assert max(p.stat().st_size for p in delta_files) <= 0.3 * n
+    returning = 2 * (ROUNDS - 1)  # rounds 2.. of both volunteers
+    assert sum(p.stat().st_size for p in delta_files[:-1]) * 2 == served(metrics, "delta")
+    assert served(metrics, "delta") / returning <= 0.3 * n
+
+    # every version is the reference close of its round's stored uploads, bit for bit
+    folder = blobs / "runs" / run_id / "checkpoints"
+    history: list[float] = []
+    for v in range(1, ROUNDS + 1):
+        base = load_file(folder / f"{v - 1}.safetensors")
+        state = read_outer_state(folder / f"{v - 1}.state.safetensors") if v > 1 else None
+        mine = [u for u in uploads if u["round_index"] == v]
+        # each weighed as the server counts it (late_weight: none was late here)
+        bodies = [
+            ((blobs / u["blob_key"]).read_bytes(), float(late_weight(u["weight"], u["staleness"])))
+            for u in mine
+        ]
+        want = reference_close(cfg, base, bodies, round=v, state=state, history=history)
+        published = load_file(folder / f"{v}.safetensors")
+        assert all(torch.equal(published[k], want.params[k]) for k in want.params), v
+        assert deltas.read_delta(delta_files[v - 1], {k: tuple(t.shape) for k, t in base.items()})
+        history += [float(u["norm"]) for u in mine]
+
+    # the eval loss falls round over round (from version 0's, when it was measured)
+    losses = [
+        r["eval_loss"]
+        for r in rows(
+            database_url,
+            "SELECT eval_loss FROM checkpoints WHERE run_id = $1 ORDER BY version",
+            run_id,
+        )
+        if r["eval_loss"] is not None
+    ]
+    assert len(losses) >= ROUNDS
+    assert all(a > b for a, b in itertools.pairwise(losses)), losses
