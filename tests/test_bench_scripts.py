@@ -212,3 +212,32 @@ def test_the_gpu_convergence_script_runs_its_pipeline_where_its_options_are_over
     doc = (out / "benchmarks.md").read_text()
     assert "## Convergence on the real path: Llama + BPE" in doc and "| DiLoCo H=5 int8 |" in doc
     assert "### Acceptance checks (computed by the script)" in (out / "convergence.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_bound
+def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench/compression.py", "--quick", "--jobs", "2", "--work-dir",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = (tmp_path / "quick" / "benchmarks.md").read_text()
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in doc.splitlines()
+        if line.startswith("| ") and not line.startswith("| arm")
+    }
+    assert set(rows) == {
+        "int8 (the default)", "int4", "int2", "sparse (64 of 4096, 2 bits)",
+        "sparse, int8 downloads", "int8, int2 downloads",
+    }  # fmt: skip
+    up = {arm: float(cells[3]) for arm, cells in rows.items()}
+    down = {arm: float(cells[4]) for arm, cells in rows.items()}
+    # the bytes are the real encoded ones: each codec smaller than the one above it
+    assert up["int8 (the default)"] > up["int4"] > up["int2"] > up["sparse (64 of 4096, 2 bits)"]
+    assert down["sparse, int8 downloads"] == down["int8 (the default)"] > down["int2"]
+    assert down["sparse (64 of 4096, 2 bits)"] == down["int2"] == down["int8, int2 downloads"]
+    assert "- int2: " in doc and "(limit +0.5%)" in doc and "(limit +1.5%)" in doc
