@@ -1,10 +1,11 @@
 """The server's round path at 10M, 50M and 150M parameters, each stage beside its limit.
 
-For each model size it starts a real ``diloco serve`` (embedded Postgres, or the database
-in DILOCO_BENCH_DATABASE_URL), creates a run, has K volunteers upload real int8
-contributions (synthetic Δs: training them would only measure the CPU) over loopback
-HTTP, lets round 1 close, and prints every stage next to a limit measured in this same
-run on this same machine, with the ratio:
+For each model size and upload kind (``--compression``: int8, and sparse with its
+defaults: 64 of 4096 values, 2 bits, int2 deltas) it starts a real ``diloco serve``
+(embedded Postgres, or the database in DILOCO_BENCH_DATABASE_URL), creates a run, has K
+volunteers upload real contributions (synthetic Δs: training them would only measure the
+CPU) over loopback HTTP, lets round 1 close, and prints every stage next to a limit
+measured in this same run on this same machine, with the ratio:
 
 - upload ingest (MB/s per upload)      raw TCP loopback, a plain uvicorn app (bench.loopback)
 - the pass: aggregate + outer step     the memory-bandwidth bound (the bytes the work must
@@ -17,9 +18,10 @@ run on this same machine, with the ratio:
 - eval (after publishing)              the same windows through the same model in torch
 - checkpoint and delta downloads       raw TCP loopback
 - peak server RSS during the close     4 x the fp32 model + the idle server's RSS
-- bytes a returning volunteer fetches  26% of the fp32 checkpoint
+- bytes a returning volunteer fetches  26% of the fp32 checkpoint (int8), 7% (int2)
 
-    python bench/server_round.py [--sizes 10M,50M,150M --contributions 8]
+    python bench/server_round.py [--sizes 10M,50M,150M --contributions 8
+                                  --compression int8,sparse]
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ from bench.transport import (  # noqa: E402
     safetensors_shapes,
     upload,
 )
+from diloco.config import CompressionSection  # noqa: E402
 from diloco.model.gpt import GPT, GPTConfig  # noqa: E402
 from diloco.train import evaluate  # noqa: E402
-from diloco.wire.codec import Int8Codec  # noqa: E402
+from diloco.wire.exchange import codec_for, delta_codec_for  # noqa: E402
 
 # layers, width, heads; "tiny" is for the test that runs this script
 SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16), "tiny": (1, 64, 4)}
 EVAL_WINDOWS = 16  # per version, the server's and the reference's
-BLOCK = 4096  # the int8 block size of the runs (the config's default)
+# what a returning volunteer's delta may weigh against the fp32 checkpoint, by its codec
+DELTA_SHARE = {"int8": 0.26, "int2": 0.07}
 
 
 @dataclass
@@ -126,18 +130,18 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / best
 
 
-def pass_bytes(n: int, k: int) -> int:
-    """What aggregate + step must move: K uploads (int8 + scales) and θ, m, r read; θ, m, r
-    and the int8 delta (+ scales) written."""
-    upload = n + 4 * math.ceil(n / BLOCK)
-    return k * upload + 12 * n + 12 * n + upload
+def pass_bytes(n: int, k: int, upload_nbytes: int, delta_nbytes: int) -> int:
+    """What aggregate + step must move: K uploads and θ, m, r read; θ, m, r and the delta
+    written."""
+    return k * upload_nbytes + 12 * n + 12 * n + delta_nbytes
 
 
-def torch_reference(n: int, k: int) -> float:
-    """The same work in plain torch, whole tensors in memory: dequantise and sum K int8
-    uploads, the Nesterov step with the residual, quantise the change, apply it."""
+def torch_reference(n: int, k: int, compression: CompressionSection) -> float:
+    """The same work in plain torch, whole tensors in memory: decode and sum K uploads of
+    the run's codec, the Nesterov step with the residual, encode the change in the
+    delta's codec, apply it."""
     gen = torch.Generator().manual_seed(0)
-    codec = Int8Codec(BLOCK)
+    codec, delta = codec_for(compression), delta_codec_for(compression)
     uploads = [codec.encode(torch.randn(n, generator=gen)) for _ in range(k)]
     theta, m, r = (torch.randn(n, generator=gen) for _ in range(3))
     start = time.perf_counter()
@@ -147,7 +151,7 @@ def torch_reference(n: int, k: int) -> float:
     m.mul_(0.9).add_(g)
     u = torch.add(g, m, alpha=0.9)
     d = torch.add(r, u, alpha=-0.7)
-    change = codec.decode(codec.encode(d))
+    change = delta.decode(delta.encode(d))
     theta.add_(change)
     d.sub_(change)
     return time.perf_counter() - start
@@ -182,22 +186,27 @@ def eval_reference(cfg: GPTConfig, windows: int) -> float:
 
 
 def bench_size(
-    label: str, shape: tuple[int, int, int], k: int, data: Path, scratch: Path
+    label: str, shape: tuple[int, int, int], k: int, data: Path, scratch: Path, kind: str
 ) -> Figures:
     n_layer, n_embd, n_head = shape
+    compression = CompressionSection(kind=kind)  # type: ignore[arg-type]
     env = {"DILOCO_SWEEP_INTERVAL_S": "0.2"}
     fig = Figures([])
     with diloco_server(**env) as server:
         idle_rss = rss_mib(server.pid)
         run = create_run(server, n_layer=n_layer, n_embd=n_embd, n_head=n_head, quorum=k,
-                         data=data, eval_windows=EVAL_WINDOWS)  # fmt: skip
+                         data=data, eval_windows=EVAL_WINDOWS, compression=kind)  # fmt: skip
         run_id, n_params = run["id"], run["n_params"]
         model_mib = n_params * 4 / 2**20
         volunteers = [join(server, run_id, f"bench{i}") for i in range(k)]
         first = download(server, volunteers[0].lease["checkpoint"]["url"], volunteers[0].token)
         shapes = safetensors_shapes(first.body)
-        body = contribution_body(run_id, volunteers[0].lease, shapes, seed=0)
-        bodies = [reseeded(body, i) for i in range(k)]
+        lease = volunteers[0].lease
+        if kind == "int8":
+            body = contribution_body(run_id, lease, shapes, seed=0)
+            bodies = [reseeded(body, i) for i in range(k)]
+        else:  # packed codes: each body encoded from a Δ of its own
+            bodies = [contribution_body(run_id, lease, shapes, i, kind) for i in range(k)]
         # version 0's eval runs after run creation: let it finish before the round
         poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 1, 600,
              "version 0's eval")  # fmt: skip
@@ -222,16 +231,18 @@ def bench_size(
         fsync_s = fsync_reference(scratch, 13 * n_params)
     # limits measured now, in this process (the server has stopped)
     bw = copy_bandwidth()
-    bound = pass_bytes(n_params, k) / bw
-    reference = torch_reference(n_params, k)
+    delta_nbytes = plan["deltas"][0]["nbytes"]
+    bound = pass_bytes(n_params, k, len(bodies[0]), delta_nbytes) / bw
+    reference = torch_reference(n_params, k, compression)
     up_http = statistics.median(plain_http_mbps(len(bodies[0]), rounds=3))
     up_tcp = statistics.median(raw_tcp_mbps(len(bodies[0]), rounds=3))
     down_tcp = statistics.median(raw_tcp_mbps(full[0].nbytes, rounds=3, send=False))
     gpt = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=128)
     eval_ref = eval_reference(gpt, EVAL_WINDOWS)
 
-    print(f"\n{label}: {n_params:,} parameters ({model_mib:.0f} MiB fp32), {k} uploads of "
-          f"{len(bodies[0]):,} B; copy bandwidth {bw / 1e9:.1f} GB/s")  # fmt: skip
+    print(f"\n{label}, {kind}: {n_params:,} parameters ({model_mib:.0f} MiB fp32), {k} "
+          f"uploads of {len(bodies[0]):,} B ({len(bodies[0]) / n_params:.4f} B/param); "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s")  # fmt: skip
     med = statistics.median(ingest)
     fig.add("ingest, per upload", f"{med:.0f} MB/s", f"plain uvicorn {up_http:.0f} MB/s; "
             f"raw TCP {up_tcp:.0f} MB/s", f"{med / up_http:.2f}; {med / up_tcp:.2f}",
@@ -266,9 +277,12 @@ def bench_size(
     fig.add("peak RSS during the round", f"{peak:.0f} MiB ({over:.0f} over idle)",
             f"4 x model {4 * model_mib:.0f} MiB + idle {idle_rss:.0f} MiB",
             f"{over / model_mib:.2f}x model", "≤ 4x model")  # fmt: skip
-    ratio = plan["deltas"][0]["nbytes"] / plan["full"]["nbytes"]
-    fig.add("returning volunteer's download", f"{plan['deltas'][0]['nbytes']:,} B",
-            f"fp32 checkpoint {plan['full']['nbytes']:,} B", f"{ratio:.1%}", "≤ 26%")  # fmt: skip
+    ratio = delta_nbytes / plan["full"]["nbytes"]
+    share = DELTA_SHARE[compression.download_kind]
+    fig.add("returning volunteer's download", f"{delta_nbytes:,} B "
+            f"({delta_nbytes / n_params:.3f} B/param, {compression.download_kind})",
+            f"fp32 checkpoint {plan['full']['nbytes']:,} B", f"{ratio:.1%}",
+            f"≤ {share:.0%}")  # fmt: skip
     return fig
 
 
@@ -280,14 +294,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M,150M")
     ap.add_argument("--contributions", type=int, default=8)
+    ap.add_argument("--compression", default="int8,sparse", help="upload kinds, comma-separated")
     ap.add_argument("--data", type=Path, default=REPO / "examples/data/shakespeare-excerpt.txt")
     args = ap.parse_args()
     # the references run as the server does: one torch thread (DILOCO_TORCH_THREADS)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as scratch:
         for label in args.sizes.split(","):
-            figures = bench_size(label, SIZES[label], args.contributions, args.data, Path(scratch))
-            figures.print(label)
+            for kind in args.compression.split(","):
+                figures = bench_size(
+                    label, SIZES[label], args.contributions, args.data, Path(scratch), kind
+                )
+                figures.print(f"{label}, {kind}")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,8 @@ def multipart(fields: dict[str, tuple[str | None, bytes, str | None]]) -> tuple[
 
 
 def create_run(server: DilocoServer, *, n_layer: int, n_embd: int, n_head: int,
-               quorum: int, data: Path, eval_windows: int = 64) -> dict:  # fmt: skip
+               quorum: int, data: Path, eval_windows: int = 64,
+               compression: str = "int8") -> dict:  # fmt: skip
     config = {
         "name": "bench-transport",
         "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": 128},
@@ -180,6 +181,7 @@ def create_run(server: DilocoServer, *, n_layer: int, n_embd: int, n_head: int,
         "inner": {"steps": 1},
         "rounds": {"quorum": quorum, "target": quorum, "timeout_s": 3600, "max_rounds": 10},
         "eval": {"windows": eval_windows},  # validation windows the server scores per version
+        "compression": {"kind": compression},
     }
     body, ctype = multipart({
         "config": (None, json.dumps(config).encode(), None),
@@ -205,8 +207,9 @@ def join(server: DilocoServer, run_id: str, name: str) -> Volunteer:
 
 
 def contribution_body(run_id: str, lease: dict, shapes: dict[str, tuple[int, ...]],
-                      seed: int) -> bytes:  # fmt: skip
-    """A real int8 contribution body for these shapes (a synthetic Δ, block 4096)."""
+                      seed: int, compression: str = "int8") -> bytes:  # fmt: skip
+    """A real contribution body for these shapes (a synthetic Δ) in the ``compression``
+    kind at its defaults (int8: blocks of 4096)."""
     import torch
 
     from diloco.config import CompressionSection
@@ -215,7 +218,7 @@ def contribution_body(run_id: str, lease: dict, shapes: dict[str, tuple[int, ...
 
     gen = torch.Generator().manual_seed(seed)
     delta = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
-    encoded, codec, _ = encode_delta(delta, CompressionSection())
+    encoded, codec, _ = encode_delta(delta, CompressionSection(kind=compression))
     meta = ContributionMeta(run_id, lease["round"], lease["base_version"], 16 * 128, 1, 3.0, codec)
     return b"".join(encode_contribution(meta, encoded, chunk_size=8 << 20))
 
