@@ -2,8 +2,10 @@
 eval loss against int8, at equal tokens, and what it sends.
 
 For each path and seed, DiLoCo with K workers at H inner steps and the platform's defaults,
-one arm per ``[compression]`` setting (``ARMS``; ``--arms`` picks), each a ``diloco
-simulate --downloads delta`` in its own process (bench/sim_jobs.py). Bytes are the real
+one arm per ``[compression]`` setting, some with overlap (``--overlap 0.5``: half of each
+round's steps taken before the published version is folded in) (``ARMS``; ``--arms``
+picks), each a ``diloco simulate --downloads delta`` in its own process
+(bench/sim_jobs.py). Bytes are the real
 ones: *up* is the encoded contribution body a worker sends a round (headers included),
 *down* the delta file a returning worker downloads a round (the last version's, headers
 included), both per model parameter. The limits of issue 25 (sparse <= +1.5% and int2 <=
@@ -53,6 +55,7 @@ class Arm:
     compression: dict[str, Any]  # the run config's [compression] keys
     outer: list[str] = field(default_factory=list)  # diloco simulate's [outer] flags
     limit: str | None = None  # the LIMITS entry this arm is held to
+    overlap: float = 0.0  # diloco simulate --overlap: the share of H trained before the fold
 
     def toml(self) -> str:
         lines = [f"{k} = {json.dumps(v)}" for k, v in self.compression.items()]
@@ -70,6 +73,8 @@ ARMS = {
         Arm("sparse_k256", "sparse, 256 of 4096", {"kind": "sparse", "topk": 256}),
         Arm("sparse_k512", "sparse, 512 of 4096", {"kind": "sparse", "topk": 512}),
         Arm("int8_down_int2", "int8, int2 downloads", {"kind": "int8", "download": "int2"}),
+        Arm("int8_overlap", "int8, overlap 0.5", {"kind": "int8"}, overlap=0.5),
+        Arm("sparse_overlap", "sparse, overlap 0.5", {"kind": "sparse"}, overlap=0.5),
         Arm(
             "sparse_plain",
             "sparse, plain outer step (lr 1, no momentum)",
@@ -78,7 +83,8 @@ ARMS = {
         ),
     ]
 }
-DEFAULT_ARMS = ["int8", "int4", "int2", "sparse", "sparse_down_int8", "int8_down_int2"]
+DEFAULT_ARMS = ["int8", "int4", "int2", "sparse", "sparse_down_int8", "int8_down_int2",
+                "int8_overlap", "sparse_overlap"]  # fmt: skip
 
 
 def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base: str) -> dict[str, Any]:
@@ -89,7 +95,8 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base: str) -> dict[st
         flags = ["--workers", str(args.k), "--mode", "diloco", "--seed", str(seed),
                  "--inner-steps", str(args.h), "--rounds", str(args.steps // args.h),
                  "--downloads", "delta", "--eval-windows", str(args.eval_windows),
-                 "--device", args.device, *arm.outer]  # fmt: skip
+                 "--device", args.device, "--overlap", str(arm.overlap),
+                 *arm.outer]  # fmt: skip
         started = time.perf_counter()
         run_simulate(config, flags, out.with_suffix(".tmp"))
         out.with_suffix(".tmp").rename(out)

@@ -146,6 +146,15 @@ class InnerTrainer:
                 if "exp_avg" in state:
                     state["exp_avg"].zero_()
 
+    @torch.no_grad()
+    def fold(self, base: Mapping[str, torch.Tensor], guess: Mapping[str, torch.Tensor]) -> None:
+        """The real version lands after steps taken from a guess of it (overlap: issue 25):
+        θ ← base + (θ − guess), in place. The steps' progress is kept on top of the version
+        the lease names, and AdamW's state goes on untouched; the lease's Δ is then
+        ``base − θ_end``, checked against ``base`` as any upload is."""
+        for name, p in parameters_of(self.model).items():
+            p.sub_(guess[name].to(p.device)).add_(base[name].to(p.device))
+
     def accumulation(self, batch_size: int) -> int:
         """Forward/backward passes per step for a batch of ``batch_size`` sequences."""
         return -(-batch_size // min(self.micro_batch or batch_size, batch_size))

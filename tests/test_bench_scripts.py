@@ -232,7 +232,8 @@ def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tm
     }
     assert set(rows) == {
         "int8 (the default)", "int4", "int2", "sparse (64 of 4096, 2 bits)",
-        "sparse, int8 downloads", "int8, int2 downloads",
+        "sparse, int8 downloads", "int8, int2 downloads", "int8, overlap 0.5",
+        "sparse, overlap 0.5",
     }  # fmt: skip
     up = {arm: float(cells[3]) for arm, cells in rows.items()}
     down = {arm: float(cells[4]) for arm, cells in rows.items()}

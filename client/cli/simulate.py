@@ -116,10 +116,19 @@ def simulate(
         str,
         typer.Option(
             help="diloco, protocol: workers download the fp32 checkpoint every round (full), or "
-            "int8 deltas between versions and start from the parameters they define (delta).",
+            "the deltas between versions (the run's [compression] download codec) and start "
+            "from the parameters they define (delta).",
             envvar="DILOCO_DOWNLOADS",
         ),
     ] = "full",
+    overlap: Annotated[
+        float,
+        typer.Option(
+            help="diloco: the share of each round's H a worker trains from its own end of the "
+            "round before, while the version is published, before it folds the version in.",
+            envvar="DILOCO_OVERLAP",
+        ),
+    ] = 0.0,
     speeds: Annotated[
         str | None,
         typer.Option(
@@ -244,7 +253,7 @@ def simulate(
     from diloco.simulate.run import Downloads, Mode, SimOptions
     from diloco.simulate.run import simulate as run_simulation
 
-    check_choices(drop_prob, single_data, batches, downloads)
+    check_choices(drop_prob, single_data, batches, downloads, overlap)
     speed_list = numbers("--speeds", speeds)
     K = workers if workers is not None else len(speed_list) if speed_list else 4
     if K < 1:
@@ -280,7 +289,9 @@ def simulate(
             size_h=size_h,
             links=links_of(link, link_as_params),
         )
-        refuse_misfits(mode, drop_prob=drop_prob, batches=batches, downloads=downloads)
+        refuse_misfits(
+            mode, drop_prob=drop_prob, batches=batches, downloads=downloads, overlap=overlap
+        )
     except ValueError as err:
         fail(str(err), ExitStatus.USAGE)
     opts = SimOptions(
@@ -292,6 +303,7 @@ def simulate(
         single_data=cast(Literal["shard", "all"], single_data),
         batches=cast(Literal["worker", "lease"], batches),
         downloads=cast(Downloads, downloads),
+        overlap=overlap,
         device=chosen,
     )
     try:

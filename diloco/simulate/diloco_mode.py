@@ -8,7 +8,9 @@ feedback, every step judged before it is published). ``SimOptions.attacks`` turn
 into attackers (:mod:`diloco.simulate.attacks`), for ``bench/attacks.py``.
 ``SimOptions.downloads="delta"`` counts what workers download as the deltas since the
 version they hold (:mod:`diloco.simulate.downloads`); either way they start from the published
-θ, as a volunteer does.
+θ, as a volunteer does. ``SimOptions.overlap`` = f: from round 2 each worker trains the
+first f·H steps of a round from its own end of the round before (the version is still
+being published), then folds the published θ in (``InnerTrainer.fold``) and trains the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from diloco.simulate.run import (
 )
 from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
 from diloco.simulate.versions import Versions
-from diloco.train import InnerTrainer, load_parameters, parameters_of
+from diloco.train import InnerTrainer, load_parameters, parameters_of, snapshot
 
 
 def run_diloco(
@@ -72,6 +74,8 @@ class _Workers:
         self.drops = stream_generator(opts.seed, 10_000)
         self.checkpoint_bytes, self.ledger = checkpoint_bytes, ledger
         self.earlier: dict[int, dict[str, torch.Tensor]] = {}  # each one's Δ of the round before
+        self.ends: dict[int, dict[str, torch.Tensor]] = {}  # each one's θ at its last upload
+        self.ahead = round(opts.overlap * cfg.inner.steps)  # steps it trains before the fold
         self.bytes_up = self.bytes_down = self.tokens = 0
 
     def train(self, r: int, start: dict[str, torch.Tensor], desk: RoundDesk) -> list[float]:
@@ -86,8 +90,12 @@ class _Workers:
                 self.bytes_down += self.checkpoint_bytes
             else:
                 self.ledger.fetch(f"worker-{i}", r)
+            guess = self.ends.get(i)
+            ahead = (guess, self.ahead) if guess is not None and self.ahead else None
             upload = train_upload(trainer, start, cfg=self.cfg, round=r + 1,
-                                  next_batch=dealt.next_batch)  # fmt: skip
+                                  next_batch=dealt.next_batch, ahead=ahead)  # fmt: skip
+            if self.ahead:
+                self.ends[i] = snapshot(trainer.model)
             self.tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks

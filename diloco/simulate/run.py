@@ -85,9 +85,13 @@ class SimOptions:
     # diloco mode: worker index -> the attack it makes (diloco.simulate.attacks), for
     # bench/attacks.py
     attacks: Mapping[int, Attack] = field(default_factory=dict)
-    # diloco, protocol: workers download fp32 checkpoints, or int8 deltas (simulate.downloads)
+    # diloco, protocol: workers download fp32 checkpoints, or the deltas (simulate.downloads)
     downloads: Downloads = "full"
     delta_dir: Path | None = None  # delta downloads: write each version's delta file here
+    # diloco mode: the share of each round's H a worker trains from its own end of the
+    # round before, while the new version is being published, before it folds that
+    # version in (overlap, issue 25: ``train_upload``'s ``ahead``); 0: it waits
+    overlap: float = 0.0
 
 
 @dataclass
@@ -119,7 +123,8 @@ class SimResult:
     rounds: list[RoundRecord]
     config: dict[str, Any]
     protocol: ProtocolTotals | None = None  # protocol mode: time, compute, goodput, refusals
-    downloads: str = "full"  # what workers download: the fp32 checkpoint, or int8 deltas
+    downloads: str = "full"  # what workers download: the fp32 checkpoint, or the deltas
+    overlap: float = 0.0  # SimOptions.overlap: the share of H trained before the fold
     delta: DeltaReport | None = None  # delta downloads: bytes, x's final loss, ‖x − θ‖
     # version 0's eval loss, on the windows each round is scored on
     initial_eval_loss: float | None = None
@@ -158,15 +163,26 @@ def train_upload(
     round: int,
     next_batch: Callable[[], Batch],
     steps: int | None = None,
+    ahead: tuple[dict[str, torch.Tensor], int] | None = None,
 ) -> Upload:
     """What a volunteer does for round ``round`` (from 1): load θ(t−1) = ``params``, train
     ``steps`` (its lease's H; None: the run's H) steps from global step (round − 1)·H,
     Δ = θ(t−1) − θi through the codec and the wire format. The trainer's AdamW state
     carries over from its previous rounds (its first moment zeroed with ``[inner]
-    reset_momentum``: ``InnerTrainer.start_lease``, as the client does)."""
+    reset_momentum``: ``InnerTrainer.start_lease``, as the client does).
+
+    ``ahead`` = (guess, k): overlap. The first k of the steps were taken from ``guess`` (the
+    worker's own end of the round before) while θ(t−1) was still being published; then
+    ``InnerTrainer.fold`` puts their progress on θ(t−1) and the rest follow."""
     H = cfg.inner.steps
-    trainer.start_lease(params)
-    result = trainer.run(steps or H, start_step=(round - 1) * H, next_batch=next_batch)
+    n = steps or H
+    guess, k = ahead if ahead is not None else (params, 0)
+    trainer.start_lease(guess)
+    first = trainer.run(k, start_step=(round - 1) * H, next_batch=next_batch)
+    if k:
+        trainer.fold(params, guess)
+    rest = trainer.run(n - k, start_step=(round - 1) * H + k, next_batch=next_batch)
+    result = InnerResult(n, first.tokens + rest.tokens, first.losses + rest.losses)
     delta = pseudo_gradient(params, snapshot(trainer.model))
     # the worker's error-feedback residual, kept with its AdamW state, as the client does
     encoded, codec, trainer.error_feedback = encode_delta(
@@ -341,6 +357,7 @@ def simulate(
         config=cfg.model_dump(),
         protocol=trained.protocol,
         downloads=opts.downloads,
+        overlap=opts.overlap,
         delta=trained.delta,
         final_params=snapshot(model),
     )
