@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from diloco.wire.codec import EncodedTensor, NonFiniteError
+from diloco.wire.codec import EncodedTensor, NonFiniteError, relative_l2_error
 from diloco.wire.lowbit import (
     MAX_SCALE,
+    TERNARY_RMS,
     LowBitCodec,
     SparseCodec,
     bytes_per_value,
@@ -111,17 +112,40 @@ def test_low_bit_rounds_each_value_to_its_block_level(bits: int, levels: int) ->
     assert codec.describe() == {"kind": f"int{bits}", "block_size": 512}
     for b in range(4):
         block = slice(512 * b, 512 * (b + 1))
-        scale = float(x[block].abs().max()) / levels
-        assert float(encoded.scales[b]) == pytest.approx(scale)
-        assert float((decoded[block] - x[block]).abs().max()) <= scale / 2 + 1e-6
+        values = x[block]
+        if bits == 4:  # absmax / 7: every value within half a level
+            scale = float(values.abs().max()) / levels
+        else:  # ternary: 1.224 x the block's RMS (the short last block: its 100 values)
+            scale = TERNARY_RMS * float(values.pow(2).mean().sqrt())
+        assert float(encoded.scales[b]) == pytest.approx(scale, rel=1e-5)
+        # each value on its nearest level, the ones past the top level clamped to it
+        inside = values.abs() <= (levels + 0.5) * scale
+        err = (decoded[block] - values).abs()
+        assert float(err[inside].max()) <= scale / 2 + 1e-5
+        top = torch.full_like(values[~inside], levels * scale) * values[~inside].sign()
+        assert torch.allclose(decoded[block][~inside], top)
         assert len(set((decoded[block] / scale).round().tolist())) <= 2 * levels + 1
 
 
 def test_int2_is_ternary_and_a_zero_block_stays_zero() -> None:
     x = torch.cat([torch.zeros(64), torch.tensor([3.0, -3.0, 0.5] * 20)])
-    decoded = LowBitCodec(2, block_size=64).decode(LowBitCodec(2, block_size=64).encode(x))
+    encoded = LowBitCodec(2, block_size=64).encode(x)
+    decoded = LowBitCodec(2, block_size=64).decode(encoded)
     assert torch.equal(decoded[:64], torch.zeros(64))
-    assert set(decoded[64:].tolist()) == {3.0, -3.0, 0.0}
+    s = float(encoded.scales[1])  # 1.224 x RMS(3, -3, 0.5) = 3.02: 0.5 falls under s / 2
+    assert s == pytest.approx(TERNARY_RMS * ((9 + 9 + 0.25) / 3) ** 0.5)
+    assert set(decoded[64:].tolist()) == {s, -s, 0.0}
+
+
+def test_int2_keeps_more_of_a_gaussian_than_an_absmax_scale_would() -> None:
+    # the reason for the RMS scale: an absmax one zeroes all but a block's largest values
+    x = torch.randn(64 * 4096, generator=gen(7))
+    codec = LowBitCodec(2, block_size=4096)
+    err = relative_l2_error(x, codec.decode(codec.encode(x)))
+    blocks = x.view(-1, 4096)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    err_absmax = relative_l2_error(x, ((blocks / absmax).round() * absmax).view(-1))
+    assert err < 0.5 < 0.85 < err_absmax
 
 
 # ------------------------------------------------------------------------ bad bodies
