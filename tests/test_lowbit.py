@@ -105,7 +105,7 @@ def test_error_feedback_starts_from_zero_and_decays_what_it_carries() -> None:
 @pytest.mark.parametrize(("bits", "levels"), [(4, 7), (2, 1)])
 def test_low_bit_rounds_each_value_to_its_block_level(bits: int, levels: int) -> None:
     x = torch.randn(3 * 512 + 100, generator=gen(bits))
-    codec = LowBitCodec(bits, block_size=512)
+    codec = LowBitCodec(bits, block_size=512, fit="absmax" if bits == 4 else "rms")
     encoded = codec.encode(x)
     decoded = codec.decode(encoded)
     assert encoded.data.numel() == math.ceil(x.numel() * bits / 8)
@@ -129,7 +129,7 @@ def test_low_bit_rounds_each_value_to_its_block_level(bits: int, levels: int) ->
 
 def test_int2_is_ternary_and_a_zero_block_stays_zero() -> None:
     x = torch.cat([torch.zeros(64), torch.tensor([3.0, -3.0, 0.5] * 20)])
-    encoded = LowBitCodec(2, block_size=64).encode(x)
+    encoded = LowBitCodec(2, block_size=64, fit="rms").encode(x)
     decoded = LowBitCodec(2, block_size=64).decode(encoded)
     assert torch.equal(decoded[:64], torch.zeros(64))
     s = float(encoded.scales[1])  # 1.224 x RMS(3, -3, 0.5) = 3.02: 0.5 falls under s / 2
@@ -140,12 +140,15 @@ def test_int2_is_ternary_and_a_zero_block_stays_zero() -> None:
 def test_int2_keeps_more_of_a_gaussian_than_an_absmax_scale_would() -> None:
     # the reason for the RMS scale: an absmax one zeroes all but a block's largest values
     x = torch.randn(64 * 4096, generator=gen(7))
-    codec = LowBitCodec(2, block_size=4096)
-    err = relative_l2_error(x, codec.decode(codec.encode(x)))
-    blocks = x.view(-1, 4096)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    err_absmax = relative_l2_error(x, ((blocks / absmax).round() * absmax).view(-1))
+    rms, absmax = LowBitCodec(2, 4096, fit="rms"), LowBitCodec(2, 4096)
+    err = relative_l2_error(x, rms.decode(rms.encode(x)))
+    err_absmax = relative_l2_error(x, absmax.decode(absmax.encode(x)))
     assert err < 0.5 < 0.85 < err_absmax
+    # absmax sends fewer values: what the published deltas use
+    sent = int((absmax.decode(absmax.encode(x)) != 0).sum())
+    assert sent < int((rms.decode(rms.encode(x)) != 0).sum()) / 5
+    with pytest.raises(ValueError, match="fit"):
+        LowBitCodec(4, 4096, fit="rms")
 
 
 # ------------------------------------------------------------------------ bad bodies

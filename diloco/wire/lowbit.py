@@ -18,13 +18,16 @@ block) with ``data`` as packed bytes (``uint8``), ``data_nbytes(numel)`` long:
   scale s, each value rounded to q ∈ [−L, L] (clamped) with L = 2^(bits−1) − 1 (7 for
   int4, 1 for int2: ternary) and stored as the code q + L in ``bits`` bits, ``8 / bits``
   codes per byte, the first value in the lowest bits; decoded as q · s. The top code
-  2^bits − 1 is never produced and is refused, as are set bits past the last value. int4's
-  s is the block's absmax / 7; int2's is ``TERNARY_RMS`` times the block's RMS, the
-  least-squares ternary quantizer of a Gaussian (values under s/2 send 0, the rest ±s).
-  An absmax scale would zero all but the block's few largest values: on real
-  pseudo-gradients (kurtosis about 3) it leaves 45–77% of Δ's norm behind a round, the RMS
-  scale 29–40% (docs/tuning-notes.md, "Compressed downloads"). Only the encoder chooses s:
-  the decoder reads it.
+  2^bits − 1 is never produced and is refused, as are set bits past the last value. The
+  encoder alone chooses s (``fit``; the decoder reads it): ``absmax``, the block's absmax
+  / L, sends only a ternary block's largest values (the rest wait in the residual);
+  ``rms`` (int2 only) is ``TERNARY_RMS`` times the block's RMS, the least-squares ternary
+  quantizer of a Gaussian (values under s/2 send 0, the rest ±s). On real pseudo-gradient
+  accumulators (kurtosis about 3) absmax leaves 45–77% of Δ's norm behind a round and rms
+  29–40%. Yet the published deltas train better with absmax (``delta_codec_for``: what it
+  sends lands in the parameters every volunteer starts from) and uploads with rms
+  (``codec_for``: the outer step averages them): docs/tuning-notes.md, "Compressed
+  downloads".
 - ``SparseCodec(chunk, topk, bits)``: per chunk of ``chunk`` values (the last may be
   shorter) the ``topk`` values of largest magnitude (all of a chunk shorter than that),
   in increasing index order, each as one field of ``index_bits + bits`` bits: its index in
@@ -106,12 +109,14 @@ class LowBitCodec:
 
     data_dtype: ClassVar[torch.dtype] = torch.uint8
 
-    def __init__(self, bits: int, block_size: int = 4096) -> None:
+    def __init__(self, bits: int, block_size: int = 4096, *, fit: str = "absmax") -> None:
         if bits not in (2, 4):
             raise ValueError(f"low-bit codec bits must be 2 or 4, got {bits!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.bits, self.block_size = bits, block_size
+        if fit not in ("absmax", "rms") or (fit == "rms" and bits != 2):
+            raise ValueError(f"low-bit codec fit must be absmax, or rms for int2; got {fit!r}")
+        self.bits, self.block_size, self.fit = bits, block_size, fit
         self.levels = 2 ** (bits - 1) - 1  # L: codes 0..2L stand for -L..L
         self.per_byte = 8 // bits
 
@@ -138,7 +143,7 @@ class LowBitCodec:
     def _scales(self, blocks: torch.Tensor, n: int) -> torch.Tensor:
         """One scale per block (module docstring); the last block's zero padding is not
         counted in its RMS."""
-        if self.bits != 2:
+        if self.fit == "absmax":
             return blocks.abs().amax(dim=1) / self.levels
         if not n:
             return blocks.new_zeros(0)
