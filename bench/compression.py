@@ -73,7 +73,24 @@ ARMS = {
         Arm("sparse_k256", "sparse, 256 of 4096", {"kind": "sparse", "topk": 256}),
         Arm("sparse_k512", "sparse, 512 of 4096", {"kind": "sparse", "topk": 512}),
         Arm("int8_down_int2", "int8, int2 downloads", {"kind": "int8", "download": "int2"}),
+        Arm("int2_down_int8", "int2, int8 downloads", {"kind": "int2", "download": "int8"}),
+        Arm(
+            "int8_down_k512",
+            "int8, sparse downloads (512 of 4096)",
+            {"kind": "int8", "download": "sparse", "download_topk": 512},
+        ),
+        Arm(
+            "sparse_down_k512",
+            "sparse, sparse downloads (512 of 4096)",
+            {"kind": "sparse", "download": "sparse", "download_topk": 512},
+        ),
+        Arm(
+            "sparse_b256",
+            "sparse, int2 downloads in blocks of 256",
+            {"kind": "sparse", "block_size": 256},
+        ),
         Arm("int8_overlap", "int8, overlap 0.5", {"kind": "int8"}, overlap=0.5),
+        Arm("int8_overlap02", "int8, overlap 0.2", {"kind": "int8"}, overlap=0.2),
         Arm("sparse_overlap", "sparse, overlap 0.5", {"kind": "sparse"}, overlap=0.5),
         Arm(
             "sparse_plain",
