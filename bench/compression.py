@@ -91,6 +91,8 @@ ARMS = {
         ),
         Arm("int8_overlap", "int8, overlap 0.5", {"kind": "int8"}, overlap=0.5),
         Arm("int8_overlap02", "int8, overlap 0.2", {"kind": "int8"}, overlap=0.2),
+        Arm("int8_overlap01", "int8, overlap 0.1", {"kind": "int8"}, overlap=0.1),
+        Arm("int2_down_int4", "int2, int4 downloads", {"kind": "int2", "download": "int4"}),
         Arm("sparse_overlap", "sparse, overlap 0.5", {"kind": "sparse"}, overlap=0.5),
         Arm(
             "sparse_plain",

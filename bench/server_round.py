@@ -1,7 +1,7 @@
 """The server's round path at 10M, 50M and 150M parameters, each stage beside its limit.
 
 For each model size and upload kind (``--compression``: int8, and sparse with its
-defaults: 64 of 4096 values, 2 bits, int2 deltas) it starts a real ``diloco serve``
+defaults: 64 of 4096 values, 2 bits, sparse deltas of 512 of 4096) it starts a real ``diloco serve``
 (embedded Postgres, or the database in DILOCO_BENCH_DATABASE_URL), creates a run, has K
 volunteers upload real contributions (synthetic Δs: training them would only measure the
 CPU) over loopback HTTP, lets round 1 close, and prints every stage next to a limit
@@ -18,7 +18,7 @@ measured in this same run on this same machine, with the ratio:
 - eval (after publishing)              the same windows through the same model in torch
 - checkpoint and delta downloads       raw TCP loopback
 - peak server RSS during the close     4 x the fp32 model + the idle server's RSS
-- bytes a returning volunteer fetches  26% of the fp32 checkpoint (int8), 7% (int2)
+- bytes a returning volunteer fetches  26% of the fp32 checkpoint (int8 deltas), 6% (sparse)
 
     python bench/server_round.py [--sizes 10M,50M,150M --contributions 8
                                   --compression int8,sparse]
@@ -65,7 +65,7 @@ from diloco.wire.exchange import codec_for, delta_codec_for  # noqa: E402
 SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16), "tiny": (1, 64, 4)}
 EVAL_WINDOWS = 16  # per version, the server's and the reference's
 # what a returning volunteer's delta may weigh against the fp32 checkpoint, by its codec
-DELTA_SHARE = {"int8": 0.26, "int2": 0.07}
+DELTA_SHARE = {"int8": 0.26, "int2": 0.07, "sparse": 0.06}
 
 
 @dataclass

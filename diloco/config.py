@@ -260,7 +260,10 @@ class EvalSection(_Section):
 
 # the download codec a run gets when its [compression] names none, by upload kind: the
 # same family as its uploads (docs/tuning-notes.md, "Compressed downloads")
-DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int2", "sparse": "int2"}
+DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int2", "sparse": "sparse"}
+# a sparse delta's top-k per chunk when the config names none: the round's aggregate of K
+# sparse uploads is K times as dense as one (docs/tuning-notes.md, "Compressed downloads")
+DOWNLOAD_TOPK_PER_UPLOAD_TOPK = 8
 
 
 class CompressionSection(_Section):
@@ -273,8 +276,9 @@ class CompressionSection(_Section):
     ``download`` is the codec of the deltas between published versions, what a returning
     volunteer downloads (``diloco.wire.delta``; the server keeps their residual): int8,
     int4, int2 or sparse (its chunk and bits are the uploads', its top-k
-    ``download_topk``). Left out, it follows ``kind`` (``DOWNLOAD_FOR``; ``download_kind``)
-    and a run records the one it uses (``RunConfig.pinned``)."""
+    ``download_topk``, by default 8 × ``topk``). Left out, it follows ``kind``
+    (``DOWNLOAD_FOR``; ``download_kind``) and a run records the one it uses
+    (``RunConfig.pinned``)."""
 
     kind: Literal["int8", "none", "int4", "int2", "sparse"] = "int8"
     block_size: int = Field(4096, ge=64, le=1 << 24)
@@ -299,8 +303,9 @@ class CompressionSection(_Section):
 
     @property
     def download_k(self) -> int:
-        """A sparse delta's top-k per chunk: ``download_topk``, else ``topk``."""
-        return self.download_topk or self.topk
+        """A sparse delta's top-k per chunk: ``download_topk``, else 8 × ``topk`` (at most
+        the chunk)."""
+        return self.download_topk or min(self.chunk, DOWNLOAD_TOPK_PER_UPLOAD_TOPK * self.topk)
 
     def pinned(self) -> CompressionSection:
         """This section with the download codec it implies written in (what a run records)."""

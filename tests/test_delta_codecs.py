@@ -147,13 +147,15 @@ def test_packed_codes_that_do_not_decode_are_a_delta_error_not_a_rebuild(tmp_pat
 @pytest.mark.parametrize(
     ("given", "download", "download_topk"),
     [
-        ({}, "int8", 64),
-        ({"kind": "none"}, "int8", 64),
-        ({"kind": "int4"}, "int4", 64),
-        ({"kind": "int2"}, "int2", 64),
-        ({"kind": "sparse", "topk": 32}, "int2", 32),
-        ({"kind": "sparse", "download": "sparse", "download_topk": 512}, "sparse", 512),
-        ({"kind": "int8", "download": "int2"}, "int2", 64),
+        ({}, "int8", 512),
+        ({"kind": "none"}, "int8", 512),
+        ({"kind": "int4"}, "int4", 512),
+        ({"kind": "int2"}, "int2", 512),
+        ({"kind": "sparse"}, "sparse", 512),  # 8 x the uploads' 64 of 4096
+        ({"kind": "sparse", "topk": 32}, "sparse", 256),
+        ({"kind": "sparse", "chunk": 256, "topk": 64}, "sparse", 256),  # at most the chunk
+        ({"kind": "sparse", "download": "int2", "download_topk": 100}, "int2", 100),
+        ({"kind": "int8", "download": "sparse"}, "sparse", 512),
     ],
 )
 def test_the_download_codec_follows_the_upload_kind_unless_given(given, download, download_topk):

@@ -6,8 +6,6 @@ holding a live lease, so that its round must close at the deadline."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,8 @@ import pytest
 
 from tests.support.contribute import API
 from tests.support.corpora import TINYSHAKESPEARE
-from tests.support.live import ADMIN_TOKEN, Proc, ServerProcess, wait_for
+from tests.support.live import ServerProcess, wait_for
+from tests.support.volunteers import Volunteers, create_run
 
 
 def write_config(path: Path, *, steps: int, quorum: int, target: int, timeout_s: float,
@@ -48,48 +47,6 @@ lease_ttl_s = 120  # a killed volunteer's lease outlives the round deadline
 """
     )
     return path
-
-
-def create_run(server: ServerProcess, config: Path) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "client.cli", "run", "create", str(config),
-         "--server", server.url, "--admin-token", ADMIN_TOKEN],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    run_id = out.stdout.strip()
-    assert re.fullmatch(r"run_[0-9a-f]{12}", run_id), out.stdout
-    return run_id
-
-
-class Volunteers:
-    def __init__(self, root: Path) -> None:
-        self.root, self.procs = root, {}  # type: ignore[var-annotated]
-
-    def start(self, name: str, server: ServerProcess | str, run_id: str, **env: str) -> Proc:
-        """``server``: a server process, or a URL (a load balancer's)."""
-        home = self.root / name
-        home.mkdir(parents=True)
-        url = server if isinstance(server, str) else server.url
-        proc = Proc(
-            [sys.executable, "-m", "client.cli", "join", url, "--run", run_id,
-             "--name", name, "--threads", "1", "--quiet"],
-            log=home / "join.log",
-            env={"DILOCO_CONFIG_DIR": str(home / "config"),
-                 "DILOCO_CACHE_DIR": str(home / "cache"), **env},
-        )  # fmt: skip
-        self.procs[name] = proc
-        return proc
-
-    def wait_all_done(self, timeout: float = 60) -> None:
-        """Every volunteer exits (the run ended), each with status 0."""
-        for proc in self.procs.values():
-            wait_for(lambda p=proc: not p.alive(), timeout=timeout, what="volunteers to exit")
-            assert proc.popen.returncode == 0, proc.output()[-2000:]
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
 
 
 @pytest.fixture
@@ -130,13 +87,7 @@ def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
     http = httpx.Client(base_url=server.url, timeout=30)
 
     # Execute: wait for the run to complete (every volunteer exits when it does)
-    wait_for(
-        lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
-        timeout=400,
-        what="the run to complete",
-        every=1.0,
-    )
-    volunteers.wait_all_done()
+    volunteers.finish(http, run_id)
 
     # Assert: rounds, quorum, loss (each version's eval loss is measured after it is
     # published: the last one's may still be pending), versions, bytes per parameter

@@ -26,8 +26,8 @@ from diloco.model.architectures import build_model
 from diloco.train import load_parameters
 from tests.support.contribute import API
 from tests.support.corpora import TINYSHAKESPEARE
-from tests.support.live import ADMIN_TOKEN, ServerProcess, wait_for
-from tests.test_e2e import Volunteers, create_run
+from tests.support.live import ADMIN_TOKEN, ServerProcess
+from tests.support.volunteers import Volunteers, create_run
 
 ROUNDS = 4
 BLOCK = 64
@@ -122,13 +122,7 @@ def test_prepare_train_export_load_and_sample(server, volunteers, tmp_path):
     http = httpx.Client(base_url=server.url, timeout=30)
 
     # Execute: the run trains to its end; export the first and the last version
-    wait_for(
-        lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
-        timeout=600,
-        what="the run to complete",
-        every=1.0,
-    )
-    volunteers.wait_all_done()
+    volunteers.finish(http, run_id, timeout=600)
     trained, untrained = tmp_path / "export", tmp_path / "export-v0"
     common = ("--server", server.url, "--admin-token", ADMIN_TOKEN)
     diloco("run", "export", run_id, *common, "--out", str(trained))

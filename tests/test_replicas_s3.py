@@ -22,7 +22,8 @@ import pytest
 from tests.support.contribute import API
 from tests.support.live import ServerProcess, free_port, wait_for
 from tests.support.tcpproxy import Balancer
-from tests.test_e2e import Volunteers, create_run, write_config
+from tests.support.volunteers import Volunteers, create_run
+from tests.test_e2e import write_config
 
 COMMON = {
     "n_shards": 4,
@@ -89,13 +90,7 @@ def test_three_replicas_on_one_bucket_close_each_round_once_with_no_blob_through
         first = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"][0]
         assert first["index"] == 1 and first["state"] != "closed", first
         replica("c", ports[2])
-        wait_for(
-            lambda: http.get(f"{API}/runs/{run_id}").json()["status"] == "completed",
-            timeout=400,
-            what="the run to complete",
-            every=1.0,
-        )
-        volunteers.wait_all_done()
+        volunteers.finish(http, run_id)
 
         # Assert: every round closed once, by C (A published nothing: its row never committed)
         rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]

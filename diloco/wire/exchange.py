@@ -22,10 +22,8 @@ def codec_for(compression: CompressionSection) -> Codec:
     """The codec a run's ``[compression]`` names: the one every upload of the run uses."""
     if compression.kind == "sparse":
         return SparseCodec(compression.chunk, compression.topk, compression.bits)
-    if compression.kind == "int4":
-        return LowBitCodec(4, compression.block_size)
-    if compression.kind == "int2":  # its noise is averaged by the outer step: least squares
-        return LowBitCodec(2, compression.block_size, fit="rms")
+    if compression.kind in ("int4", "int2"):
+        return LowBitCodec(int(compression.kind.removeprefix("int")), compression.block_size)
     return make_codec(compression.kind, compression.block_size)
 
 
@@ -35,7 +33,7 @@ def delta_codec_for(compression: CompressionSection) -> Int8Codec | LowBitCodec 
     kind = compression.download_kind
     if kind == "sparse":
         return SparseCodec(compression.chunk, compression.download_k, compression.bits)
-    if kind in ("int4", "int2"):  # absmax: it trains better here (diloco.wire.lowbit)
+    if kind in ("int4", "int2"):
         return LowBitCodec(int(kind.removeprefix("int")), compression.block_size)
     return Int8Codec(compression.block_size)
 

@@ -15,19 +15,10 @@ Both keep the int8 codec's shape (``EncodedTensor``: flat ``data``, one fp32 sca
 block) with ``data`` as packed bytes (``uint8``), ``data_nbytes(numel)`` long:
 
 - ``LowBitCodec(bits)``, dense, ``bits`` ∈ {4, 2}: per block of ``block_size`` values a
-  scale s, each value rounded to q ∈ [−L, L] (clamped) with L = 2^(bits−1) − 1 (7 for
-  int4, 1 for int2: ternary) and stored as the code q + L in ``bits`` bits, ``8 / bits``
-  codes per byte, the first value in the lowest bits; decoded as q · s. The top code
-  2^bits − 1 is never produced and is refused, as are set bits past the last value. The
-  encoder alone chooses s (``fit``; the decoder reads it): ``absmax``, the block's absmax
-  / L, sends only a ternary block's largest values (the rest wait in the residual);
-  ``rms`` (int2 only) is ``TERNARY_RMS`` times the block's RMS, the least-squares ternary
-  quantizer of a Gaussian (values under s/2 send 0, the rest ±s). On real pseudo-gradient
-  accumulators (kurtosis about 3) absmax leaves 45–77% of Δ's norm behind a round and rms
-  29–40%. Yet the published deltas train better with absmax (``delta_codec_for``: what it
-  sends lands in the parameters every volunteer starts from) and uploads with rms
-  (``codec_for``: the outer step averages them): docs/tuning-notes.md, "Compressed
-  downloads".
+  scale s = absmax / L with L = 2^(bits−1) − 1 (7 for int4, 1 for int2: ternary), each
+  value rounded to q ∈ [−L, L] and stored as the code q + L in ``bits`` bits, ``8 / bits``
+  codes per byte, the first value in the lowest bits. The top code 2^bits − 1 is never
+  produced and is refused, as are set bits past the last value.
 - ``SparseCodec(chunk, topk, bits)``: per chunk of ``chunk`` values (the last may be
   shorter) the ``topk`` values of largest magnitude (all of a chunk shorter than that),
   in increasing index order, each as one field of ``index_bits + bits`` bits: its index in
@@ -54,7 +45,6 @@ import torch
 from diloco.wire.codec import EncodedTensor, _flat_finite_fp32
 
 MAX_SCALE = 1e4
-TERNARY_RMS = 1.224  # int2's scale over the block's RMS (Lloyd-Max, 3 levels, Gaussian)
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -109,14 +99,12 @@ class LowBitCodec:
 
     data_dtype: ClassVar[torch.dtype] = torch.uint8
 
-    def __init__(self, bits: int, block_size: int = 4096, *, fit: str = "absmax") -> None:
+    def __init__(self, bits: int, block_size: int = 4096) -> None:
         if bits not in (2, 4):
             raise ValueError(f"low-bit codec bits must be 2 or 4, got {bits!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if fit not in ("absmax", "rms") or (fit == "rms" and bits != 2):
-            raise ValueError(f"low-bit codec fit must be absmax, or rms for int2; got {fit!r}")
-        self.bits, self.block_size, self.fit = bits, block_size, fit
+        self.bits, self.block_size = bits, block_size
         self.levels = 2 ** (bits - 1) - 1  # L: codes 0..2L stand for -L..L
         self.per_byte = 8 // bits
 
@@ -134,23 +122,11 @@ class LowBitCodec:
         flat = _flat_finite_fp32(t).cpu()
         n = flat.numel()
         blocks = torch.nn.functional.pad(flat, (0, -n % self.block_size)).view(-1, self.block_size)
-        scales = self._scales(blocks, n)
+        scales = blocks.abs().amax(dim=1) / self.levels
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = (blocks / divisor[:, None]).round_().clamp_(-self.levels, self.levels)
         codes = (q.reshape(-1)[:n] + self.levels).to(torch.int64)
         return EncodedTensor(tuple(t.shape), self._pack(codes), scales.contiguous())
-
-    def _scales(self, blocks: torch.Tensor, n: int) -> torch.Tensor:
-        """One scale per block (module docstring); the last block's zero padding is not
-        counted in its RMS."""
-        if self.fit == "absmax":
-            return blocks.abs().amax(dim=1) / self.levels
-        if not n:
-            return blocks.new_zeros(0)
-        counts = torch.full((blocks.shape[0],), float(self.block_size))
-        counts[-1] = n - (blocks.shape[0] - 1) * self.block_size
-        rms = (blocks.double().pow(2).sum(dim=1) / counts.double()).sqrt()
-        return (TERNARY_RMS * rms).float().clamp_(max=MAX_SCALE)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         padded = torch.nn.functional.pad(codes, (0, -codes.numel() % self.per_byte))
@@ -352,7 +328,6 @@ def bytes_per_value(codec: LowBitCodec | SparseCodec, numel: int) -> float:
 
 __all__ = [
     "MAX_SCALE",
-    "TERNARY_RMS",
     "LowBitCodec",
     "SparseCodec",
     "bytes_per_value",
