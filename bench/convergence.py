@@ -92,12 +92,13 @@ def arms_for(hs: list[int], *, full: bool, arch: str) -> list[Arm]:
     return arms
 
 
-def write_config(path: Path, args: argparse.Namespace) -> None:
+def write_config(path: Path, args: argparse.Namespace, *, pins: bool = True) -> None:
     """The run config every arm shares: the platform's defaults for [outer] and
-    ``first_round``, except the GPT table's pinned start (measured before issue 14) and
-    AdamW moment kept across rounds (measured before issue 24)."""
-    outer = '[outer]\nfirst_round = "nesterov"\n' if args.arch == "gpt" else ""
-    kept = "reset_momentum = false\n" if args.arch == "gpt" else ""
+    ``first_round``, except, with ``pins``, the GPT table's pinned start (measured before
+    issue 14) and AdamW moment kept across rounds (measured before issue 24)."""
+    pinned = pins and args.arch == "gpt"
+    outer = '[outer]\nfirst_round = "nesterov"\n' if pinned else ""
+    kept = "reset_momentum = false\n" if pinned else ""
     if args.arch == "llama":
         model = f'arch = "llama"\nn_kv_head = {args.n_kv_head}\n'
         data = f'dataset = "{args.dataset}"\nchunk_size = 4096\n'

@@ -260,7 +260,7 @@ class EvalSection(_Section):
 
 # the download codec a run gets when its [compression] names none, by upload kind: the
 # same family as its uploads (docs/tuning-notes.md, "Compressed downloads")
-DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int2", "sparse": "sparse"}
+DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int4", "sparse": "sparse"}
 # a sparse delta's top-k per chunk when the config names none: the round's aggregate of K
 # sparse uploads is K times as dense as one (docs/tuning-notes.md, "Compressed downloads")
 DOWNLOAD_TOPK_PER_UPLOAD_TOPK = 8

@@ -150,7 +150,7 @@ def test_packed_codes_that_do_not_decode_are_a_delta_error_not_a_rebuild(tmp_pat
         ({}, "int8", 512),
         ({"kind": "none"}, "int8", 512),
         ({"kind": "int4"}, "int4", 512),
-        ({"kind": "int2"}, "int2", 512),
+        ({"kind": "int2"}, "int4", 512),  # int2 deltas cost int2 uploads 7% more loss
         ({"kind": "sparse"}, "sparse", 512),  # 8 x the uploads' 64 of 4096
         ({"kind": "sparse", "topk": 32}, "sparse", 256),
         ({"kind": "sparse", "chunk": 256, "topk": 64}, "sparse", 256),  # at most the chunk
