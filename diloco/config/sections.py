@@ -1,25 +1,17 @@
-"""The run config: a validated pydantic model, loaded from TOML (or JSON over the API).
-
-Every section forbids unknown keys, and every error names the key it is about
-(``inner.lr: ...``), so a typo in a config file is caught before a run starts
-instead of being silently ignored for a hundred rounds.
+"""The run config's sections, one pydantic model each: what ``[model]``, ``[data]``,
+``[inner]``, ``[outer]``, ``[rounds]``, ``[eval]``, ``[compression]``, ``[aggregation]`` and
+``[retention]`` may say, with their bounds and defaults. ``diloco.config`` assembles them
+into the ``RunConfig`` and reads it from TOML or JSON.
 """
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:  # the model loads torch; the config is read where torch is not wanted
     from diloco.model.gpt import GPTConfig
-
-
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message names the offending key(s)."""
 
 
 # Every value has an upper bound, so that nothing a config says can overflow where it goes:
@@ -361,116 +353,3 @@ class RetentionSection(_Section):
     # enough that a public run's bucket holds a day of uploads rather than all of them.
     # None: keep the blobs for ever
     contribution_grace_s: float | None = Field(DEFAULT_GRACE_S, ge=0.0, le=MAX_GRACE_S)
-
-
-class RunConfig(_Section):
-    name: str = Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)  # runs.name
-    # seeds the initial model and every lease's shard and batch sampling; None: the server
-    # draws one at creation and records it here, so any run can be reproduced
-    seed: int | None = Field(None, ge=0, le=(1 << 31) - 1)
-    model: ModelSection = ModelSection()
-    data: DataSection
-    inner: InnerSection = InnerSection()
-    outer: OuterSection = OuterSection()
-    rounds: RoundsSection = RoundsSection()
-    compression: CompressionSection = CompressionSection()
-    aggregation: AggregationSection = AggregationSection()
-    retention: RetentionSection = RetentionSection()
-    eval: EvalSection = EvalSection()
-
-    @property
-    def total_inner_steps(self) -> int:
-        """Inner steps a worker takes over the whole run: the cosine schedule's horizon."""
-        return self.rounds.max_rounds * self.inner.steps
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens one inner step trains on: batch_size sequences of block_size."""
-        return self.inner.batch_size * self.model.block_size
-
-    @property
-    def lease_tokens(self) -> int:
-        """The most tokens a lease of the nominal H can hold (H steps of batch_size x
-        block_size); ``lease_tokens_for`` a lease sized otherwise."""
-        return self.lease_tokens_for(self.inner.steps)
-
-    def pinned(self) -> RunConfig:
-        """The config with the choices its defaults imply written in: what a run records
-        at its creation, so that it keeps them whatever later defaults say."""
-        return self.model_copy(update={"compression": self.compression.pinned()})
-
-    def lease_tokens_for(self, inner_steps: int | None) -> int:
-        """The most tokens one lease's work can hold, for a lease of ``inner_steps`` (None:
-        the nominal H, as a lease issued before leases were sized): a contribution's weight
-        (and credit) never counts more, whatever it claims."""
-        steps = self.inner.steps if inner_steps is None else inner_steps
-        return steps * self.tokens_per_step
-
-
-# ---------------------------------------------------------------- what a close needs
-
-
-def error_message(error: ErrorDetails) -> str:
-    """pydantic's message for one error, in words where it would quote our own pattern."""
-    if error["type"] == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == (
-        NO_CONTROL_CHARS
-    ):
-        return "must not contain control characters (NUL, tab, newline, ...)"
-    return error["msg"]
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        msg = error_message(e)
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "value_error":
-            # our validators say "key: sentence"; lift the key next to the section
-            msg = msg.removeprefix("Value error, ")
-            if ": " in msg:
-                sub, msg = msg.split(": ", 1)
-                key = f"{key}.{sub}" if key else sub
-        lines.append(f"{key}: {msg}" if key else msg)
-    return "; ".join(lines)
-
-
-def parse_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a config given as a mapping (from TOML or JSON); raise ConfigError."""
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
-
-
-def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a TOML run config; its paths are resolved against its folder."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    cfg = parse_config(raw)
-    return resolve_paths(cfg, path.parent)
-
-
-def resolve_paths(cfg: RunConfig, folder: Path) -> RunConfig:
-    """``data.path``, ``data.dataset`` (a folder) and ``model.init``, made absolute against
-    ``folder``; a dataset id (``ds_...``) or an absolute path stays as it is."""
-    data: dict[str, str] = {}
-    for key in ("path", "dataset"):
-        value = getattr(cfg.data, key)
-        if value is not None and not value.startswith("ds_") and not Path(value).is_absolute():
-            data[key] = str((folder / value).resolve())
-    model: dict[str, str] = {}
-    if cfg.model.init is not None and not Path(cfg.model.init).is_absolute():
-        model["init"] = str((folder / cfg.model.init).resolve())
-    return cfg.model_copy(
-        update={
-            "data": cfg.data.model_copy(update=data),
-            "model": cfg.model.model_copy(update=model),
-        }
-    )
