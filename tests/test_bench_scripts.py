@@ -14,6 +14,22 @@ from tests.support.corpora import EXCERPT
 REPO = Path(__file__).resolve().parents[1]
 
 
+def quick_table(script: str, work_dir: Path, doc: Path) -> dict[str, list[str]]:
+    """``bench/SCRIPT --quick --jobs 2 --work-dir WORK_DIR`` (asserted to succeed), then
+    the rows of the table it wrote to ``doc``: arm -> its cells after the arm's."""
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", "--quick", "--jobs", "2", "--work-dir",
+         str(work_dir)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in doc.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| arm")
+    }
+
+
 def test_codec_wire_bench_prints_a_rate_for_every_stage():
     proc = subprocess.run(
         [sys.executable, "bench/codec_wire.py", "--params", "40000", "--tensors", "4",
@@ -168,30 +184,19 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
 @pytest.mark.slow
 @pytest.mark.cpu_bound
 def test_goodput_bench_runs_every_arm_and_sizing_wastes_less_than_before(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "bench/goodput.py", "--quick", "--jobs", "2", "--work-dir",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {
-        line.split("|")[1].strip(): line.split("|")
-        for line in (tmp_path / "benchmarks.md").read_text().splitlines()
-        if line.startswith("| ") and not line.startswith("| arm")
-    }
+    rows = quick_table("goodput.py", tmp_path, tmp_path / "benchmarks.md")
     home, instant = "home links (20/100 Mb/s), int8, no overlap", "instant links (reference)"
     assert set(rows) == {
         "before", "sized", "sized + late", "sized + late, max 2H", "identical, H",
         "identical, rounds", home, instant,
     }  # fmt: skip
     linked = {arm: rows.pop(arm) for arm in (home, instant)}
-    goodput = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in rows.items()}
+    goodput = {arm: float(cells[3].rstrip("%")) for arm, cells in rows.items()}
     assert goodput["sized + late"] >= goodput["before"]
     assert goodput["identical, H"] == 100.0  # nobody slow, nobody drops: nothing wasted
     # home links: a 1B model's bytes take longer than the round's compute; instant: no wait
-    busy = {arm: float(cells[4].strip().rstrip("%")) for arm, cells in linked.items()}
-    on_link = {arm: float(cells[5].strip().rstrip("%")) for arm, cells in linked.items()}
+    busy = {arm: float(cells[2].rstrip("%")) for arm, cells in linked.items()}
+    on_link = {arm: float(cells[3].rstrip("%")) for arm, cells in linked.items()}
     assert busy[home] < 50.0 < on_link[home]
     assert busy[instant] >= 95.0 and on_link[instant] == 0.0
 
@@ -217,19 +222,8 @@ def test_the_gpu_convergence_script_runs_its_pipeline_where_its_options_are_over
 @pytest.mark.slow
 @pytest.mark.cpu_bound
 def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "bench/compression.py", "--quick", "--jobs", "2", "--work-dir",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = quick_table("compression.py", tmp_path, tmp_path / "quick" / "benchmarks.md")
     doc = (tmp_path / "quick" / "benchmarks.md").read_text()
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in doc.splitlines()
-        if line.startswith("| ") and not line.startswith("| arm")
-    }
     assert set(rows) == {
         "int8 (the default)", "int4", "int2", "sparse (64 of 4096, 2 bits)",
         "sparse, int8 downloads", "int8, overlap 0.1", "sparse, overlap 0.1",

@@ -26,8 +26,8 @@ from diloco.protocol.late import late_weight
 from diloco.wire import delta as deltas
 from tests.support.contribute import API, read_outer_state, reference_close
 from tests.support.corpora import TINYSHAKESPEARE
-from tests.support.live import ServerProcess, wait_for
-from tests.support.volunteers import Volunteers, create_run
+from tests.support.live import ServerProcess
+from tests.support.volunteers import Volunteers, create_run, evaluated_rounds
 
 ROUNDS = 4
 
@@ -95,15 +95,7 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
         volunteers.finish(http, run_id)
         metrics = http.get("/metrics").text
         run = http.get(f"{API}/runs/{run_id}").json()
-        rounds = wait_for(
-            lambda: (
-                (rs := http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"])
-                and all(r["eval_loss"] is not None for r in rs)
-                and rs
-            ),
-            timeout=60,
-            what="every round's eval loss",
-        )  # measured after each version is published
+        rounds = evaluated_rounds(http, run_id)
     finally:
         volunteers.stop_all()
         server.stop()

@@ -15,7 +15,7 @@ import pytest
 from tests.support.contribute import API
 from tests.support.corpora import TINYSHAKESPEARE
 from tests.support.live import ServerProcess, wait_for
-from tests.support.volunteers import Volunteers, create_run
+from tests.support.volunteers import Volunteers, create_run, evaluated_rounds
 
 
 def write_config(path: Path, *, steps: int, quorum: int, target: int, timeout_s: float,
@@ -92,15 +92,7 @@ def test_three_volunteers_train_a_run_end_to_end(server, volunteers, tmp_path):
     # Assert: rounds, quorum, loss (each version's eval loss is measured after it is
     # published: the last one's may still be pending), versions, bytes per parameter
     run = http.get(f"{API}/runs/{run_id}").json()
-    rounds = wait_for(
-        lambda: (
-            (rs := http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"])
-            and all(r["eval_loss"] is not None for r in rs)
-            and rs
-        ),
-        timeout=60,
-        what="every round's eval loss",
-    )
+    rounds = evaluated_rounds(http, run_id)
     assert len(rounds) == 6 and all(r["state"] == "closed" for r in rounds)
     assert all(r["accepted"] >= 2 for r in rounds), [r["accepted"] for r in rounds]
     assert rounds[-1]["eval_loss"] <= 0.9 * rounds[0]["eval_loss"], [r["eval_loss"] for r in rounds]

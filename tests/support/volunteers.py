@@ -66,3 +66,18 @@ class Volunteers:
     def stop_all(self) -> None:
         for proc in self.procs.values():
             proc.stop()
+
+
+def evaluated_rounds(http: httpx.Client, run_id: str, *, timeout: float = 60) -> list[dict]:
+    """``GET /runs/{id}/rounds`` once every round's version has its eval loss (measured
+    after the version is published, so the last one's may still be pending)."""
+    rounds: list[dict] = wait_for(
+        lambda: (
+            (rs := http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"])
+            and all(r["eval_loss"] is not None for r in rs)
+            and rs
+        ),
+        timeout=timeout,
+        what="every round's eval loss",
+    )
+    return rounds
