@@ -180,3 +180,35 @@ def test_the_packed_compression_kinds_and_their_keys():
 def test_bad_compression_settings_are_refused_naming_the_key(compression, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(minimal(compression=compression))
+
+
+@pytest.mark.parametrize(
+    ("outer", "expected"),
+    [
+        ({}, (3.0, 0.0, False)),  # SparseLoCo's plain step, at the benchmark's lr
+        ({"warmup_rounds": 2}, (3.0, 0.0, False)),  # other [outer] keys do not count
+        ({"lr": 1.5}, (1.5, 0.9, True)),  # one named: the others' platform defaults
+        ({"nesterov": False, "momentum": 0.5}, (0.7, 0.5, False)),
+    ],
+)
+def test_a_sparse_runs_outer_step_is_the_plain_one_unless_its_config_names_one(outer, expected):
+    cfg = parse_config({"name": "t", "data": {"path": "x"}, "compression": {"kind": "sparse"},
+                        "outer": outer})  # fmt: skip
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == expected
+    # an int8 run keeps Nesterov's defaults
+    plain = parse_config({"name": "t", "data": {"path": "x"}})
+    assert (plain.outer.lr, plain.outer.momentum, plain.outer.nesterov) == (0.7, 0.9, True)
+
+
+def test_overrides_are_put_over_the_file_before_defaults_are_derived(tmp_path):
+    # diloco simulate --compression sparse on an int8 file: the sparse run's outer step,
+    # and --outer-lr over the file's own value
+    path = tmp_path / "run.toml"
+    path.write_text('name = "t"\n[data]\npath = "x.txt"\n[compression]\nkind = "int8"\n')
+
+    sparse = load_config(path, {"compression": {"kind": "sparse"}, "outer": {"lr": None}})
+    chosen = load_config(path, {"outer": {"lr": 0.5}, "rounds": {}})
+
+    assert (sparse.outer.nesterov, sparse.compression.download_kind) == (False, "sparse")
+    assert (chosen.outer.lr, chosen.outer.nesterov, chosen.compression.kind) == (0.5, True, "int8")
+    assert sparse.data.path == str((tmp_path / "x.txt").resolve())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from client.cli.support import ExitStatus, fail
-from diloco.config import ConfigError, RunConfig, load_config, parse_config
+from diloco.config import ConfigError, RunConfig, load_config
 
 if TYPE_CHECKING:  # imported where used: they load torch
     from diloco.simulate.protocol_mode import Links, Outage, ProtocolOptions
@@ -21,19 +21,11 @@ class SimMode(StrEnum):
     protocol = "protocol"  # K volunteers against the round protocol, on a simulated clock
 
 
-def with_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
-    """Apply CLI overrides section by section and validate the result again."""
-    raw = cfg.model_dump()
-    for section, values in overrides.items():
-        raw[section].update({k: v for k, v in values.items() if v is not None})
-    return parse_config(raw)
-
-
 def run_config(config: Path, overrides: dict[str, dict[str, Any]]) -> RunConfig:
     """The run config at ``config`` with the command line's values over it, section by
     section (None: the file's value), validated again; a usage error otherwise."""
     try:
-        return with_overrides(load_config(config), overrides)
+        return load_config(config, overrides)
     except ConfigError as err:
         fail(str(err), ExitStatus.USAGE)
 

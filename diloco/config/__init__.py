@@ -10,10 +10,11 @@ The sections are ``diloco.config.sections``; this module assembles them.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from diloco.config.sections import (
@@ -23,6 +24,7 @@ from diloco.config.sections import (
     MAX_TIMEOUT_S,
     MIN_TIMEOUT_S,
     NO_CONTROL_CHARS,
+    SPARSE_OUTER,
     AggregationSection,
     CompressionSection,
     DataSection,
@@ -54,6 +56,20 @@ class RunConfig(_Section):
     aggregation: AggregationSection = AggregationSection()
     retention: RetentionSection = RetentionSection()
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sparse_outer_step(cls, data: Any) -> Any:
+        """A sparse run whose ``[outer]`` names none of lr, momentum and nesterov takes
+        ``SPARSE_OUTER``'s (one that names any keeps the others' defaults)."""
+        if not isinstance(data, dict) or not isinstance(data.get("compression"), dict):
+            return data
+        outer = data.get("outer", {})
+        if data["compression"].get("kind") != "sparse" or not isinstance(outer, dict):
+            return data
+        if SPARSE_OUTER.keys() & outer.keys():
+            return data
+        return {**data, "outer": {**SPARSE_OUTER, **outer}}
 
     @property
     def total_inner_steps(self) -> int:
@@ -121,8 +137,12 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(_format_errors(err)) from None
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a TOML run config; its paths are resolved against its folder."""
+def load_config(
+    path: str | Path, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> RunConfig:
+    """Read and validate a TOML run config; its paths are resolved against its folder.
+    ``overrides``: values put over the file's, section by section (None: the file's), before
+    the config is validated, so that what a default derives from sees them too."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -130,6 +150,10 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    for section, values in (overrides or {}).items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            raw[section] = {**raw.get(section, {}), **given}
     cfg = parse_config(raw)
     return resolve_paths(cfg, path.parent)
 
@@ -160,6 +184,7 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "MIN_TIMEOUT_S",
     "NO_CONTROL_CHARS",
+    "SPARSE_OUTER",
     "AggregationSection",
     "CompressionSection",
     "ConfigError",

@@ -171,6 +171,12 @@ class InnerSection(_Section):
         return self.max_steps if self.max_steps is not None else self.steps
 
 
+# the outer step a sparse run gets when its [outer] names none of these: SparseLoCo's plain
+# step (no server momentum: the volunteers' error feedback carries what momentum would),
+# with a larger lr than Nesterov's (docs/tuning-notes.md, "Sparse uploads: the outer step")
+SPARSE_OUTER = {"lr": 3.0, "momentum": 0.0, "nesterov": False}
+
+
 class OuterSection(_Section):
     lr: float = Field(0.7, gt=0.0, le=10.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
