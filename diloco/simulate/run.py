@@ -178,8 +178,9 @@ def train_upload(
     n = steps or H
     guess, k = ahead if ahead is not None else (params, 0)
     trainer.start_lease(guess)
-    first = trainer.run(k, start_step=(round - 1) * H, next_batch=next_batch)
+    first = InnerResult(0, 0)
     if k:
+        first = trainer.run(k, start_step=(round - 1) * H, next_batch=next_batch)
         trainer.fold(params, guess)
     rest = trainer.run(n - k, start_step=(round - 1) * H + k, next_batch=next_batch)
     result = InnerResult(n, first.tokens + rest.tokens, first.losses + rest.losses)
