@@ -165,7 +165,10 @@ def verdicts(rows: list[Row]) -> list[str]:
 def render(rows: list[Row], args: argparse.Namespace, command: str) -> str:
     base = next(r for r in rows if r.arm.key == "int8").mean
     n_params = args.n_params
+    path = {"llama": "Llama + BPE", "gpt": "the byte-level GPT"}[args.arch]
     lines = [
+        f"## Compression on {path}: what each codec costs (`bench/compression.py`, issue 25)",
+        "",
         f"{args.arch} path, {n_params:,} parameters; K = {args.k}, H = {args.h}, "
         f"{args.steps} inner steps per worker ({args.steps // args.h} rounds, the same "
         f"tokens for every arm), seeds {', '.join(map(str, args.seeds))}; every other "
@@ -271,7 +274,8 @@ def main() -> None:
         by_arm[arm.key].append(result)
     args.n_params = results[0]["n_params"]
     section = render([row(a, by_arm[a.key]) for a in arms], args, command_line(args))
-    replace_section(args.doc, f"compression-{args.arch}", section, after="goodput-links")
+    after = "goodput-links" if args.arch == "llama" else "compression-llama"
+    replace_section(args.doc, f"compression-{args.arch}", section, after=after)
     print(section)
 
 
