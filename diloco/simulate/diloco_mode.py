@@ -31,11 +31,10 @@ from diloco.simulate.run import (
     Recorder,
     SimOptions,
     Trained,
-    Upload,
-    train_upload,
 )
 from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
 from diloco.simulate.versions import Versions
+from diloco.simulate.work import Upload, train_upload
 from diloco.train import InnerTrainer, load_parameters, parameters_of, snapshot
 
 

@@ -52,16 +52,15 @@ from diloco.simulate.protocol_mode import (
     per_second,
 )
 from diloco.simulate.run import (
-    SIM_RUN_ID,
     Progress,
     Recorder,
     Runner,
     SimOptions,
     Trained,
-    train_upload,
-    upload_nbytes,
 )
+from diloco.simulate.server import SIM_RUN_ID
 from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
+from diloco.simulate.work import train_upload, upload_nbytes
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:

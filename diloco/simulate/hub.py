@@ -76,9 +76,10 @@ from diloco.protocol.state import (
 from diloco.simulate.dealing import Units
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.rows import Closed, HubLease, HubSettings, RoundLog, Stored
-from diloco.simulate.run import SIM_RUN_ID, SimOptions, Upload
-from diloco.simulate.server import RoundDesk
+from diloco.simulate.run import SimOptions
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk
 from diloco.simulate.versions import Versions
+from diloco.simulate.work import Upload
 from diloco.train import load_parameters, parameters_of
 
 __all__ = ["Closed", "Hub", "HubLease", "HubSettings", "RoundLog", "Stored"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from diloco.protocol.state import CloseEffects, LeaseAssignment, LeaseView, RoundView
-from diloco.simulate.run import Upload
 from diloco.simulate.server import RoundDesk
+from diloco.simulate.work import Upload
 
 # ---------------------------------------------------------------- settings
 
