@@ -103,9 +103,7 @@ class UploadFile:
         self._sha = hashlib.sha256(os.pread(self._fd, PREFIX.size + header_len, 0))
         self.codec = codec_from_description(header.meta.codec)
         # diloco.wire.lowbit's packed codes: ranges of bytes, decoded range by range
-        self._packed: LowBitCodec | SparseCodec | None = None
-        if isinstance(self.codec, LowBitCodec | SparseCodec):
-            self._packed = self.codec
+        self._packed = self.codec if isinstance(self.codec, LowBitCodec | SparseCodec) else None
         self._numel = 0
         self._data: dict[str, int] = {}
         self._scales: dict[str, int] = {}
@@ -168,7 +166,7 @@ class UploadFile:
         """Elements [start, start + n) of the tensor's data, in a buffer reused next call
         (packed codes: the bytes that hold them, ``decode_into`` unpacks them)."""
         dtype = self.codec.data_dtype
-        at = 0
+        at = start * dtype.itemsize  # the element's byte, or the packed bytes that hold it
         if self._packed is not None:
             at, n = self._packed.packed_range(start, n, self._numel)
         self._turn ^= 1
@@ -179,9 +177,7 @@ class UploadFile:
         if buf.dtype != dtype or buf.numel() < n:
             buf = self._bufs[self._turn] = torch.empty(n, dtype=dtype)
         out = buf[:n]
-        self._pread_into(
-            out, self._data[name] + (at if self._packed is not None else start * out.element_size())
-        )
+        self._pread_into(out, self._data[name] + at)
         return out
 
     def decode_into(self, q: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:

@@ -12,30 +12,33 @@ from collections.abc import Mapping
 import torch
 
 from diloco.config import CompressionSection
-from diloco.wire.codec import Codec, EncodedTensor, Int8Codec, make_codec
+from diloco.wire.codec import Codec, EncodedTensor, make_codec
+from diloco.wire.delta import DeltaCodec
 from diloco.wire.lowbit import LowBitCodec, SparseCodec, encode_with_feedback
 
 Residual = dict[str, torch.Tensor]
 
 
-def codec_for(compression: CompressionSection) -> Codec:
-    """The codec a run's ``[compression]`` names: the one every upload of the run uses."""
-    if compression.kind == "sparse":
-        return SparseCodec(compression.chunk, compression.topk, compression.bits)
-    if compression.kind in ("int4", "int2"):
-        return LowBitCodec(int(compression.kind.removeprefix("int")), compression.block_size)
-    return make_codec(compression.kind, compression.block_size)
-
-
-def delta_codec_for(compression: CompressionSection) -> Int8Codec | LowBitCodec | SparseCodec:
-    """The codec of the run's published deltas (``[compression] download``): what a
-    returning volunteer downloads (``diloco.wire.delta``)."""
-    kind = compression.download_kind
+def _codec(kind: str, compression: CompressionSection, topk: int) -> Codec:
+    """The codec ``kind`` with the section's block size, chunk and bits (sparse: ``topk``)."""
     if kind == "sparse":
-        return SparseCodec(compression.chunk, compression.download_k, compression.bits)
+        return SparseCodec(compression.chunk, topk, compression.bits)
     if kind in ("int4", "int2"):
         return LowBitCodec(int(kind.removeprefix("int")), compression.block_size)
-    return Int8Codec(compression.block_size)
+    return make_codec(kind, compression.block_size)
+
+
+def codec_for(compression: CompressionSection) -> Codec:
+    """The codec a run's ``[compression]`` names: the one every upload of the run uses."""
+    return _codec(compression.kind, compression, compression.topk)
+
+
+def delta_codec_for(compression: CompressionSection) -> DeltaCodec:
+    """The codec of the run's published deltas (``[compression] download``): what a
+    returning volunteer downloads (``diloco.wire.delta``)."""
+    codec = _codec(compression.download_kind, compression, compression.download_k)
+    assert isinstance(codec, DeltaCodec)  # download is never "none": the config's type
+    return codec
 
 
 def encode_delta(
