@@ -69,12 +69,20 @@ IDENTICAL, SAME_ROUNDS = "identical, H", "identical, rounds"
 # issue 25, item 5: home links with a real model's bytes and a real round's compute. Six
 # speed-1 volunteers that stay; H steps of LINK_STEP_S: 5 minutes of compute per round
 LINK, LINK_PARAMS, LINK_STEP_S, LINK_TIMEOUT_S = "20/100/40", 1e9, 30.0, 1800.0
+HOME = ["--link", LINK, "--link-as-params", str(LINK_PARAMS), "--downloads", "delta"]
+OVERLAP = 0.2  # [inner] overlap of the overlap arms: up to 2 of H = 10 steps trained ahead
 LINK_ARMS: dict[str, list[str]] = {
-    "home links (20/100 Mb/s), int8, no overlap": [
-        "--link", LINK, "--link-as-params", str(LINK_PARAMS), "--downloads", "delta",
+    "home links (20/100 Mb/s), int8, no overlap": HOME,
+    f"home links, int8, overlap {OVERLAP:g}": [*HOME, "--overlap", str(OVERLAP)],
+    "home links, sparse, no overlap": [*HOME, "--compression", "sparse"],
+    f"home links, sparse, overlap {OVERLAP:g}": [
+        *HOME, "--compression", "sparse", "--overlap", str(OVERLAP),
     ],
     "instant links (reference)": ["--downloads", "delta"],
 }  # fmt: skip
+# issue 25: with overlap, volunteers busy >= 90% of the time, at most +1% final eval loss
+# against the same arm without overlap
+GOAL_BUSY, GOAL_OVERLAP_LOSS = 0.90, 0.01
 
 
 def config(
@@ -116,7 +124,7 @@ def run_one(
 
 def run_link(arm: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """A ``LINK_ARMS`` run: the platform's defaults, six volunteers, no dropouts."""
-    name = "links_" + arm.split(" ")[0]
+    name = "links_" + "".join(c for c in arm.split("(")[0] if c.isalnum())
     toml = config("", "", args, args.rounds, args.steps, timeout_s=LINK_TIMEOUT_S)
     n = len(SPEEDS)
     flags = [*LINK_ARMS[arm], "--workers", str(n), "--speeds", ",".join(["1"] * n),
@@ -158,7 +166,28 @@ def render_links(rows: dict[str, list[dict[str, Any]]], args: argparse.Namespace
             f"{mean(f['link'] for f in runs):.0%} | {mean(f['goodput'] for f in runs):.1%} | "
             f"{mean(f['final'] for f in runs):.4f} |"
         )
+    lines += ["", *overlap_goals(rows)]
     return "\n".join([*lines, ""])
+
+
+def overlap_goals(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each overlap arm against issue 25's goal: busy and the loss beside its arm without."""
+    mean = statistics.fmean
+    said = []
+    for arm in rows:
+        if "overlap" not in arm or "no overlap" in arm:
+            continue
+        kind = arm.split(", ")[1]
+        plain = next(a for a in rows if kind in a and "no overlap" in a)
+        busy = mean(f["busy"] for f in rows[arm])
+        loss = mean(f["final"] for f in rows[arm]) / mean(f["final"] for f in rows[plain]) - 1
+        met = busy >= GOAL_BUSY and loss <= GOAL_OVERLAP_LOSS
+        said.append(
+            f"- {arm}: busy {busy:.0%} (goal >= {GOAL_BUSY:.0%}; without overlap "
+            f"{mean(f['busy'] for f in rows[plain]):.0%}), final eval loss {loss:+.2%} against "
+            f"no overlap (goal <= {GOAL_OVERLAP_LOSS:+.0%}): {'met' if met else 'NOT met'}"
+        )
+    return said
 
 
 def steps_spent(result: dict[str, Any], step_s: float) -> float:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from client import credentials
+from client.progress import Reporter
 from diloco.atomic import atomic_write_text
 from diloco.protocol.messages import MAX_TOKENS_PER_S
 
@@ -76,3 +77,23 @@ def load_speed(run_id: str, root: Path | None = None) -> MeasuredSpeed | None:
     if not (math.isfinite(speed.tokens_per_s) and 0 < speed.tokens_per_s <= MAX_TOKENS_PER_S):
         raise SpeedRecordError(f"{path}: tokens_per_s {speed.tokens_per_s} is out of range")
     return speed
+
+
+def first_speed(
+    run_id: str, root: Path | None, device: str, precision: str, say: Reporter
+) -> float | None:
+    """The tokens/s ``diloco doctor`` measured for this run on this ``device`` type and
+    ``precision``, for a volunteer's first join to report; None (and why, if it is worth
+    saying) when there is none that fits."""
+    try:
+        saved = load_speed(run_id, root)
+    except SpeedRecordError as err:
+        say.warn(f"not reporting diloco doctor's speed: {err}")
+        return None
+    if saved is None or not saved.applies_to(device, precision):
+        return None
+    say.info(
+        f"first join reports diloco doctor's {saved.tokens_per_s:,.0f} tokens/s "
+        f"({device} {precision})"
+    )
+    return saved.tokens_per_s

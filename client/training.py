@@ -27,11 +27,11 @@ from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.data.text import random_batch, range_batches, range_windows
+from diloco.data.text import AHEAD_SEED, lease_stream, range_windows
 from diloco.model.architectures import build_model
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.precision import Precision, choose_precision
-from diloco.train import InnerResult, InnerTrainer, parameters_of
+from diloco.train import Ahead, InnerResult, InnerTrainer, parameters_of, train_ahead
 from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, contribution_nbytes
 from diloco.wire.exchange import encode_delta
@@ -198,6 +198,10 @@ class LocalTrainer:
         self.flops_per_token = flops_per_token(cfg.model, model.num_parameters())
         return cfg, True
 
+    def holds(self, config: Mapping[str, Any]) -> bool:
+        """Whether the model and AdamW state are the ones built for ``config``."""
+        return self._key is not None and self._key == json.dumps(config, sort_keys=True)
+
     def describe(self) -> str:
         """How the model trains here: the device, precision and micro-batch."""
         if self.fit is None or self.cfg is None:
@@ -257,6 +261,32 @@ class LocalTrainer:
         self.trainer.error_feedback = saved.error
         return saved
 
+    def batches(
+        self, lease: Lease, shard: torch.Tensor, *, ahead: bool = False
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The lease's batches (``lease_stream``, as the simulator reads a lease): its range
+        each window once, or random windows of its shard, drawn with ``lease.seed``;
+        ``ahead``, for the steps trained ahead after it: its data again, in an order of
+        their own, pass after pass."""
+        if self.cfg is None:
+            raise RuntimeError("LocalTrainer.prepare must run first")
+        ranged, inner = lease.data_range is not None, self.cfg.inner
+        if ranged and not ahead:
+            available = range_windows(int(shard.numel()), self.cfg.model.block_size)
+            if available // inner.batch_size < lease.inner_steps:
+                raise ProtocolError(
+                    f"the lease's range holds {available} windows, fewer than "
+                    f"{lease.inner_steps} steps of {inner.batch_size}; tell the run's operator"
+                )
+        return lease_stream(
+            shard,
+            ranged=ranged,
+            batch_size=inner.batch_size,
+            block_size=self.cfg.model.block_size,
+            seed=lease.seed + AHEAD_SEED if ahead else lease.seed,
+            repeat=ahead,
+        )
+
     def train(
         self,
         lease: Lease,
@@ -266,58 +296,64 @@ class LocalTrainer:
         on_step: Callable[[int, float, int], None],
         stop: Callable[[], bool],
         until: Callable[[int], str | None] | None = None,
+        ahead: Ahead | None = None,
     ) -> InnerResult:
         """Load θ(t−1), then H AdamW steps on batches drawn with ``lease.seed``.
         ``on_step(done, loss, tokens)`` reports; ``stop()`` true ends the loop early and
         drops the work (StopTraining). ``until(done)`` returning a sentence (the deadline,
         ``client.pacing``) ends it too, but keeps the work: the result holds the ``done``
-        steps taken (at least 1: it is asked after each step but the last)."""
+        steps taken (at least 1: it is asked after each step but the last).
+
+        ``ahead``: steps this lease's H began with (``train_ahead``); they are folded onto
+        θ(t−1) and only the rest (at least one) are taken here. The result's steps count
+        them, its tokens do not (they read the last lease's data, counted by that lease)."""
         if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before train")
-        cfg, trainer = self.cfg, self.trainer
-        trainer.start_lease(params)
-        gen = torch.Generator().manual_seed(lease.seed)
-        tokens_per_step = cfg.inner.batch_size * cfg.model.block_size
-        steps = lease.inner_steps
-
-        if lease.data_range is not None:  # each window of the range once, in a seeded order
-            batches = range_batches(
-                shard, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
-                generator=gen,
-            )  # fmt: skip
-            available = range_windows(int(shard.numel()), cfg.model.block_size)
-            if available // cfg.inner.batch_size < steps:
-                raise ProtocolError(
-                    f"the lease's range holds {available} windows, fewer than {steps} steps of "
-                    f"{cfg.inner.batch_size}; tell the run's operator"
-                )
-
-        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:  # (B, T), (B, T)
-            if lease.data_range is not None:
-                return next(batches)
-            return random_batch(
-                shard,
-                batch_size=cfg.inner.batch_size,
-                block_size=cfg.model.block_size,
-                generator=gen,
-            )
+        trainer = self.trainer
+        k = trainer.start_after(params, ahead)
+        steps = max(1, lease.inner_steps - k)
+        tokens_per_step = self.cfg.tokens_per_step
 
         def step_done(i: int, loss: float) -> None:
             self.steps_taken += 1
-            on_step(i + 1, loss, (i + 1) * tokens_per_step)
+            on_step(k + i + 1, loss, (i + 1) * tokens_per_step)
             if i + 1 < steps and stop():
                 raise StopTraining
 
         def deadline(done: int) -> bool:  # the steps taken so far are the result
             return until is not None and until(done) is not None
 
-        return trainer.run(
+        rest = trainer.run(
             steps,
-            start_step=lease.start_step,
-            next_batch=next_batch,
+            start_step=lease.start_step + k,
+            next_batch=self.batches(lease, shard),
             on_step=step_done,
             stop_after=deadline,
         )
+        if ahead is None:
+            return rest
+        return InnerResult(k + rest.steps, rest.tokens, ahead.result.losses + rest.losses)
+
+    def train_ahead(
+        self, last: Lease, shard: torch.Tensor, *, steps: int, stop: Callable[[], bool]
+    ) -> Ahead:
+        """Overlap (``[inner] overlap``): up to ``steps`` steps from where the model is, the
+        end of ``last``'s round (its upload is on its way), on ``last``'s data (its
+        ``shard``) again, from the step after its nominal H; ``stop()`` true ends them after
+        the step in progress (the next version is here). The next lease's ``train`` folds
+        them in."""
+        if self.trainer is None or self.cfg is None:
+            raise RuntimeError("LocalTrainer.prepare must run before train_ahead")
+
+        ahead = train_ahead(
+            self.trainer,
+            steps,
+            start_step=last.start_step + self.cfg.inner.steps,
+            next_batch=self.batches(last, shard, ahead=True),
+            stop_after=lambda done: stop(),
+        )
+        self.steps_taken += ahead.result.steps
+        return ahead
 
     def contribution(
         self, lease: Lease, params: Mapping[str, torch.Tensor], result: InnerResult

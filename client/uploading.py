@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,17 @@ class Uploader:
         self.upload_s: float | None = None  # our last encode + upload took this long
 
     async def contribute(
-        self, lease: Lease, params: dict[str, torch.Tensor], result: InnerResult, rate: float
-    ) -> None:
-        """Encode Δ, keep the AdamW state on disk, upload; a refusal is one line saying why."""
+        self,
+        lease: Lease,
+        params: dict[str, torch.Tensor],
+        result: InnerResult,
+        rate: float,
+        *,
+        on_saved: Callable[[], None] | None = None,
+    ) -> bool:
+        """Encode Δ, keep the AdamW state on disk, upload; a refusal is one line saying why.
+        ``on_saved``: called once the state is saved, before the upload (the steps ahead
+        begin there). Whether the server accepted it."""
         sending = time.perf_counter()  # encoding and upload: what the next round keeps time for
         state = self.fetcher.state_path(lease.run_id)
         try:
@@ -59,10 +68,12 @@ class Uploader:
             self.local.reset()
             state.unlink(missing_ok=True)
             self.say.warn(f"round {lease.round}: {err}; starting over with a fresh optimizer")
-            return
+            return False
         await asyncio.to_thread(
             self.local.save_state, state, run_id=lease.run_id, round=lease.round
         )
+        if on_saved is not None:
+            on_saved()
         util = mfu(rate, self.local.flops_per_token, self.peak_flops)
         head = f"round {lease.round}  loss {result.mean_loss:.4f}  {rate:,.0f} tok/s"
         if util is not None:
@@ -73,7 +84,7 @@ class Uploader:
         answer = await self.send(lease, body)
         if isinstance(answer, Refused):
             self.reject(head, body.nbytes, answer)
-            return
+            return False
         receipt = answer
         self.react.to(Request.UPLOAD)
         self.upload_s = time.perf_counter() - sending
@@ -84,6 +95,7 @@ class Uploader:
             where = f"round {r.merged_into_round} (staleness {r.staleness}, weight {r.weight})"
             note = f" late into {where}{note}"
         self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
+        return True
 
     async def send(self, lease: Lease, body: Contribution) -> UploadReceipt | Refused:
         """Upload; while our round, or the round our late work joins, is closing (the

@@ -18,7 +18,9 @@ upload answers 409 ``round_closed`` or ``no_lease``), is dropped and we join aga
 unless the round closed and the run merges late work (``[rounds] max_staleness``): then
 we finish the H steps and upload to our round as usual, and the server merges the work
 into the round open then, discounted (``diloco.protocol.late``); past the bound we drop it.
-A paused run is waited out; a completed or cancelled run ends the loop.
+With ``[inner] overlap`` it trains on from its upload until the next version arrives
+(``client.ahead``); those steps begin its next lease. A paused run is waited out; a
+completed or cancelled run ends the loop.
 SIGINT/SIGTERM stop the current step, close the session and print a summary.
 """
 
@@ -33,11 +35,12 @@ import time
 import torch
 
 from client import identity
+from client.ahead import Overlap
 from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
 from client.gpu import device_peak_flops
 from client.lease import Lease
-from client.measured_speed import SpeedRecordError, load_speed
+from client.measured_speed import first_speed
 from client.optimizer_state import OptimizerStateError
 from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
@@ -61,7 +64,7 @@ from diloco.protocol.volunteer import (
     heartbeat_every,
     staleness_bound,
 )
-from diloco.train import InnerResult
+from diloco.train import Ahead, InnerResult
 
 default_name = identity.default_name  # re-exported: the CLI's --name default
 
@@ -85,6 +88,8 @@ class _Worker:
         self.fatal: ApiError | None = None  # a heartbeat answer that stops us (banned...)
         self.lost_why = ""  # why the heartbeats gave up the lease in training
         self.rate: float | None = None  # tokens/s of our last round, sent with each join
+        # training on while a round closes (issue 25: [inner] overlap)
+        self.overlap = Overlap(self.local, reporter, self.summary, self.interrupted)
         self.uploads = Uploader(
             opts,
             api,
@@ -107,13 +112,17 @@ class _Worker:
         if o.invite:
             await self.api.become_member(run_id, o.invite)
         self.say.info(f"joining run {run_id} on {self.api.server_url} ({self.local.device})")
-        self.rate = self.doctors_speed(run_id)
-        while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
-            lease = await self.join(run_id)
-            if lease is None:
-                return
-            await self.round(lease)
-        self.summary.stopped_because = f"done after {self.summary.accepted} accepted rounds"
+        self.rate = first_speed(run_id, o.cache_dir, self.local.device.type,
+                                self.local.precision, self.say)  # fmt: skip
+        try:
+            while self.opts.max_rounds is None or self.summary.accepted < self.opts.max_rounds:
+                lease = await self.join(run_id)
+                if lease is None:
+                    return
+                await self.round(lease)
+            self.summary.stopped_because = f"done after {self.summary.accepted} accepted rounds"
+        finally:
+            await self.overlap.drop()
 
     # ---------------------------------------------------------------- who we are, which run
 
@@ -154,23 +163,6 @@ class _Worker:
                 )
             await asyncio.sleep(reaction.wait_s)
 
-    def doctors_speed(self, run_id: str) -> float | None:
-        """The tokens/s ``diloco doctor`` measured for this run on this device, for our
-        first join to report (client.measured_speed); None if there is none that fits."""
-        device, precision = self.local.device.type, self.local.precision
-        try:
-            saved = load_speed(run_id, self.opts.cache_dir)
-        except SpeedRecordError as err:
-            self.say.warn(f"not reporting diloco doctor's speed: {err}")
-            return None
-        if saved is None or not saved.applies_to(device, precision):
-            return None
-        self.say.info(
-            f"first join reports diloco doctor's {saved.tokens_per_s:,.0f} tokens/s "
-            f"({device} {precision})"
-        )
-        return saved.tokens_per_s
-
     async def join(self, run_id: str) -> Lease | None:
         """A lease for the open round, waiting while the run is paused or we already
         contributed; None when the run has ended."""
@@ -203,6 +195,7 @@ class _Worker:
         beats = asyncio.create_task(self.heartbeats(lease, bar, lost))
         self.holding = lease
         try:
+            await self.overlap.before(lease)  # another run or config: the model is rebuilt
             cfg, rebuilt = await asyncio.to_thread(self.local.prepare, lease.config)
             if rebuilt:
                 self.say.info(f"training on {self.local.describe()}")
@@ -215,13 +208,16 @@ class _Worker:
                     raise
                 self.say.warn(f"{err.detail}")  # the next join brings fresh URLs
                 return
+            ahead = await self.overlap.take(lease)  # its version is here: stop training ahead
             if (why := pace.refusal(cfg, self.rate)) is not None:
                 await self.skip(lease, why, pace)
                 return
             if lease.inner_steps != cfg.inner.steps:
                 self.say.info(pace.sized_note(cfg, self.rate))
             trained = (
-                None if lost.is_set() else await self.train(lease, params, shard, bar, lost, pace)
+                None
+                if lost.is_set()
+                else await self.train(lease, params, shard, bar, lost, pace, ahead)
             )
             if self.fatal is not None:
                 raise self.fatal
@@ -235,12 +231,18 @@ class _Worker:
             if pace.reason is not None:
                 self.summary.cut_short += 1
                 self.say.always(f"round {lease.round}: {pace.reason}; uploading them")
-            await self.uploads.contribute(lease, params, *trained)
+            accepted = await self.uploads.contribute(
+                lease, params, *trained, on_saved=lambda: self.overlap.start(lease, shard)
+            )
             self.holding = None
+            if not accepted:
+                await self.overlap.drop()  # they would go on from work the run did not take
         finally:
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
+            if self.holding is not None:  # the round ended without our upload
+                await self.overlap.drop()
 
     async def skip(self, lease: Lease, why: str, pace: RoundPace) -> None:
         """Not even min_steps would make the deadline: give the lease back untrained (the
@@ -276,9 +278,11 @@ class _Worker:
         bar: RoundBar,
         lost: threading.Event,
         pace: RoundPace,
+        ahead: Ahead | None = None,
     ) -> tuple[InnerResult, float] | None:
-        """H steps in a thread; the result and tokens/s, or None if stopped early. The
-        deadline may stop it early too (``pace``): then the result holds the steps done."""
+        """H steps in a thread (the rest of them after ``ahead``); the result and tokens/s,
+        or None if stopped early. The deadline may stop it early too (``pace``): then the
+        result holds the steps done."""
         stop = stop_flag(lost, self.interrupted)
 
         def on_step(done: int, loss: float, tokens: int) -> None:
@@ -291,7 +295,7 @@ class _Worker:
             try:
                 result = await asyncio.to_thread(
                     self.local.train, lease, params, shard,
-                    on_step=on_step, stop=stop, until=pace.after_step,
+                    on_step=on_step, stop=stop, until=pace.after_step, ahead=ahead,
                 )  # fmt: skip
             except StopTraining:
                 return None

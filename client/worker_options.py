@@ -66,6 +66,7 @@ class WorkerSummary:
     skipped: int = 0  # leases not started: even min_steps would have missed the deadline
     cut_short: int = 0  # rounds stopped early for the deadline (what was done was uploaded)
     tokens: int = 0  # trained on in accepted contributions
+    ahead_steps: int = 0  # steps trained while a round closed (overlap), folded into the next
     stopped_because: str = "stopped"
     signal: int | None = None  # the signal that stopped the worker, if one did
     time_up: bool = False  # --max-hours stopped it
@@ -75,8 +76,9 @@ class WorkerSummary:
         elapsed = time.monotonic() - self.started
         short = f"{self.cut_short} cut short for the deadline, " if self.cut_short else ""
         skipped = f"{self.skipped} skipped (too little time), " if self.skipped else ""
+        ahead = f"{self.ahead_steps} steps trained ahead, " if self.ahead_steps else ""
         return (
             f"{self.stopped_because}: {self.accepted} contributions accepted, "
-            f"{self.rejected} rejected, {self.abandoned} abandoned, {short}{skipped}"
+            f"{self.rejected} rejected, {self.abandoned} abandoned, {short}{skipped}{ahead}"
             f"{self.tokens:,} tokens in {elapsed / 60:.1f} min"
         )

@@ -100,6 +100,38 @@ class InnerResult:
         return sum(self.losses) / len(self.losses)
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """Steps a worker took ahead (``[inner] overlap``, issue 25): from ``guess``, its own end
+    of the round it just uploaded, before the version its next lease names was known.
+    ``counted``: their batches were new data, counted with the next lease's tokens (the
+    simulator's diloco mode, whose workers read one stream each); a volunteer's were its
+    last lease's data again, whose tokens that lease already counted."""
+
+    guess: dict[str, torch.Tensor] = field(repr=False)
+    result: InnerResult
+    counted: bool = False
+
+
+def train_ahead(
+    trainer: InnerTrainer,
+    steps: int,
+    *,
+    start_step: int,
+    next_batch: Callable[[], Batch],
+    counted: bool = False,
+    stop_after: Callable[[int], bool] | None = None,
+) -> Ahead:
+    """Up to ``steps`` steps from where ``trainer``'s model is (its last round's end) as
+    the start of its next lease (``start_lease``: the first moment reset as at any);
+    ``stop_after(done)`` true ends them early (the next version has arrived)."""
+    guess = snapshot(trainer.model)
+    trainer.start_lease(guess)
+    result = trainer.run(steps, start_step=start_step, next_batch=next_batch,
+                         stop_after=stop_after)  # fmt: skip
+    return Ahead(guess, result, counted)
+
+
 class InnerTrainer:
     """One worker's model and AdamW, kept between rounds.
 
@@ -154,6 +186,16 @@ class InnerTrainer:
         ``base − θ_end``, checked against ``base`` as any upload is."""
         for name, p in parameters_of(self.model).items():
             p.sub_(guess[name].to(p.device)).add_(base[name].to(p.device))
+
+    def start_after(self, base: Mapping[str, torch.Tensor], ahead: Ahead | None) -> int:
+        """Begin a lease from its version ``base``: ``start_lease``, or, after steps taken
+        ahead (``train_ahead``), ``fold`` them onto it. The steps already taken (0 or
+        ``ahead``'s): the lease's own count from there."""
+        if ahead is None:
+            self.start_lease(base)
+            return 0
+        self.fold(base, ahead.guess)
+        return ahead.result.steps
 
     def accumulation(self, batch_size: int) -> int:
         """Forward/backward passes per step for a batch of ``batch_size`` sequences."""

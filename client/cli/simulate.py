@@ -122,13 +122,14 @@ def simulate(
         ),
     ] = "full",
     overlap: Annotated[
-        float,
+        float | None,
         typer.Option(
-            help="diloco: the share of each round's H a worker trains from its own end of the "
-            "round before, while the version is published, before it folds the version in.",
+            help="diloco, protocol: the run's [inner] overlap: the share of H a worker trains "
+            "ahead, from its own end of the round before, while the next version is published, "
+            "before it folds that version in (default: the config's).",
             envvar="DILOCO_OVERLAP",
         ),
-    ] = 0.0,
+    ] = None,
     speeds: Annotated[
         str | None,
         typer.Option(
@@ -262,7 +263,7 @@ def simulate(
     cfg = run_config(
         config,
         {
-            "inner": {"steps": inner_steps},
+            "inner": {"steps": inner_steps, "overlap": overlap},
             "rounds": {
                 "max_rounds": rounds,
                 "quorum": quorum,
@@ -303,7 +304,6 @@ def simulate(
         single_data=cast(Literal["shard", "all"], single_data),
         batches=cast(Literal["worker", "lease"], batches),
         downloads=cast(Downloads, downloads),
-        overlap=overlap,
         device=chosen,
     )
     try:

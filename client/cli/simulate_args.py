@@ -53,12 +53,12 @@ def outage_of(text: str) -> Outage:
 
 
 def check_choices(
-    drop_prob: float, single_data: str, batches: str, downloads: str, overlap: float = 0.0
+    drop_prob: float, single_data: str, batches: str, downloads: str, overlap: float | None = None
 ) -> None:
     if not 0.0 <= drop_prob < 1.0:
         fail(f"--drop-prob must be in [0, 1), not {drop_prob}", ExitStatus.USAGE)
-    if not 0.0 <= overlap <= 1.0:
-        fail(f"--overlap must be in [0, 1], not {overlap}", ExitStatus.USAGE)
+    if overlap is not None and not 0.0 <= overlap <= 0.9:
+        fail(f"--overlap must be in [0, 0.9], not {overlap}", ExitStatus.USAGE)
     for option, value, allowed in (
         ("--single-data", single_data, ("shard", "all")),
         ("--batches", batches, ("worker", "lease")),
@@ -126,11 +126,11 @@ def protocol_options(
 
 
 def refuse_misfits(
-    mode: SimMode, *, drop_prob: float, batches: str, downloads: str, overlap: float = 0.0
+    mode: SimMode, *, drop_prob: float, batches: str, downloads: str, overlap: float | None = None
 ) -> None:
     """ValueError for an option that does not apply to ``mode``."""
-    if overlap and mode is not SimMode.diloco:
-        raise ValueError("--overlap applies to --mode diloco")
+    if overlap and mode not in (SimMode.diloco, SimMode.protocol):
+        raise ValueError("--overlap applies to --mode diloco and protocol")
     if drop_prob and mode is SimMode.protocol:
         raise ValueError("--drop-prob: protocol mode drops volunteers (--drop-per-min)")
     if batches != "worker" and mode is SimMode.protocol:

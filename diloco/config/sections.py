@@ -147,6 +147,11 @@ class InnerSection(_Section):
     # steps). A worker's momentum from its last round points where the outer step has
     # already gone (docs/tuning-notes.md); false keeps it, as published DiLoCo does
     reset_momentum: bool = True
+    # overlap (issue 25): after its upload a volunteer goes on training, from its own end of
+    # the round, on its last lease's data, while the round closes and the next version
+    # travels; the real version is then folded in (InnerTrainer.fold) and those steps count
+    # as the first of its next lease's H (``ahead_cap``). 0: it waits, as before
+    overlap: float = Field(0.0, ge=0.0, le=0.9)
 
     @model_validator(mode="after")
     def _steps_within_bounds(self) -> InnerSection:
@@ -169,6 +174,13 @@ class InnerSection(_Section):
     def lease_max_steps(self) -> int:
         """The most inner steps a lease is sized to (``max_steps``, else ``steps``)."""
         return self.max_steps if self.max_steps is not None else self.steps
+
+    def ahead_cap(self, lease_steps: int) -> int:
+        """The most steps a volunteer trains ahead (``overlap``) after a lease of
+        ``lease_steps``: that share of them, leaving at least one for the next lease's own
+        data. The client and the simulator's volunteers both stop here."""
+        share = int(self.overlap * lease_steps + 1e-9)  # 0.3 x 10 is 3, not 2.9999...
+        return max(0, min(share, lease_steps - 1))
 
 
 # the outer step a sparse run gets when its [outer] names none of these: SparseLoCo's plain

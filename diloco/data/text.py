@@ -13,7 +13,7 @@ straddles two chunks that were not neighbours in the file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +167,43 @@ def range_batches(
         starts = order[first : first + batch_size] * block_size
         windows = tokens[starts[:, None] + offsets].long()  # (B, T + 1)
         yield windows[:, :-1], windows[:, 1:]
+
+
+# the steps a volunteer trains ahead (``[inner] overlap``) read its last lease's data again, in
+# an order of their own: that lease's seed with this added
+AHEAD_SEED = 0xA4EAD
+
+
+def lease_stream(
+    data: torch.Tensor,
+    *,
+    ranged: bool,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    repeat: bool = False,
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """How a lease's data is read, by the volunteer client and the simulator alike: a
+    dataset lease's range (``ranged``, 1-D tokens) each window once, in an order seeded by
+    ``seed`` (``repeat``: pass after pass, each in a new order; else StopIteration once
+    it is through); a text run's shard, random windows from a generator seeded by
+    ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    if not ranged:
+        return lambda: random_batch(
+            data, batch_size=batch_size, block_size=block_size, generator=gen
+        )
+
+    def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield from range_batches(
+                data, batch_size=batch_size, block_size=block_size, generator=gen
+            )
+            if not repeat or range_windows(int(data.numel()), block_size) < batch_size:
+                return
+
+    windows = passes()
+    return lambda: next(windows)
 
 
 def eval_batches(

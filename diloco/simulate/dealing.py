@@ -16,14 +16,14 @@ per round and step together on their batches; single is one volunteer taking eve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from diloco.config import RunConfig
-from diloco.data.text import Dataset, random_batch, range_batches
+from diloco.data.text import AHEAD_SEED, Dataset, lease_stream, random_batch
 from diloco.data.units import UnitDealer, plan_units
 from diloco.protocol.rules import assign_lease
 from diloco.protocol.state import LeaseAssignment
@@ -50,14 +50,28 @@ def lease_batches(
     lease: LeaseAssignment,
     units: Units | None = None,
     unit: int | None = None,
+    *,
+    ahead: bool = False,
 ) -> Callable[[], Batch]:
-    """A lease's batches, as the volunteer client draws them: each window of its data
-    ``unit`` once on a dataset run, else random windows of its shard; either way from a
-    generator seeded with its seed, fresh for the round."""
+    """A lease's batches, as the volunteer client draws them (``lease_stream``): each window
+    of its data ``unit`` once on a dataset run, else random windows of its shard; either
+    way from a generator seeded with its seed, fresh for the round. ``ahead``: the batches
+    of the steps trained ahead after it (``[inner] overlap``): the same data again, pass
+    after pass, in an order of their own."""
+    seed = lease.seed + AHEAD_SEED if ahead else lease.seed
     if unit is not None:
         assert units is not None, "a lease with a unit comes from a dataset's units"
-        return units.batches(unit, lease.seed)
-    return batch_source(data.shards[lease.shard], cfg, torch.Generator().manual_seed(lease.seed))
+        tokens = units.tensors[unit]
+    else:
+        tokens = data.shards[lease.shard]
+    return lease_stream(
+        tokens,
+        ranged=unit is not None,
+        batch_size=cfg.inner.batch_size,
+        block_size=cfg.model.block_size,
+        seed=seed,
+        repeat=ahead,
+    )
 
 
 class Units:
@@ -86,17 +100,6 @@ class Units:
 
     def trained(self, unit: int) -> None:
         self.dealer.record(unit)
-
-    def batches(self, unit: int, seed: int) -> Callable[[], Batch]:
-        """A lease's batches: each window of ``unit`` once, in an order seeded by the
-        lease's ``seed`` (as the client reads a lease's data range)."""
-        windows: Iterator[Batch] = range_batches(
-            self.tensors[unit],
-            batch_size=self.cfg.inner.batch_size,
-            block_size=self.cfg.model.block_size,
-            generator=torch.Generator().manual_seed(seed),
-        )
-        return lambda: next(windows)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ feedback, every step judged before it is published). ``SimOptions.attacks`` turn
 into attackers (:mod:`diloco.simulate.attacks`), for ``bench/attacks.py``.
 ``SimOptions.downloads="delta"`` counts what workers download as the deltas since the
 version they hold (:mod:`diloco.simulate.downloads`); either way they start from the published
-θ, as a volunteer does. ``SimOptions.overlap`` = f: from round 2 each worker trains the
+θ, as a volunteer does. ``[inner] overlap`` = f: from round 2 each worker trains the
 first f·H steps of a round from its own end of the round before (the version is still
-being published), then folds the published θ in (``InnerTrainer.fold``) and trains the rest.
+being published; ``train_ahead``, on its own stream, so counted as the round's tokens), then
+folds the published θ in (``InnerTrainer.fold``) and trains the rest.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from diloco.simulate.run import (
 from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
 from diloco.simulate.versions import Versions
 from diloco.simulate.work import Upload, train_upload
-from diloco.train import InnerTrainer, load_parameters, parameters_of, snapshot
+from diloco.train import InnerTrainer, load_parameters, parameters_of, train_ahead
 
 
 def run_diloco(
@@ -73,8 +74,7 @@ class _Workers:
         self.drops = stream_generator(opts.seed, 10_000)
         self.checkpoint_bytes, self.ledger = checkpoint_bytes, ledger
         self.earlier: dict[int, dict[str, torch.Tensor]] = {}  # each one's Δ of the round before
-        self.ends: dict[int, dict[str, torch.Tensor]] = {}  # each one's θ at its last upload
-        self.ahead = round(opts.overlap * cfg.inner.steps)  # steps it trains before the fold
+        self.ahead = cfg.inner.ahead_cap(cfg.inner.steps)  # steps it trains before the fold
         self.bytes_up = self.bytes_down = self.tokens = 0
 
     def train(self, r: int, start: dict[str, torch.Tensor], desk: RoundDesk) -> list[float]:
@@ -89,12 +89,12 @@ class _Workers:
                 self.bytes_down += self.checkpoint_bytes
             else:
                 self.ledger.fetch(f"worker-{i}", r)
-            guess = self.ends.get(i)
-            ahead = (guess, self.ahead) if guess is not None and self.ahead else None
+            ahead = None
+            if self.ahead and r > 0:  # from its own end of round r, on its own stream
+                ahead = train_ahead(trainer, self.ahead, start_step=r * self.cfg.inner.steps,
+                                    next_batch=dealt.next_batch, counted=True)  # fmt: skip
             upload = train_upload(trainer, start, cfg=self.cfg, round=r + 1,
                                   next_batch=dealt.next_batch, ahead=ahead)  # fmt: skip
-            if self.ahead:
-                self.ends[i] = snapshot(trainer.model)
             self.tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks

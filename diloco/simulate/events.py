@@ -8,7 +8,11 @@ Volunteers do what ``client.worker`` does, reacting to each of the hub's answers
 ``diloco.protocol.volunteer`` says (the client's very table): join; train their lease's H
 inner steps (``step_s / speed`` simulated seconds each; with ``size_h`` the hub sizes H to
 the speed each reports, else it is the run's steps), heartbeating every
-``heartbeat_every(heartbeat_interval_s)``; upload; join again.
+``heartbeat_every(heartbeat_interval_s)``; upload; join again. With ``[inner] overlap`` a
+volunteer trains ahead from the end of its training (while its body travels, the round
+closes and the next version comes down) on its last lease's data, as many steps as fit
+before its next lease's version is here, up to the cap; they count as that lease's first
+steps, and its claim's tokens are those of the steps left (``_ahead``, ``_train_ahead``).
 A join answered "already contributed" or "round closing" is tried again after the answer's
 ``retry_after_s`` (``WAIT``). A heartbeat whose answer abandons the lease ("round closed",
 "no lease") stops the training at the end of the step in progress (unless that is the last
@@ -43,7 +47,7 @@ from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadC
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EventClock
 from diloco.simulate.dealing import Units, lease_batches
-from diloco.simulate.hub import Hub
+from diloco.simulate.hub import Hub, HubLease
 from diloco.simulate.protocol_mode import (
     WASTE,
     ProtocolOptions,
@@ -61,6 +65,7 @@ from diloco.simulate.run import (
 from diloco.simulate.server import SIM_RUN_ID
 from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
 from diloco.simulate.work import train_upload, upload_nbytes
+from diloco.train import Ahead, train_ahead
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
@@ -187,6 +192,7 @@ class _ProtocolRun:
         if v.lease is not None:
             self._spend(v, self._trained(v), wasted="dropped")
         v.online, v.lease, v.session, v.task = False, None, v.session + 1, v.task + 1
+        v.last = v.trained_at = None
         v.totals.dropouts += 1
         if self.return_rate:
             self._arrive(v, self.now + timedelta(seconds=v.rng.expovariate(self.return_rate)))
@@ -215,7 +221,8 @@ class _ProtocolRun:
             down = self.hub.checkpoint_bytes * new
         wait = self._transfer(v, down, upload=False) if down else timedelta(0)
         v.started, v.task = self.now + wait, v.task + 1  # it trains once θ is here
-        self._later(v, wait + v.lease.inner_steps * v.step, self._upload)
+        v.ahead = self._ahead(v, v.started)
+        self._later(v, wait + v.steps_left * v.step, self._upload)
         self._later(v, self.heartbeat_every, self._heartbeat)
 
     def _transfer(self, v: Volunteer, nbytes: int, *, upload: bool) -> timedelta:
@@ -229,13 +236,25 @@ class _ProtocolRun:
         v.totals.transfer_s += seconds
         return timedelta(seconds=seconds)
 
+    def _ahead(self, v: Volunteer, start: datetime) -> int:
+        """The steps ``v`` took ahead (``[inner] overlap``) between the end of its last
+        accepted round's training and ``start``, when its new lease's version is here: as
+        many as fit, up to the cap (the client stops at the cap or when the version lands)."""
+        if v.last is None or v.trained_at is None:
+            return 0
+        fit = int((start - v.trained_at) / v.step)
+        return min(self.cfg.inner.ahead_cap(v.last.inner_steps), fit)
+
     def _trained(self, v: Volunteer) -> timedelta:
-        """How long ``v`` has trained on its lease so far (not its download, not its upload)."""
+        """How long ``v`` has trained on its lease so far, the steps ahead included (not its
+        download, not its upload)."""
         assert v.lease is not None
-        return max(timedelta(0), min(self.now - v.started, v.lease.inner_steps * v.step))
+        now = max(timedelta(0), min(self.now - v.started, v.steps_left * v.step))
+        return v.ahead * v.step + now
 
     def _upload(self, v: Volunteer) -> None:
         """H steps done: the body travels, then the hub takes it (``_finish``)."""
+        v.trained_at = self.now  # it may train ahead from here (overlap)
         if self.proto.links is None:
             self._finish(v)
         else:
@@ -254,12 +273,13 @@ class _ProtocolRun:
         # the client stops at the end of the step in progress, unless that is the last one
         # (then it uploads, and the upload is refused)
         done = max(0, -(-(self.now - v.started) // v.step))  # steps begun, ceil
-        if done >= v.lease.inner_steps:
+        if done >= v.steps_left:
             return
         stop = max(self.now, v.started + done * v.step)  # or now, while it downloads
-        self._spend(v, max(timedelta(0), stop - v.started), wasted="abandoned")
+        spent = v.ahead * v.step + max(timedelta(0), stop - v.started)
+        self._spend(v, spent, wasted="abandoned")
         v.totals.abandoned += 1
-        v.lease, v.task = None, v.task + 1
+        v.lease, v.task, v.last, v.trained_at = None, v.task + 1, None, None
         self._later(v, stop - self.now, self._join)
 
     def _finish(self, v: Volunteer) -> None:
@@ -272,7 +292,7 @@ class _ProtocolRun:
             run_id=SIM_RUN_ID,
             round=lease.round,
             base_version=lease.round - 1,
-            tokens=lease.inner_steps * cfg.tokens_per_step,
+            tokens=v.steps_left * cfg.tokens_per_step,  # the steps ahead read old data
             inner_steps=lease.inner_steps,
         )
         verdict = self.hub.admit_upload(v.name, lease.round, claim)
@@ -280,9 +300,10 @@ class _ProtocolRun:
         if reaction.do is Do.SEND_AGAIN:  # the round is closing: merged once the next opens
             self._later(v, timedelta(seconds=reaction.wait_s), self._finish)
             return
-        v.lease = None
+        v.lease, last, v.last = None, v.last, None
         late = verdict if isinstance(verdict, LateGrant) else None
         if isinstance(verdict, Refusal):
+            v.trained_at = None
             if reaction.do not in (Do.DROP, Do.REFUSED):  # an honest volunteer: a bug
                 raise RuntimeError(f"{v.name}: upload refused: {verdict.code}: {verdict.reason}")
             refusal = verdict
@@ -308,7 +329,9 @@ class _ProtocolRun:
                 round=lease.round,
                 next_batch=next_batch,
                 steps=lease.inner_steps,
+                ahead=self._train_ahead(v, last),
             )
+            v.last = lease
             assert upload.result.tokens == claim.tokens
             self.bytes_up += upload.nbytes
             refused = self.hub.store(v.name, lease.round, upload, spent, late)
@@ -319,6 +342,18 @@ class _ProtocolRun:
             v.totals.late += late is not None
             self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
         self._join(v)
+
+    def _train_ahead(self, v: Volunteer, last: HubLease | None) -> Ahead | None:
+        """The ``v.ahead`` steps it took from its end of ``last`` on that lease's data (as the
+        client does, from the step after ``last``'s nominal H), trained now, lazily as the
+        rest of the round is."""
+        if not v.ahead:
+            return None
+        assert last is not None
+        H = self.cfg.inner.steps
+        again = lease_batches(self.data, self.cfg, last.assignment, self.hub.units, last.unit,
+                              ahead=True)  # fmt: skip
+        return train_ahead(v.trainer, v.ahead, start_step=last.round * H, next_batch=again)
 
     def _spend(self, v: Volunteer, spent: timedelta, wasted: str | None = None) -> None:
         v.totals.compute_s += spent.total_seconds()

@@ -81,10 +81,6 @@ class SimOptions:
     # diloco, protocol: workers download fp32 checkpoints, or the deltas (simulate.downloads)
     downloads: Downloads = "full"
     delta_dir: Path | None = None  # delta downloads: write each version's delta file here
-    # diloco mode: the share of each round's H a worker trains from its own end of the
-    # round before, while the new version is being published, before it folds that
-    # version in (overlap, issue 25: ``train_upload``'s ``ahead``); 0: it waits
-    overlap: float = 0.0
 
 
 @dataclass
@@ -117,7 +113,7 @@ class SimResult:
     config: dict[str, Any]
     protocol: ProtocolTotals | None = None  # protocol mode: time, compute, goodput, refusals
     downloads: str = "full"  # what workers download: the fp32 checkpoint, or the deltas
-    overlap: float = 0.0  # SimOptions.overlap: the share of H trained before the fold
+    overlap: float = 0.0  # the run's [inner] overlap: the share of H trained ahead
     delta: DeltaReport | None = None  # delta downloads: bytes, x's final loss, ‖x − θ‖
     # version 0's eval loss, on the windows each round is scored on
     initial_eval_loss: float | None = None
@@ -272,7 +268,7 @@ def simulate(
         config=cfg.model_dump(),
         protocol=trained.protocol,
         downloads=opts.downloads,
-        overlap=opts.overlap,
+        overlap=cfg.inner.overlap,
         delta=trained.delta,
         final_params=snapshot(model),
     )

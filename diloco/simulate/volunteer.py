@@ -34,7 +34,13 @@ class Volunteer:
     session: int = 0  # bumped on going offline or online: stale random dropouts are ignored
     task: int = 0  # bumped when what it does changes: stale timers are ignored
     lease: HubLease | None = None
-    started: datetime = EPOCH  # when it began training for `lease`
+    started: datetime = EPOCH  # when it began training for `lease` (after the steps ahead)
+    # overlap ([inner] overlap): its last accepted lease, and when its training ended; it
+    # may train ahead from then on that lease's data (None: it cannot: it just came, or its
+    # last work was refused or dropped, so its model holds no round's end to go on from)
+    last: HubLease | None = None
+    trained_at: datetime | None = None
+    ahead: int = 0  # steps taken ahead that count toward `lease`
     arrivals: int = 0  # scheduled comings online not yet happened
     state: VolunteerState = field(default_factory=VolunteerState)  # what its reactions recall
 
@@ -47,6 +53,12 @@ class Volunteer:
             said = Answer(to)
         self.state, reaction = step(self.state, said)
         return reaction
+
+    @property
+    def steps_left(self) -> int:
+        """The steps of its lease still to train once its version is here."""
+        assert self.lease is not None
+        return max(1, self.lease.inner_steps - self.ahead)
 
     def granted(self, round: int, max_staleness: int) -> None:
         """It holds a lease on ``round`` of a run that merges work ``max_staleness`` late."""

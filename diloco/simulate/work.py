@@ -1,8 +1,9 @@
 """A simulated worker's round, as a volunteer's: train from the round's version (with overlap,
-from a guess first, then fold the version in), Δ through the run's codec with error
-feedback, and the contribution body the wire carries; and what such a body weighs for a
-model, from its shapes alone. Every mode of ``diloco simulate`` that trains workers calls
-``train_upload`` (:mod:`diloco.simulate.diloco_mode`, :mod:`diloco.simulate.events`)."""
+after steps taken ahead from its own last round, folding the version in), Δ through the
+run's codec with error feedback, and the contribution body the wire carries; and what such a
+body weighs for a model, from its shapes alone. Every mode of ``diloco simulate`` that trains
+workers calls ``train_upload`` (:mod:`diloco.simulate.diloco_mode`,
+:mod:`diloco.simulate.events`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from diloco.config import RunConfig
 from diloco.model.gpt import LanguageModel
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.simulate.server import SIM_RUN_ID
-from diloco.train import Batch, InnerResult, InnerTrainer, parameters_of, snapshot
+from diloco.train import Ahead, Batch, InnerResult, InnerTrainer, parameters_of, snapshot
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from diloco.wire.exchange import codec_for, encode_delta
 from diloco.wire.header import body_bytes, prefix_and_header, specs_for
@@ -44,7 +45,7 @@ def train_upload(
     round: int,
     next_batch: Callable[[], Batch],
     steps: int | None = None,
-    ahead: tuple[dict[str, torch.Tensor], int] | None = None,
+    ahead: Ahead | None = None,
 ) -> Upload:
     """What a volunteer does for round ``round`` (from 1): load θ(t−1) = ``params``, train
     ``steps`` (its lease's H; None: the run's H) steps from global step (round − 1)·H,
@@ -52,19 +53,17 @@ def train_upload(
     carries over from its previous rounds (its first moment zeroed with ``[inner]
     reset_momentum``: ``InnerTrainer.start_lease``, as the client does).
 
-    ``ahead`` = (guess, k): overlap. The first k of the steps were taken from ``guess`` (the
-    worker's own end of the round before) while θ(t−1) was still being published; then
-    ``InnerTrainer.fold`` puts their progress on θ(t−1) and the rest follow."""
+    ``ahead``: overlap (``train_ahead``). Its steps were the first of these, taken from the
+    worker's own end of the round before while θ(t−1) was still being published;
+    ``InnerTrainer.start_after`` folds their progress onto θ(t−1) and the rest follow (at
+    least one). The tokens are the rest's, and the steps ahead's when ``ahead.counted``."""
     H = cfg.inner.steps
     n = steps or H
-    guess, k = ahead if ahead is not None else (params, 0)
-    trainer.start_lease(guess)
-    first = InnerResult(0, 0)
-    if k:
-        first = trainer.run(k, start_step=(round - 1) * H, next_batch=next_batch)
-        trainer.fold(params, guess)
-    rest = trainer.run(n - k, start_step=(round - 1) * H + k, next_batch=next_batch)
-    result = InnerResult(n, first.tokens + rest.tokens, first.losses + rest.losses)
+    k = trainer.start_after(params, ahead)
+    rest = trainer.run(max(1, n - k), start_step=(round - 1) * H + k, next_batch=next_batch)
+    first = InnerResult(0, 0) if ahead is None else ahead.result
+    counted = first.tokens if ahead is not None and ahead.counted else 0
+    result = InnerResult(k + rest.steps, counted + rest.tokens, first.losses + rest.losses)
     delta = pseudo_gradient(params, snapshot(trainer.model))
     # the worker's error-feedback residual, kept with its AdamW state, as the client does
     encoded, codec, trainer.error_feedback = encode_delta(

@@ -31,14 +31,17 @@ class Volunteers:
     def __init__(self, root: Path) -> None:
         self.root, self.procs = root, {}  # type: ignore[var-annotated]
 
-    def start(self, name: str, server: ServerProcess | str, run_id: str, **env: str) -> Proc:
-        """``server``: a server process, or a URL (a load balancer's)."""
+    def start(
+        self, name: str, server: ServerProcess | str, run_id: str, *, quiet: bool = True, **env: str
+    ) -> Proc:
+        """``server``: a server process, or a URL (a load balancer's); ``quiet`` False keeps
+        the per-round lines in its log."""
         home = self.root / name
         home.mkdir(parents=True)
         url = server if isinstance(server, str) else server.url
         proc = Proc(
             [sys.executable, "-m", "client.cli", "join", url, "--run", run_id,
-             "--name", name, "--threads", "1", "--quiet"],
+             "--name", name, "--threads", "1", *(["--quiet"] if quiet else [])],
             log=home / "join.log",
             env={"DILOCO_CONFIG_DIR": str(home / "config"),
                  "DILOCO_CACHE_DIR": str(home / "cache"), **env},
