@@ -73,6 +73,9 @@ ARMS = {
         Arm("sparse_down_int8", "sparse, int8 downloads", {"kind": "sparse", "download": "int8"}),
         Arm("sparse_k256", "sparse, 256 of 4096", {"kind": "sparse", "topk": 256}),
         Arm("sparse_k512", "sparse, 512 of 4096", {"kind": "sparse", "topk": 512}),
+        Arm("sparse_k1024", "sparse, 1024 of 4096", {"kind": "sparse", "topk": 1024}),
+        Arm("int2_b256", "int2, blocks of 256", {"kind": "int2", "block_size": 256}),
+        Arm("int2_b1024", "int2, blocks of 1024", {"kind": "int2", "block_size": 1024}),
         Arm("int8_down_int2", "int8, int2 downloads", {"kind": "int8", "download": "int2"}),
         Arm("int2_down_int8", "int2, int8 downloads", {"kind": "int2", "download": "int8"}),
         Arm(

@@ -321,7 +321,7 @@ class LocalTrainer:
                 raise StopTraining
 
         def deadline(done: int) -> bool:  # the steps taken so far are the result
-            return until is not None and until(done) is not None
+            return until is not None and until(k + done) is not None
 
         rest = trainer.run(
             steps,

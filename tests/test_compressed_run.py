@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,8 +25,7 @@ from diloco.protocol.late import late_weight
 from diloco.wire import delta as deltas
 from tests.support.contribute import API, read_outer_state, reference_close
 from tests.support.corpora import TINYSHAKESPEARE
-from tests.support.live import ServerProcess
-from tests.support.volunteers import Volunteers, create_run, evaluated_rounds
+from tests.support.volunteers import evaluated_rounds, live_run
 
 ROUNDS = 4
 
@@ -83,22 +81,16 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
     database_url: str, tmp_path: Path
 ) -> None:
     # Prepare: a server, a run created with the CLI, two volunteers
-    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url).wait_ready()
-    volunteers = Volunteers(tmp_path / "volunteers")
-    try:
-        run_id = create_run(server, write_config(tmp_path / "run.toml"))
+    with live_run(database_url, tmp_path, write_config(tmp_path / "run.toml")) as live:
+        server, run_id, http = live.server, live.run_id, live.http
         for name in ("v1", "v2"):
-            volunteers.start(name, server, run_id)
-        http = httpx.Client(base_url=server.url, timeout=30)
+            live.volunteers.start(name, server, run_id)
 
         # Execute: the run to its end
-        volunteers.finish(http, run_id)
+        live.volunteers.finish(http, run_id)
         metrics = http.get("/metrics").text
         run = http.get(f"{API}/runs/{run_id}").json()
         rounds = evaluated_rounds(http, run_id)
-    finally:
-        volunteers.stop_all()
-        server.stop()
 
     # Assert: the run recorded the download codec its upload kind implies
     cfg = parse_config(run["config"])

@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 
 from tests.support.corpora import TINYSHAKESPEARE
-from tests.support.live import ServerProcess
-from tests.support.volunteers import Volunteers, create_run
+from tests.support.volunteers import live_run
 
 ROUNDS, H, CAP = 3, 8, 4  # overlap 0.5: at most 4 of a lease's 8 steps trained ahead
 BATCH, BLOCK = 4, 64
@@ -75,20 +73,15 @@ def test_a_volunteer_trains_ahead_while_its_round_closes_and_its_next_upload_is_
 ) -> None:
     # Prepare: a server, a run that trains ahead, a volunteer and a slower one (0.4 s a
     # step more) whose round-1 upload the first waits for
-    server = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url).wait_ready()
-    volunteers = Volunteers(tmp_path / "volunteers")
-    try:
-        run_id = create_run(server, write_config(tmp_path / "run.toml"))
-        fast = volunteers.start("fast", server, run_id, quiet=False)
-        volunteers.start("slow", server, run_id, DILOCO_FAULTS="volunteer.step=stall:0.4@1*1000000")
-        http = httpx.Client(base_url=server.url, timeout=30)
+    with live_run(database_url, tmp_path, write_config(tmp_path / "run.toml")) as live:
+        fast = live.volunteers.start("fast", live.server, live.run_id, quiet=False)
+        live.volunteers.start(
+            "slow", live.server, live.run_id, DILOCO_FAULTS="volunteer.step=stall:0.4@1*1000000"
+        )
 
         # Execute: the run to its end
-        volunteers.finish(http, run_id)
-        log = fast.output()
-    finally:
-        volunteers.stop_all()
-        server.stop()
+        live.volunteers.finish(live.http, live.run_id)
+        log, run_id = fast.output(), live.run_id
 
     # Assert: after each of its uploads, the fast volunteer trained the cap of steps ahead
     # (it waited 3 s and more for the slow one) and folded them onto the next version

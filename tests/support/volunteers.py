@@ -7,6 +7,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -84,3 +87,26 @@ def evaluated_rounds(http: httpx.Client, run_id: str, *, timeout: float = 60) ->
         what="every round's eval loss",
     )
     return rounds
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    server: ServerProcess
+    run_id: str
+    volunteers: Volunteers
+    http: httpx.Client
+
+
+@contextmanager
+def live_run(database_url: str, root: Path, config: Path) -> Iterator[LiveRun]:
+    """A real ``diloco serve`` under ``root`` with the run of ``config`` created through
+    the CLI, and a place for its volunteers; everything stopped on the way out."""
+    server = ServerProcess(data_dir=root / "srv", database_url=database_url).wait_ready()
+    volunteers = Volunteers(root / "volunteers")
+    try:
+        run_id = create_run(server, config)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            yield LiveRun(server, run_id, volunteers, http)
+    finally:
+        volunteers.stop_all()
+        server.stop()
