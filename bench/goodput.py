@@ -29,6 +29,11 @@ included; the rest was abandoned, refused, lost to a dropout or in flight at the
     python bench/goodput.py             # ~15 min on 2 cores
     python bench/goodput.py --quick     # a smoke run on a toy model into bench/out/goodput
     python bench/goodput.py --links-only   # the home-links table alone (issue 25, item 5)
+
+The home-links table (issue 25) sets int8 and sparse uploads, each without and with
+``[inner] overlap`` (volunteers train ahead while the round closes), against instant links,
+and prints issue 25's goal for each overlap arm: busy >= 90% with a final eval loss within
++1% of the same codec without overlap.
 """
 
 from __future__ import annotations
@@ -143,14 +148,19 @@ def render_links(rows: dict[str, list[dict[str, Any]]], args: argparse.Namespace
         f"Six volunteers of speed 1 that never drop out, H = {args.steps} steps of "
         f"{LINK_STEP_S:g} simulated s (a round's compute: {args.steps * LINK_STEP_S / 60:g} "
         f"min), the platform's defaults ({LINK_TIMEOUT_S:g} s deadline, quorum 2, int8 "
-        "uploads, int8 delta downloads for returning volunteers), "
+        "uploads, int8 delta downloads for returning volunteers) unless the arm names "
+        "sparse uploads (top 64 of each 4096 values, 2 bits, with their default sparse "
+        f"deltas) or overlap (`[inner] overlap = {OVERLAP:g}`: up to {OVERLAP:g} x H steps "
+        "trained ahead, from a volunteer's own end of its round on its last lease's data, "
+        "while the round closes and the next version comes down), "
         f"{args.rounds} rounds, seeds {', '.join(map(str, args.seeds))}; every transfer sized "
         f"as for a model of {LINK_PARAMS:.0e} parameters (the demo model's real bytes, "
         f"scaled) over {LINK.split('/')[0]} Mb/s up and {LINK.split('/')[1]} Mb/s down with "
         f"{LINK.split('/')[2]} ms latency (`diloco simulate --link {LINK} --link-as-params "
         f"{LINK_PARAMS:g}`). *busy* = training time over the six volunteers' time; "
-        "*on the link* = uploading and downloading; the rest is waiting for the round to "
-        "close and the next one to open. The reference arm has instant links.",
+        "*on the link* = uploading and downloading (with overlap a volunteer trains while "
+        "on its link, so the two may add up to more than 100%); the rest is waiting for the "
+        "round to close and the next one to open. The reference arm has instant links.",
         "",
         "```",
         "python bench/goodput.py" + (" --quick" if args.quick else ""),
