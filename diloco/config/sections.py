@@ -6,7 +6,7 @@ into the ``RunConfig`` and reads it from TOML or JSON.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -274,13 +274,18 @@ DOWNLOAD_FOR = {"int8": "int8", "none": "int8", "int4": "int4", "int2": "int4", 
 # a sparse delta's top-k per chunk when the config names none: the round's aggregate of K
 # sparse uploads is K times as dense as one (docs/tuning-notes.md, "Compressed downloads")
 DOWNLOAD_TOPK_PER_UPLOAD_TOPK = 8
+# the scale block a kind gets when its [compression] names none (else 4096): int2's three
+# levels lose far less in blocks of 256, for 1/64 byte more a value (docs/tuning-notes.md,
+# "int2's block")
+BLOCK_FOR = {"int2": 256}
 
 
 class CompressionSection(_Section):
     """How uploads are compressed (``diloco.wire``): int8 or fp32 ("none") per value; int4
     or int2 per value with error feedback; sparse: per ``chunk`` values the ``topk``
     largest of the error-feedback accumulator, ``bits``-bit codes (diloco.wire.lowbit).
-    ``block_size`` is the int8/int4/int2 scale block; ``ef_decay`` weighs the residual
+    ``block_size`` is the int8/int4/int2 scale block (left out: 4096, int2's
+    ``BLOCK_FOR``); ``ef_decay`` weighs the residual
     carried into the next round (a = ef_decay·e + Δ).
 
     ``download`` is the codec of the deltas between published versions, what a returning
@@ -298,6 +303,17 @@ class CompressionSection(_Section):
     ef_decay: float = Field(1.0, ge=0.0, le=1.0)
     download: Literal["int8", "int4", "int2", "sparse"] | None = None
     download_topk: int | None = Field(None, ge=1, le=1 << 16)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _block_for_the_kind(cls, data: Any) -> Any:
+        """``block_size`` left out: the kind's (``BLOCK_FOR``), written in, so a run
+        records it."""
+        if isinstance(data, dict) and "block_size" not in data:
+            block = BLOCK_FOR.get(data.get("kind", "int8"))  # type: ignore[arg-type]
+            if block is not None:
+                return {**data, "block_size": block}
+        return data
 
     @model_validator(mode="after")
     def _topk_fits_the_chunk(self) -> CompressionSection:
