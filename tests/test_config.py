@@ -212,3 +212,44 @@ def test_overrides_are_put_over_the_file_before_defaults_are_derived(tmp_path):
     assert (sparse.outer.nesterov, sparse.compression.download_kind) == (False, "sparse")
     assert (chosen.outer.lr, chosen.outer.nesterov, chosen.compression.kind) == (0.5, True, "int8")
     assert sparse.data.path == str((tmp_path / "x.txt").resolve())
+
+
+@pytest.mark.parametrize(
+    ("compression", "block"),
+    [
+        ({"kind": "int2"}, 256),  # int2 left to its default block (BLOCK_FOR)
+        ({"kind": "int2", "block_size": 4096}, 4096),  # named: kept
+        ({"kind": "int4"}, 4096),
+        ({}, 4096),
+    ],
+)
+def test_the_scale_block_follows_the_kind_unless_named_and_is_recorded(compression, block):
+    cfg = parse_config(minimal(compression=compression))
+
+    assert cfg.compression.block_size == block
+    # what a run records at creation names it, so a later default never changes the run
+    assert cfg.pinned().model_dump()["compression"]["block_size"] == block
+
+
+def test_an_override_of_the_kind_gets_that_kinds_block(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('name = "t"\n[data]\npath = "x.txt"\n[compression]\nkind = "int8"\n')
+
+    assert load_config(path, {"compression": {"kind": "int2"}}).compression.block_size == 256
+    assert load_config(path).compression.block_size == 4096
+
+
+@pytest.mark.parametrize("overlap", [-0.1, 0.95])
+def test_overlap_is_a_share_of_h_below_one(overlap):
+    with pytest.raises(ConfigError, match=r"inner\.overlap"):
+        parse_config(minimal(inner={"overlap": overlap}))
+
+
+@pytest.mark.parametrize(
+    ("overlap", "lease_steps", "cap"),
+    [(0.0, 10, 0), (0.2, 10, 2), (0.3, 10, 3), (0.9, 10, 9), (0.5, 1, 0), (0.9, 2, 1)],
+)
+def test_the_steps_ahead_are_a_share_of_the_last_lease_leaving_one(overlap, lease_steps, cap):
+    cfg = parse_config(minimal(inner={"overlap": overlap}))
+
+    assert cfg.inner.ahead_cap(lease_steps) == cap
