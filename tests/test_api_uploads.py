@@ -126,6 +126,8 @@ def fp32_codec(work: Work) -> bytes:
         (wrong_name, 400, "wrong_tensors"),
         (non_finite(math.nan), 400, "non_finite"),
         (non_finite(math.inf), 400, "non_finite"),
+        # finite values (127 x 1e20) whose squares overflow float32: no finite step takes it
+        (non_finite(1e20), 400, "non_finite"),
         (header_for_other_run, 400, "header_mismatch"),
         (fp32_codec, 413, "upload_too_large"),  # 4 bytes a value: over the int8 round's limit
     ],

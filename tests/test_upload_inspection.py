@@ -143,12 +143,29 @@ def test_int8_finiteness_from_the_scales_matches_decoding_at_the_overflow_edge(q
     finite = bool(torch.isfinite(Int8Codec(BLOCK).decode(e)).all())
     inspector = UploadInspector(INT8)
 
-    # Execute / Assert: refused exactly when decoding overflows
-    if finite:
+    # Execute / Assert: refused as non-finite exactly when decoding overflows; a block that
+    # decodes finite this close to the edge is refused too, for its norm (its squares
+    # overflow float32)
+    why = "past the 1e\\+15 an outer step can take" if finite else "decodes to non-finite values"
+    with pytest.raises(NonFiniteWireError, match=f"'w'.* {why}|'w' {why}"):
         inspector.add("w", e)
-    else:
-        with pytest.raises(NonFiniteWireError, match="'w' decodes to non-finite values"):
-            inspector.add("w", e)
+
+
+@pytest.mark.parametrize("kind", ["int8", "none"])
+@pytest.mark.parametrize(("norm", "refused"), [(0.99e15, False), (1.01e15, True)])
+def test_an_upload_whose_norm_no_float32_step_can_take_is_refused(kind, norm, refused):
+    # finite values, ‖x‖ measured in float64: past MAX_UPLOAD_NORM its squares would
+    # overflow the close's float32 sums
+    x = torch.full((4096,), norm / 64.0)  # ‖x‖ = norm
+    codec = Int8Codec(4096) if kind == "int8" else make_codec("none")
+    inspector = UploadInspector(codec.describe())
+
+    if not refused:
+        inspector.add("w", codec.encode(x))
+        assert inspector.norm == pytest.approx(norm, rel=1e-3)
+        return
+    with pytest.raises(NonFiniteWireError, match=r"norm reaches 1\.01e\+15 here, past the 1e\+15"):
+        inspector.add("w", codec.encode(x))
 
 
 # ---------------------------------------------------------------- streamed bodies

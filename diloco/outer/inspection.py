@@ -103,10 +103,20 @@ class UploadInspector:
         self._hash(scales.numpy().astype("<f4").tobytes())  # a copy: scales is reused
         if self._packed_codec:
             self._sq += self._packed_sq(scales)
-            return
-        if not isinstance(self._codec, Int8Codec):
+        elif not isinstance(self._codec, Int8Codec):
             self._sq += self._tensor_sq
-            return
+        else:
+            self._sq += self._int8_sq(scales)
+        if self._sq > MAX_UPLOAD_NORM**2:
+            raise NonFiniteWireError(
+                f"tensor {self._name!r}: the upload's norm reaches {self.norm:.3g} here, past "
+                f"the {MAX_UPLOAD_NORM:g} an outer step can take in float32 (its squares "
+                "and sums would overflow)"
+            )
+
+    def _int8_sq(self, scales: torch.Tensor) -> float:
+        """An int8 tensor's Σ x² in float64 from its blocks' statistics and scales; a block
+        whose largest value overflows float32 is refused."""
         s = scales.numpy().astype(np.float32, copy=False)  # (n_blocks,)
         absmax = np.concatenate(self._absmax) if self._absmax else np.zeros(0, np.int16)
         qsq = np.concatenate(self._qsq) if self._qsq else np.zeros(0, np.float64)
@@ -122,7 +132,7 @@ class UploadInspector:
                 "their scales overflow float32"
             )
         s64 = s.astype(np.float64)
-        self._sq += float(np.dot(s64 * s64, qsq))
+        return float(np.dot(s64 * s64, qsq))
 
     def _packed_sq(self, scales: torch.Tensor) -> float:
         """A packed tensor's Σ x² in float64, once its codec's decoder accepted it (codes,
@@ -196,6 +206,13 @@ class UploadInspector:
         assert not self._due, "digest_work() is still due"
         return self._digest.hexdigest()
 
+
+# the largest ‖Δ‖ an upload may have (issue 26, liveness): the close sums, squares and
+# steps in float32 (max 3.4e38), so an upload of finite values whose squares or sums pass
+# that range would make every step with it non-finite. 1e15 leaves ‖Δ‖² (1e30) and sums of
+# many such far inside float32, and is twelve orders of magnitude past any trained update
+# (parameters are O(1)); the norm is measured in float64, where it cannot overflow
+MAX_UPLOAD_NORM = 1e15
 
 SCAN_BYTES = 1 << 18  # int8 data scanned in pieces of at most this many bytes (fp32 temps 4x)
 
