@@ -16,11 +16,14 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from client import credentials
-from client.progress import Reporter
 from diloco.atomic import atomic_write_text
 from diloco.protocol.messages import MAX_TOKENS_PER_S
+
+if TYPE_CHECKING:  # the CLI reads speeds without torch (client.progress imports it)
+    from client.progress import Reporter
 
 SPEED_FILE = "speed.json"
 

@@ -12,7 +12,8 @@ the speed each reports, else it is the run's steps), heartbeating every
 volunteer trains ahead from the end of its training (while its body travels, the round
 closes and the next version comes down) on its last lease's data, as many steps as fit
 before its next lease's version is here, up to the cap; they count as that lease's first
-steps, and its claim's tokens are those of the steps left (``_ahead``, ``_train_ahead``).
+steps, and its claim's tokens are those of the steps left (``Volunteer.steps_ahead``,
+``Volunteer.train_ahead``).
 A join answered "already contributed" or "round closing" is tried again after the answer's
 ``retry_after_s`` (``WAIT``). A heartbeat whose answer abandons the lease ("round closed",
 "no lease") stops the training at the end of the step in progress (unless that is the last
@@ -47,7 +48,7 @@ from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadC
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EventClock
 from diloco.simulate.dealing import Units, lease_batches
-from diloco.simulate.hub import Hub, HubLease
+from diloco.simulate.hub import Hub
 from diloco.simulate.protocol_mode import (
     WASTE,
     ProtocolOptions,
@@ -65,7 +66,6 @@ from diloco.simulate.run import (
 from diloco.simulate.server import SIM_RUN_ID
 from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
 from diloco.simulate.work import train_upload, upload_nbytes
-from diloco.train import Ahead, train_ahead
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
@@ -221,7 +221,7 @@ class _ProtocolRun:
             down = self.hub.checkpoint_bytes * new
         wait = self._transfer(v, down, upload=False) if down else timedelta(0)
         v.started, v.task = self.now + wait, v.task + 1  # it trains once θ is here
-        v.ahead = self._ahead(v, v.started)
+        v.ahead = v.steps_ahead(v.started, self.cfg)
         self._later(v, wait + v.steps_left * v.step, self._upload)
         self._later(v, self.heartbeat_every, self._heartbeat)
 
@@ -235,15 +235,6 @@ class _ProtocolRun:
         seconds = links.seconds(nbytes, mbps, self.n_params)
         v.totals.transfer_s += seconds
         return timedelta(seconds=seconds)
-
-    def _ahead(self, v: Volunteer, start: datetime) -> int:
-        """The steps ``v`` took ahead (``[inner] overlap``) between the end of its last
-        accepted round's training and ``start``, when its new lease's version is here: as
-        many as fit, up to the cap (the client stops at the cap or when the version lands)."""
-        if v.last is None or v.trained_at is None:
-            return 0
-        fit = int((start - v.trained_at) / v.step)
-        return min(self.cfg.inner.ahead_cap(v.last.inner_steps), fit)
 
     def _trained(self, v: Volunteer) -> timedelta:
         """How long ``v`` has trained on its lease so far, the steps ahead included (not its
@@ -329,7 +320,7 @@ class _ProtocolRun:
                 round=lease.round,
                 next_batch=next_batch,
                 steps=lease.inner_steps,
-                ahead=self._train_ahead(v, last),
+                ahead=v.train_ahead(last, self.cfg, self.data, self.hub.units),
             )
             v.last = lease
             assert upload.result.tokens == claim.tokens
@@ -342,18 +333,6 @@ class _ProtocolRun:
             v.totals.late += late is not None
             self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
         self._join(v)
-
-    def _train_ahead(self, v: Volunteer, last: HubLease | None) -> Ahead | None:
-        """The ``v.ahead`` steps it took from its end of ``last`` on that lease's data (as the
-        client does, from the step after ``last``'s nominal H), trained now, lazily as the
-        rest of the round is."""
-        if not v.ahead:
-            return None
-        assert last is not None
-        H = self.cfg.inner.steps
-        again = lease_batches(self.data, self.cfg, last.assignment, self.hub.units, last.unit,
-                              ahead=True)  # fmt: skip
-        return train_ahead(v.trainer, v.ahead, start_step=last.round * H, next_batch=again)
 
     def _spend(self, v: Volunteer, spent: timedelta, wasted: str | None = None) -> None:
         v.totals.compute_s += spent.total_seconds()

@@ -11,13 +11,15 @@ from datetime import UTC, datetime, timedelta
 import torch
 
 from diloco.config import RunConfig
+from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.protocol.state import Refusal
 from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
+from diloco.simulate.dealing import Units, lease_batches
 from diloco.simulate.hub import HubLease
 from diloco.simulate.protocol_mode import ProtocolOptions, VolunteerTotals
 from diloco.simulate.run import SimOptions
-from diloco.train import InnerTrainer
+from diloco.train import Ahead, InnerTrainer, train_ahead
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
 
@@ -59,6 +61,28 @@ class Volunteer:
         """The steps of its lease still to train once its version is here."""
         assert self.lease is not None
         return max(1, self.lease.inner_steps - self.ahead)
+
+    def steps_ahead(self, start: datetime, cfg: RunConfig) -> int:
+        """The steps it took ahead (``[inner] overlap``) between the end of its last
+        accepted round's training and ``start``, when its new lease's version is here: as
+        many as fit, up to the cap (the client stops at the cap or when the version lands)."""
+        if self.last is None or self.trained_at is None:
+            return 0
+        fit = int((start - self.trained_at) / self.step)
+        return min(cfg.inner.ahead_cap(self.last.inner_steps), fit)
+
+    def train_ahead(
+        self, last: HubLease | None, cfg: RunConfig, data: Dataset, units: Units | None
+    ) -> Ahead | None:
+        """Its ``ahead`` steps from its end of ``last`` on that lease's data (as the client
+        does, from the step after ``last``'s nominal H), trained when its upload is admitted,
+        lazily as the rest of the round is."""
+        if not self.ahead:
+            return None
+        assert last is not None
+        again = lease_batches(data, cfg, last.assignment, units, last.unit, ahead=True)
+        start = last.round * cfg.inner.steps
+        return train_ahead(self.trainer, self.ahead, start_step=start, next_batch=again)
 
     def granted(self, round: int, max_staleness: int) -> None:
         """It holds a lease on ``round`` of a run that merges work ``max_staleness`` late."""
