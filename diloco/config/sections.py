@@ -310,7 +310,7 @@ class CompressionSection(_Section):
         """``block_size`` left out: the kind's (``BLOCK_FOR``), written in, so a run
         records it."""
         if isinstance(data, dict) and "block_size" not in data:
-            block = BLOCK_FOR.get(data.get("kind", "int8"))  # type: ignore[arg-type]
+            block = BLOCK_FOR.get(data.get("kind", "int8"))
             if block is not None:
                 return {**data, "block_size": block}
         return data
