@@ -239,3 +239,55 @@ def test_a_normal_norm_upload_that_raises_the_loss_is_never_published(http: http
     assert all(torch.equal(published[n], expected[n]) for n in expected)
     (round1, *_) = http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"]
     assert round1["accepted"] == 2
+
+
+def test_a_round_whose_guard_blames_its_only_upload_reopens_and_then_closes_on_honest_work(
+    http: httpx.Client,
+) -> None:
+    # Prepare: the plain mean; a round that closes on its first upload (target 1), and that
+    # upload an attacker's Δ 10^4 times too long: no step can be made without it
+    config = server_run_config(rounds={"quorum": 1, "target": 1, "max_rounds": 2})
+    config["aggregation"] = {"method": "mean"}
+    run = create_run(http, config)
+    honest, attacker = register(http, "reopen-honest"), register(http, "reopen-attacker")
+    base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")
+    works = {token: train(http, token, run["id"], steps=1) for token in (honest, attacker)}
+    mine, cfg = works[attacker], parse_config(run["config"])
+    blown: dict[str, Any] = {n: t * 1e4 for n, t in mine.delta.items()}
+    body = hostile_body(
+        "scaled10", blown, mine.meta, kind=cfg.compression.kind,
+        block_size=cfg.compression.block_size,
+    )  # fmt: skip
+
+    def round1() -> dict[str, Any]:
+        return dict(http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"][0])
+
+    # Execute: the attacker's upload closes the round; the guard discards the step
+    assert upload(http, attacker, mine, body=body).status_code == 201
+    reopened = wait_for(
+        lambda: (r := round1())["close_code"] == "guard_below_quorum" and r,
+        timeout=60,
+        what="round 1 to be reopened",
+    )
+
+    # Assert: reopened once, saying why, never retried; the attacker out for good, unpaid
+    assert reopened["state"] == "open" and reopened["error"] is None, reopened
+    assert "left out for good" in reopened["close_reason"]
+    assert "below quorum 1: reopened to wait for more" in reopened["close_reason"]
+    assert version(http, run["id"]) == 0 and reopened["accepted"] == 0
+
+    # Execute: honest work arrives; the round closes on it alone
+    assert upload(http, honest, works[honest]).status_code == 201
+    wait_for(lambda: version(http, run["id"]) == 1, timeout=60, what="round 1 to close")
+
+    published = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/1")
+    expected = reference_step(run, base, [works[honest]]).params
+    assert all(torch.equal(published[n], expected[n]) for n in expected) and finite(published)
+    listed = http.get(f"{API}/runs/{run['id']}/rounds/1/contributions").json()["contributions"]
+    by_name = {c["contributor_name"]: c for c in listed}
+    blamed = by_name["reopen-attacker"]
+    assert blamed["excluded"].startswith("guard: the step with it was discarded (eval loss")
+    assert blamed["credit"] == 0 and not blamed["aggregated"]
+    assert by_name["reopen-honest"]["aggregated"] and by_name["reopen-honest"]["credit"] > 0
+    closed = round1()
+    assert closed["state"] == "closed" and closed["error"] is None and closed["accepted"] == 1

@@ -22,6 +22,7 @@ from diloco.protocol.rules import (
     close_effects,
     close_retry_at,
     decide_after_exclusions,
+    decide_after_guard,
     judge_step,
     should_judge,
     upload_weight,
@@ -340,6 +341,18 @@ def test_a_round_below_quorum_after_exclusions_reopens() -> None:
     assert decision.reason == (
         "round 7: 2 contributions left out: con_b (damaged), con_c (missing); 1 left, below "
         "quorum 2: reopened to wait for more"
+    )
+
+
+def test_a_round_whose_guard_leaves_too_few_reopens_naming_what_it_left_out() -> None:
+    decision = decide_after_guard(
+        7, kept=0, left_out={"con_b": "the step with it was discarded (not finite)"}, quorum=1
+    )
+
+    assert decision.action is Action.KEEP_OPEN and decision.code == "guard_below_quorum"
+    assert decision.reason == (
+        "round 7: left out for good: con_b (the step with it was discarded (not finite)); "
+        "0 left, below quorum 1: reopened to wait for more"
     )
 
 

@@ -20,9 +20,11 @@ differ.
 - Every step is judged before anything is published (``diloco.protocol.rules``:
   ``should_judge`` then ``judge_step``): one that is not finite, or whose loss on the
   run's small fixed judging sample (``[aggregation] judge_windows``) passes
-  ``max_loss_ratio`` times the base version's, is discarded and tried again without the
-  contribution farthest from the aggregate, as long as the others make quorum; else
-  ``StepRejected``. The full eval of a published version is the caller's, later.
+  ``max_loss_ratio`` times the base version's, is discarded and the contribution farthest
+  from the aggregate left out for good; the step is tried again without it while the
+  others make quorum, else the round is reopened to wait for more (``decide_after_guard``):
+  a close never tries the same failing step twice, and ends within as many tries as it has
+  uploads. The full eval of a published version is the caller's, later.
 - A contribution whose file cannot be read (missing, damaged: its trailer digest fails)
   is left out with the reason and the pass started over without it;
   ``decide_after_exclusions`` then says whether the others still make a step.
@@ -38,7 +40,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +63,12 @@ from diloco.outer.robust import (
     cosine,
     distances,
 )
-from diloco.protocol.rules import decide_after_exclusions, judge_step, should_judge
+from diloco.protocol.rules import (
+    decide_after_exclusions,
+    decide_after_guard,
+    judge_step,
+    should_judge,
+)
 from diloco.protocol.state import Action, Decision, StepVerdict
 from diloco.wire import delta as deltas
 from diloco.wire.exchange import codec_for, delta_codec_for
@@ -102,22 +109,14 @@ class CloseInputs:
     out: VersionPaths  # where the new version is written (temp names until committed)
 
 
-class StepRejected(Exception):
-    """The guard discarded every step it could make with quorum: nothing is published."""
-
-    def __init__(self, verdict: StepVerdict, left_out: Mapping[str, str]) -> None:
-        tried = f"; left out {sorted(left_out)} first" if left_out else ""
-        super().__init__(f"{verdict.reason}{tried}")
-        self.verdict, self.left_out = verdict, dict(left_out)
-
-
 @dataclass(frozen=True)
 class Closed:
     excluded: dict[str, str]  # upload id -> why it was left out (unreadable, guard)
     exclusion_codes: dict[str, str]  # upload id -> blob_unreadable | guard
-    # decide_after_exclusions' verdict when a blob was unreadable (None: none was)
+    # decide_after_exclusions' verdict when a blob was unreadable (None: none was), or
+    # decide_after_guard's when the guard left too few for a step
     decision: Decision | None
-    committed: bool  # False: no step (below quorum once the unreadable were left out)
+    committed: bool  # False: no step (below quorum once the unreadable or blamed left out)
     params_sha256: str | None  # the new version's files, when committed
     delta_sha256: str | None
     update_norm: float | None  # ‖θ_new − θ_base‖, the published change
@@ -141,7 +140,7 @@ def close_round(
     ``evaluate``: a parameters file's loss on the run's judging sample (the same tokens
     every call); ``base_judge_loss``: the base version's, when the caller knows it;
     ``hit``: the close's fault points (``close.aggregate``, ``close.step``,
-    ``close.eval``). Raises ``StepRejected`` when no step passes the guard."""
+    ``close.eval``). Not committed, with a decision to reopen, when too few are left."""
     clock = _StageClock()
     base = _open_base(inputs)
     try:
@@ -250,10 +249,17 @@ def _close(
         if verdict.ok:
             break
         tried.out.abort()
-        if len(kept) - 1 < inputs.quorum:
-            raise StepRejected(verdict, left_out)
-        culprit = max(kept, key=lambda u: tried.shares[u.id].distance)
+        culprit = max(kept, key=lambda u: _farthest_first(tried.shares[u.id].distance))
         left_out[culprit.id] = f"the step with it was discarded ({verdict.reason})"
+        if len(kept) - 1 < inputs.quorum:  # reopened, never the same step again
+            decision = decide_after_guard(
+                inputs.version, kept=len(kept) - 1, left_out=left_out, quorum=inputs.quorum
+            )
+            codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
+            return Closed(
+                unreadable | left_out, codes, decision, False, None, None, None, loss,
+                measured_base, verdict, {}, clock.seconds,
+            )  # fmt: skip
         log.warning(
             "run %s round %d: %s; trying again without %s",
             inputs.run_id, inputs.version, verdict.reason, culprit.id,
@@ -275,6 +281,12 @@ def _close(
         tried.shares,
         clock.seconds,
     )
+
+
+def _farthest_first(distance: float) -> float:
+    """The guard blames the contribution farthest from the aggregate; a distance that is
+    not a number (a non-finite step) counts as the farthest."""
+    return distance if not math.isnan(distance) else math.inf
 
 
 def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _StageClock) -> _Tried:

@@ -325,6 +325,22 @@ def decide_after_exclusions(
     return Decision(action=Action.KEEP_OPEN, reason=reason, code="excluded_below_quorum")
 
 
+def decide_after_guard(
+    round: int, *, kept: int, left_out: Mapping[str, str], quorum: int
+) -> Decision:
+    """The guard discarded a step and, with the contribution it blamed left out for good,
+    fewer than ``quorum`` are ``kept``: the round reopens to wait for more (the left-out
+    ones never count again), instead of trying the same step again. Each discarded step
+    leaves one contribution out, so a close ends within as many tries as it has uploads."""
+    names = ", ".join(f"{cid} ({why})" for cid, why in sorted(left_out.items()))
+    return Decision(
+        action=Action.KEEP_OPEN,
+        reason=f"round {round}: left out for good: {names}; {kept} left, below quorum "
+        f"{quorum}: reopened to wait for more",
+        code="guard_below_quorum",
+    )
+
+
 # ---------------------------------------------------------------- 5b. the guard
 
 

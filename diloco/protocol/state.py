@@ -42,11 +42,13 @@ class Action(StrEnum):
 # the `reason` sentence is for people.
 ReasonCode = Literal[
     "target", "quorum_no_live_leases", "deadline_quorum", "deadline_below_quorum", "waiting",
-    "not_open", "excluded_quorum", "excluded_below_quorum",
+    "not_open", "excluded_quorum", "excluded_below_quorum", "guard_below_quorum",
 ]  # fmt: skip
 
 # Why a close attempt failed (stored on the round, retried with backoff), and why a
 # contribution was left out of its round's step (stored on the contribution; it earns 0).
+# step_rejected: recorded by servers from before issue 26, whose close retried a step the
+# guard discarded; now such a round reopens (guard_below_quorum)
 CloseFailure = Literal["close_failed", "injected_fault", "claim_expired", "step_rejected"]
 Exclusion = Literal["blob_unreadable", "banned", "guard"]
 

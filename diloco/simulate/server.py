@@ -28,7 +28,7 @@ from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
-from diloco.outer.close import CloseInputs, StepRejected, Upload, close_round
+from diloco.outer.close import CloseInputs, Upload, close_round
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
 from diloco.protocol.late import late_weight
@@ -148,17 +148,17 @@ class RoundDesk:
         )
         try:
             closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)
-        except StepRejected as err:
-            versions.unchanged(index)
-            return Stepped({}, None, None, err.left_out, rejected=err.verdict)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if closed.base_judge_loss is not None:
             versions.judge_loss = closed.base_judge_loss
-        versions.published(index, closed.judge_loss)
         left_out = {
             i: why for i, why in closed.excluded.items() if closed.exclusion_codes[i] == "guard"
         }
+        if not closed.committed:  # the server reopens the round; the simulator moves on
+            versions.unchanged(index)
+            return Stepped({}, None, None, left_out, rejected=closed.verdict)
+        versions.published(index, closed.judge_loss)
         return Stepped(closed.shares, closed.update_norm, closed.judge_loss, left_out)
 
 

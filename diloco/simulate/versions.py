@@ -9,8 +9,9 @@ carried in the residual r, so θ + r is the exact Nesterov iterate x (``exact``,
 information).
 
 A round whose step was rejected, or that had nothing to aggregate, still publishes a
-version in the simulator (the server would retry that close): the same files, and a delta
-of zeros. With ``delta_dir`` every version's delta file is also copied there
+version in the simulator (the server reopens such a round, the blamed contributions left
+out for good, to wait for more uploads: ``decide_after_guard``): the same files, and a
+delta of zeros. With ``delta_dir`` every version's delta file is also copied there
 (``delta-<version>.safetensors``).
 """
 

@@ -23,7 +23,6 @@ from diloco.protocol.rules import close_retry_at
 from diloco.protocol.state import RetryPolicy, RoundState
 from server.metrics import CLOSE_FAILURES
 from server.rounds.models import Round
-from server.rounds.outer_step import StepRejected
 from server.settings import Settings
 
 log = logging.getLogger("diloco.rounds")
@@ -100,8 +99,6 @@ async def record_failure(
     code = (
         "injected_fault"
         if isinstance(err, InjectedFault)
-        else "step_rejected"
-        if isinstance(err, StepRejected)
         else "contributor_banned"
         if isinstance(err, BannedInStep)
         else "close_failed"

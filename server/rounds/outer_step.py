@@ -27,7 +27,7 @@ from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.outer.close import CloseInputs, StepRejected, Upload, VersionPaths, close_round
+from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Share
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
@@ -36,7 +36,7 @@ from server.storage import keys
 from server.storage.base import Storage
 from server.storage.staging import Stage
 
-__all__ = ["OuterResult", "StepInputs", "StepRejected", "Stored", "apply_outer_step"]
+__all__ = ["OuterResult", "StepInputs", "Stored", "apply_outer_step"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,10 @@ class OuterResult:
 
 
 def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjector) -> OuterResult:
-    """Stage the round's files, close it (``diloco.outer.close.close_round``: raises
-    ``StepRejected`` when the guard discards every step it can make) and publish the
-    version's files; no row is written here."""
+    """Stage the round's files, close it (``diloco.outer.close.close_round``: no files and
+    a decision to reopen when too few contributions are left for a step, the unreadable or
+    the ones the guard blamed left out) and publish the version's files; no row is written
+    here."""
     at = keys.version(inputs.run_id, inputs.version)
     with Stage(storage) as stage:
         stage.inputs([inputs.base_params_key, inputs.base_state_key])
