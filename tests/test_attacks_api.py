@@ -141,6 +141,16 @@ def test_one_attacker_is_refused_or_bounded(
         assert mine["credit"] == pytest.approx(6 * n_params * cfg.lease_tokens)
 
 
+def blown_up(run: dict, work: Work) -> bytes:
+    """``work``'s upload with its Δ 10^4 times too long: finite, so it is taken."""
+    blown: dict[str, Any] = {n: t * 1e4 for n, t in work.delta.items()}
+    cfg = parse_config(run["config"])
+    return hostile_body(
+        "scaled10", blown, work.meta, kind=cfg.compression.kind,
+        block_size=cfg.compression.block_size,
+    )  # fmt: skip
+
+
 def test_the_guard_discards_a_step_an_attacker_blows_up_and_publishes_without_it(
     http: httpx.Client,
 ) -> None:
@@ -153,12 +163,7 @@ def test_the_guard_discards_a_step_an_attacker_blows_up_and_publishes_without_it
     base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")
     works = {token: train(http, token, run["id"], steps=1) for token in [*honest, attacker]}
     mine = works[attacker]
-    blown: dict[str, Any] = {n: t * 1e4 for n, t in mine.delta.items()}
-    cfg = parse_config(run["config"])
-    body = hostile_body(
-        "scaled10", blown, mine.meta, kind=cfg.compression.kind,
-        block_size=cfg.compression.block_size,
-    )  # fmt: skip
+    body = blown_up(run, mine)
 
     # Execute
     for token in honest:
@@ -252,12 +257,8 @@ def test_a_round_whose_guard_blames_its_only_upload_reopens_and_then_closes_on_h
     honest, attacker = register(http, "reopen-honest"), register(http, "reopen-attacker")
     base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")
     works = {token: train(http, token, run["id"], steps=1) for token in (honest, attacker)}
-    mine, cfg = works[attacker], parse_config(run["config"])
-    blown: dict[str, Any] = {n: t * 1e4 for n, t in mine.delta.items()}
-    body = hostile_body(
-        "scaled10", blown, mine.meta, kind=cfg.compression.kind,
-        block_size=cfg.compression.block_size,
-    )  # fmt: skip
+    mine = works[attacker]
+    body = blown_up(run, mine)
 
     def round1() -> dict[str, Any]:
         return dict(http.get(f"{API}/runs/{run['id']}/rounds").json()["rounds"][0])
