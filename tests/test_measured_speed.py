@@ -6,17 +6,15 @@ import json
 
 import pytest
 
-from client.api import ServerAPI
 from client.measured_speed import (
     MeasuredSpeed,
     SpeedRecordError,
+    first_speed,
     load_speed,
     save_speed,
     speed_path,
 )
 from client.progress import Reporter
-from client.worker import _Worker
-from client.worker_options import WorkerOptions
 
 RUN = "run_0123456789ab"
 CPU_FP32 = MeasuredSpeed(1234.5, "cpu", "fp32", 4, 16)
@@ -53,24 +51,23 @@ def test_a_speed_file_that_does_not_hold_a_measurement_is_an_error(tmp_path, con
         load_speed(RUN, tmp_path)
 
 
-def _worker(tmp_path) -> _Worker:
-    opts = WorkerOptions(server_url="http://127.0.0.1:9", device="cpu", cache_dir=tmp_path)
-    return _Worker(opts, ServerAPI("http://127.0.0.1:9"), Reporter(quiet=False, bar=False))
-
-
 def test_the_first_join_reports_the_doctors_speed_when_it_was_measured_the_same_way(
     tmp_path, capsys
 ):
-    worker = _worker(tmp_path)
-    assert worker.doctors_speed(RUN) is None  # nothing saved: the nominal H
+    say = Reporter(quiet=False, bar=False)
+
+    def first() -> float | None:  # what a worker on this machine's CPU, in fp32, reports
+        return first_speed(RUN, tmp_path, "cpu", "fp32", say)
+
+    assert first() is None  # nothing saved: the nominal H
 
     save_speed(RUN, CPU_FP32, tmp_path)
-    assert worker.doctors_speed(RUN) == 1234.5
+    assert first() == 1234.5
     assert "first join reports diloco doctor's 1,234 tokens/s (cpu fp32)" in capsys.readouterr().err
 
     save_speed(RUN, MeasuredSpeed(9e5, "cuda", "bf16", 8, 16), tmp_path)
-    assert worker.doctors_speed(RUN) is None  # another device's figure says nothing of ours
+    assert first() is None  # another device's figure says nothing of ours
 
     speed_path(RUN, tmp_path).write_text("{")
-    assert worker.doctors_speed(RUN) is None
+    assert first() is None
     assert "not reporting diloco doctor's speed" in capsys.readouterr().err
