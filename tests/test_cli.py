@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import in_process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -149,10 +151,10 @@ def test_bad_mode_and_drop_probability_exit_2(tmp_path, corpus):
 
     bad_mode = diloco("simulate", str(config), "--mode", "fsdp")
     assert bad_mode.returncode == 2 and "fsdp" in bad_mode.stderr
-    proc = diloco("simulate", str(config), "--drop-prob", "1.5")
+    proc = in_process("simulate", str(config), "--drop-prob", "1.5")
     assert proc.returncode == 2 and "--drop-prob" in proc.stderr
     for device in ("tpu", "not-a-device"):
-        proc = diloco("simulate", str(config), "--device", device)
+        proc = in_process("simulate", str(config), "--device", device)
         assert (
             proc.returncode == 2
             and f"--device must be one of auto, cpu, cuda, mps or cuda:N, not {device!r}"
@@ -256,14 +258,15 @@ def test_simulate_protocol_mode_prints_each_round_and_writes_the_json(tmp_path, 
 def test_simulate_protocol_options_that_do_not_fit_exit_2(tmp_path, corpus):
     config = write_config(tmp_path, corpus)
 
+    # one real process (its exit status), the rest in this one: they stop before any work
     negative = diloco("simulate", str(config), "--mode", "protocol", "--speeds", "-1,1")
     assert negative.returncode == 2
     assert "speeds: must all be positive numbers, got [-1.0, 1.0]" in negative.stderr
-    mismatch = diloco(
+    mismatch = in_process(
         "simulate", str(config), "--mode", "protocol", "--speeds", "1,1", "--workers", "3"
     )
     assert mismatch.returncode == 2 and "speeds: 2 given for 3 volunteers" in mismatch.stderr
-    elsewhere = diloco("simulate", str(config), "--speeds", "1,1")
+    elsewhere = in_process("simulate", str(config), "--speeds", "1,1")
     assert elsewhere.returncode == 2 and "apply to --mode protocol only" in elsewhere.stderr
     for link, message in [
         ("20", "--link takes UP/DOWN[/LATENCY_MS]"),
@@ -271,11 +274,11 @@ def test_simulate_protocol_options_that_do_not_fit_exit_2(tmp_path, corpus):
         ("0/100", "links: up_mbps must be a positive number"),
         ("20/100/-5", "links: latency_s must be 0 or more seconds"),
     ]:
-        bad = diloco("simulate", str(config), "--mode", "protocol", "--link", link)
+        bad = in_process("simulate", str(config), "--mode", "protocol", "--link", link)
         assert bad.returncode == 2 and message in bad.stderr, (link, bad.stderr)
-    no_link = diloco("simulate", str(config), "--mode", "protocol", "--link-as-params", "1e9")
+    no_link = in_process("simulate", str(config), "--mode", "protocol", "--link-as-params", "1e9")
     assert no_link.returncode == 2 and "give --link too" in no_link.stderr
-    link_elsewhere = diloco("simulate", str(config), "--link", "20/100")
+    link_elsewhere = in_process("simulate", str(config), "--link", "20/100")
     assert link_elsewhere.returncode == 2 and "--link apply to --mode protocol only" in (
         link_elsewhere.stderr
     )

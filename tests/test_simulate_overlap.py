@@ -9,8 +9,6 @@ lease's data (``diloco.data.text.lease_stream``), not counted as new tokens."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from diloco.simulate.rows import HubSettings
 from diloco.simulate.run import SimOptions, simulate
 from diloco.train import InnerTrainer, parameters_of, snapshot
 from tests.conftest import tiny_config
+from tests.support.cli import in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,10 +131,7 @@ def test_an_overlap_that_cannot_apply_is_a_usage_error(corpus, tmp_path, extra, 
         f'name = "t"\n[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\n'
         f'[data]\npath = "{corpus}"\n'
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "client.cli", "simulate", str(config), "--rounds", "1", *extra],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+    proc = in_process("simulate", str(config), "--rounds", "1", *extra)
 
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr + proc.stdout
