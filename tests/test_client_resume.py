@@ -147,7 +147,7 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
     rounds = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"]
     # round 2 took the resumed upload; it may still be closing when the volunteer exits
     # (a close is asynchronous, and every step is judged before it is published)
-    assert [(x["index"], x["accepted"]) for x in rounds[:2]] == [(1, 1), (2, 1)]
+    assert [(x["index"], x["accepted"]) for x in rounds[:2]] == [(1, 1), (2, 1)], rounds[:2]
     assert rounds[0]["state"] == "closed" and rounds[1]["state"] in ("closing", "closed")
 
 
