@@ -255,7 +255,7 @@ def _close(
             decision = decide_after_guard(
                 inputs.version, kept=len(kept) - 1, left_out=left_out, quorum=inputs.quorum
             )
-            codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
+            codes = _exclusion_codes(unreadable, left_out)
             return Closed(
                 unreadable | left_out, codes, decision, False, None, None, None, loss,
                 measured_base, verdict, {}, clock.seconds,
@@ -266,7 +266,7 @@ def _close(
         )  # fmt: skip
     params_sha, delta_sha = tried.out.commit()
     clock.lap("write")
-    codes = dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
+    codes = _exclusion_codes(unreadable, left_out)
     return Closed(
         unreadable | left_out,
         codes,
@@ -281,6 +281,11 @@ def _close(
         tried.shares,
         clock.seconds,
     )
+
+
+def _exclusion_codes(unreadable: dict[str, str], left_out: dict[str, str]) -> dict[str, str]:
+    """Why each left-out upload is out, as its contribution records it."""
+    return dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
 
 
 def _farthest_first(distance: float) -> float:
