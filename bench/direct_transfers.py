@@ -72,7 +72,6 @@ from bench.transport import (  # noqa: E402
     diloco_server,
     download,
     join,
-    reseeded,
     safetensors_shapes,
     upload,
 )
@@ -198,8 +197,8 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
         if shapes is None:  # proxied: the checkpoint route serves it (not measured)
             ckpt = download(server, f"{API}/runs/{run_id}/checkpoints/0", ADMIN)
             shapes = safetensors_shapes(ckpt.body)
-        one = contribution_body(run_id, {"round": 1, "base_version": 0}, shapes, seed=0)
-        bodies = [reseeded(one, i) for i in range(k)]
+        lease = {"round": 1, "base_version": 0}  # each its own Δ: the close leaves copies out
+        bodies = [contribution_body(run_id, lease, shapes, seed=i) for i in range(k)]
         # version 0's eval runs after run creation: let it finish before the round
         poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 1, 600,
              "version 0's eval")  # fmt: skip

@@ -353,7 +353,8 @@ def main() -> None:
 
 def reseeded(body: bytes, seed: int) -> bytes:
     """The same body, each upload its own bytes (one payload twice is a replay): the first
-    two int8 values become the seed's digits (base 127) and the trailer is recomputed."""
+    two int8 values become the seed's digits (base 127) and the trailer is recomputed.
+    For ingest only: a round's close leaves such near-copies out (``diloco.outer.checks``)."""
     import hashlib
 
     from diloco.wire.header import DIGEST_BYTES, PREFIX

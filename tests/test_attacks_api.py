@@ -16,7 +16,7 @@ import torch
 from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
-from diloco.simulate.attacks import ATTACKS, Attack, hostile_body
+from diloco.simulate.attacks import ATTACKS, CHECKED, Attack, hostile_body
 from diloco.train import load_parameters
 from diloco.wire.exchange import encode_delta
 from server.storage import keys
@@ -77,6 +77,7 @@ def close_round(
             block_size=cfg.compression.block_size,
             other_delta=works[honest[0]].delta,
             stale_delta=stale.delta if stale else None,
+            peers=[works[t].delta for t in honest],
         )
     sent = upload(http, attacker, mine, body=body)
     if sent.status_code >= 400:  # refused: it stops, so the round need not wait for it
@@ -130,6 +131,15 @@ def test_one_attacker_is_refused_or_bounded(
     if attack in REFUSED:
         assert credit_of(http, run["id"], index, name) == 0
     listed = http.get(f"{API}/runs/{run['id']}/rounds/{index}/contributions").json()
+    by_name = {c["contributor_name"]: c for c in listed["contributions"]}
+    if attack in CHECKED:  # the close's checks leave it out: unpaid, the reason shown
+        mine = by_name[name]
+        assert mine["credit"] == 0 and not mine["aggregated"], mine
+        assert mine["excluded"].startswith(f"{CHECKED[attack]}: "), mine
+        assert mine["checks"]["code"] == CHECKED[attack]
+    for i in range(HONEST):  # no honest volunteer is ever left out by a check
+        work = by_name[f"honest-{attack}-{i}"]
+        assert work["aggregated"] and work["checks"]["code"] is None, work
     for c in listed["contributions"]:  # telemetry for every aggregated contribution
         if c["aggregated"]:
             assert c["norm"] > 0 and c["cosine"] is not None and 0 < c["clip"] <= 1
@@ -230,14 +240,15 @@ def test_a_normal_norm_upload_that_raises_the_loss_is_never_published(http: http
     assert upload(http, attacker, mine, body=body).status_code == 201  # nothing to refuse
     wait_for(lambda: version(http, run["id"]) == 1, timeout=60, what="round 1")
 
-    # Assert: its norm is an honest one's; the round closed without it, saying why
+    # Assert: its norm is an honest one's; the round closed without it, saying why: the
+    # close's checks leave it out before any step is judged (it points against the others)
     listed = http.get(f"{API}/runs/{run['id']}/rounds/1/contributions").json()["contributions"]
     by_name = {c["contributor_name"]: c for c in listed}
     norms = [by_name[f"normal-{i}"]["norm"] for i in range(2)]
     assert by_name["normal-attacker"]["norm"] <= 1.02 * max(norms)
     excluded = [c for c in listed if c["excluded"]]
     assert [c["contributor_name"] for c in excluded] == ["normal-attacker"]
-    assert excluded[0]["excluded"].startswith("guard: the step with it was discarded (eval loss")
+    assert excluded[0]["excluded"].startswith("opposed: it points against the others'")
     assert excluded[0]["credit"] == 0 and not excluded[0]["aggregated"]
     published = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/1")
     expected = reference_step(run, base, [works[t] for t in honest]).params

@@ -126,11 +126,11 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
         base = server_keys.version(RUN, index - 1)
 
         # Execute: the server's close, then the simulator's, on the same uploads
-        result = apply_outer_step(
-            storage,
-            StepInputs(RUN, index, cfg, base.params, base.state, stored, list(history), 1),
-            faults=FaultInjector(),
+        seed, recent = versions.check_seed(index), list(versions.recent)
+        inputs = StepInputs(
+            RUN, index, cfg, base.params, base.state, stored, list(history), 1, seed, recent
         )
+        result = apply_outer_step(storage, inputs, faults=FaultInjector())
         stepped = desk.close(versions, evaluate=judge, history=list(history), quorum=1)
 
         # Assert: the same guard decision, bit for bit the same version files
@@ -141,6 +141,7 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
         assert result.judge_loss == stepped.judge_loss and result.judge_loss is not None
         assert result.shares == stepped.shares
         assert result.update_norm == stepped.update_norm
+        assert result.checks == stepped.checks and len(result.checks) == len(deltas)
         keys = server_keys.version(RUN, index)
         server_files = [storage.local_file(k) for k in (keys.params, keys.state, keys.delta)]
         assert_same_files(server_files, versions.paths(index))

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
+from diloco.outer.checks import Sampler
 from diloco.outer.robust import SourceUnreadable
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
@@ -246,6 +247,7 @@ class Step:
     state: OuterStateFile  # its momentum and residual
     codec: deltas.DeltaCodec  # the published delta's
     out: Outputs
+    sampler: Sampler | None = None  # samples the published change (``diloco.outer.checks``)
 
 
 @dataclass
@@ -279,9 +281,11 @@ def run_pass(
     center: tuple[Mapping[str, torch.Tensor], float] | None = None,
     step: Step | None = None,
     keep: bool = False,
+    sampler: Sampler | None = None,
 ) -> PassResult:
     """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
-    the new version's files from g; with ``keep``, g itself (memory O(model))."""
+    the new version's files from g; with ``keep``, g itself (memory O(model)); with
+    ``sampler``, each upload's values at its sampled coordinates (``diloco.outer.checks``)."""
     chunk = chunk_elements(len(uploads), align)
     decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
@@ -303,6 +307,8 @@ def run_pass(
                 t = result.lap("read", t)
                 x = u.decode_into(q, start, buf[:n])
                 g.add_(x, alpha=c)
+                if sampler is not None:
+                    sampler.upload(u.id, name, start, x)
                 t = result.lap("sum", t)
                 xs.append(x)
             if center is not None:
@@ -357,6 +363,8 @@ def _step_chunk(
         return False
     deltas.apply_change(theta, change)
     d.sub_(change)  # the residual carried into the next round
+    if step.sampler is not None:
+        step.sampler.change(name, start, change)
     res.change_sq += float(torch.dot(change, change))
     t = res.lap("step", t)
     out = step.out

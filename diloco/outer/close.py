@@ -45,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from diloco.checkpoint import (
     OuterStateFile,
     open_outer_state,
@@ -54,6 +56,7 @@ from diloco.checkpoint import (
     state_metadata,
 )
 from diloco.config import RunConfig
+from diloco.outer.checks import Check, RecentChange, RoundFigures, Sampler, Sampling, check_uploads
 from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
 from diloco.outer.robust import (
     Share,
@@ -62,6 +65,7 @@ from diloco.outer.robust import (
     clip_factors,
     cosine,
     distances,
+    reference_norm,
 )
 from diloco.protocol.rules import (
     decide_after_exclusions,
@@ -107,6 +111,10 @@ class CloseInputs:
     history: list[float]  # norms of the run's latest aggregated contributions
     quorum: int
     out: VersionPaths  # where the new version is written (temp names until committed)
+    # the checks' (diloco.outer.checks): the round's secret seed, where its samples are
+    # taken, and the last published changes, sampled, to compare the uploads with
+    check_seed: int = 0
+    recent: list[RecentChange] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,10 @@ class Closed:
     # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
     # judge, write (fsync and rename); tries added up
     seconds: dict[str, float]
+    checks: dict[str, Check]  # every upload's, from the last try that had it in its pass
+    # the published change θ_new − θ_base where the round sampled (check_seed), for the next
+    # rounds' copy check; None when not committed
+    change_sample: torch.Tensor | None
 
 
 def close_round(
@@ -177,7 +189,9 @@ class _Base:
 class _Tried:
     out: Outputs
     result: PassResult
-    shares: dict[str, Share] = field(default_factory=dict)
+    shares: dict[str, Share]
+    figures: RoundFigures  # what the checks read
+    change_sample: torch.Tensor
 
 
 def _open_base(inputs: CloseInputs) -> _Base:
@@ -207,33 +221,42 @@ def _close(
     base_loss: float | None,
     hit: Callable[[str], None],
 ) -> Closed:
-    unreadable: dict[str, str] = {}
-    left_out: dict[str, str] = {}
+    out = _LeftOut()
     decision, measured_base = None, None
     policy = inputs.cfg.aggregation
     while True:
-        kept = [u for u in inputs.uploads if u.id not in unreadable | left_out]
-        if unreadable:
+        kept = [u for u in inputs.uploads if u.id not in out.reasons]
+        if out.unreadable:
             decision = decide_after_exclusions(
                 inputs.version,
-                kept=len(kept) + len(left_out),
-                excluded=unreadable,
+                kept=len(kept) + len(out.reasons) - len(out.unreadable),
+                excluded=out.unreadable,
                 quorum=inputs.quorum,
             )
             if decision.action is not Action.CLOSE:
-                codes = dict.fromkeys(unreadable, "blob_unreadable")
-                return Closed(
-                    unreadable, codes, decision, False, None, None, None, None, measured_base,
-                    None, {}, clock.seconds,
-                )  # fmt: skip
+                return out.not_committed(decision, None, measured_base, None, clock)
         try:
             tried = _try_step(inputs, base, kept, clock)
         except SourceUnreadable as err:
-            unreadable[err.source_id] = err.reason
+            out.leave(err.source_id, "blob_unreadable", err.reason)
             log.warning("run %s round %d: %s", inputs.run_id, inputs.version, err)
             continue
         hit("close.aggregate")
         hit("close.step")
+        checks = check_uploads(tried.figures)
+        out.checks |= checks
+        if failed := {i: c for i, c in checks.items() if c.code is not None}:
+            tried.out.abort()
+            for i, c in failed.items():
+                out.leave(i, str(c.code), c.reason)
+            why = "; ".join(f"{i}: {c.reason}" for i, c in failed.items())
+            log.warning(
+                "run %s round %d: left out by the checks: %s", inputs.run_id, inputs.version, why
+            )
+            if len(kept) - len(failed) < inputs.quorum:
+                decision = out.below_quorum(inputs, len(kept) - len(failed))
+                return out.not_committed(decision, None, measured_base, None, clock)
+            continue
         result, loss = tried.result, None
         if should_judge(finite=result.finite, judge_windows=policy.judge_windows):
             if base_loss is None:
@@ -250,26 +273,19 @@ def _close(
             break
         tried.out.abort()
         culprit = max(kept, key=lambda u: _farthest_first(tried.shares[u.id].distance))
-        left_out[culprit.id] = f"the step with it was discarded ({verdict.reason})"
+        out.leave(culprit.id, "guard", f"the step with it was discarded ({verdict.reason})")
         if len(kept) - 1 < inputs.quorum:  # reopened, never the same step again
-            decision = decide_after_guard(
-                inputs.version, kept=len(kept) - 1, left_out=left_out, quorum=inputs.quorum
-            )
-            codes = _exclusion_codes(unreadable, left_out)
-            return Closed(
-                unreadable | left_out, codes, decision, False, None, None, None, loss,
-                measured_base, verdict, {}, clock.seconds,
-            )  # fmt: skip
+            decision = out.below_quorum(inputs, len(kept) - 1)
+            return out.not_committed(decision, loss, measured_base, verdict, clock)
         log.warning(
             "run %s round %d: %s; trying again without %s",
             inputs.run_id, inputs.version, verdict.reason, culprit.id,
         )  # fmt: skip
     params_sha, delta_sha = tried.out.commit()
     clock.lap("write")
-    codes = _exclusion_codes(unreadable, left_out)
     return Closed(
-        unreadable | left_out,
-        codes,
+        dict(out.reasons),
+        dict(out.codes),
         decision,
         True,
         params_sha,
@@ -280,12 +296,44 @@ def _close(
         verdict,
         tried.shares,
         clock.seconds,
+        out.checks,
+        tried.change_sample,
     )
 
 
-def _exclusion_codes(unreadable: dict[str, str], left_out: dict[str, str]) -> dict[str, str]:
-    """Why each left-out upload is out, as its contribution records it."""
-    return dict.fromkeys(unreadable, "blob_unreadable") | dict.fromkeys(left_out, "guard")
+@dataclass
+class _LeftOut:
+    """The uploads a close left out, why (``reasons``) and under which code: blob_unreadable,
+    guard, or a check's (``diloco.outer.checks``); and every upload's latest checks."""
+
+    reasons: dict[str, str] = field(default_factory=dict)
+    codes: dict[str, str] = field(default_factory=dict)
+    checks: dict[str, Check] = field(default_factory=dict)
+
+    @property
+    def unreadable(self) -> dict[str, str]:
+        return {i: r for i, r in self.reasons.items() if self.codes[i] == "blob_unreadable"}
+
+    def leave(self, upload_id: str, code: str, reason: str) -> None:
+        self.reasons[upload_id] = reason
+        self.codes[upload_id] = code
+
+    def below_quorum(self, inputs: CloseInputs, kept: int) -> Decision:
+        judged = {i: r for i, r in self.reasons.items() if self.codes[i] != "blob_unreadable"}
+        return decide_after_guard(inputs.version, kept=kept, left_out=judged, quorum=inputs.quorum)
+
+    def not_committed(
+        self,
+        decision: Decision,
+        loss: float | None,
+        measured_base: float | None,
+        verdict: StepVerdict | None,
+        clock: _StageClock,
+    ) -> Closed:
+        return Closed(
+            dict(self.reasons), dict(self.codes), decision, False, None, None, None, loss,
+            measured_base, verdict, {}, clock.seconds, self.checks, None,
+        )  # fmt: skip
 
 
 def _farthest_first(distance: float) -> float:
@@ -303,6 +351,14 @@ def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _Stag
     total = sum(u.weight for u in kept)
     _, clip = clip_factors(norms, inputs.history, policy)
     coefficients = [u.weight * clip[u.id] / total for u in kept]
+    n_params = sum(math.prod(shape) for shape in base.shapes.values())
+    sampler = Sampler(
+        base.shapes,
+        [
+            Sampling.for_round(n_params, s)
+            for s in [inputs.check_seed, *(r.seed for r in inputs.recent)]
+        ],
+    )
     with contextlib.ExitStack() as stack:
         hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
         out = _outputs(inputs, base, hasher)
@@ -317,15 +373,19 @@ def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _Stag
                 for u in kept
             ]
 
-        step = Step(base.hyper, base.params, base.state, base.delta_codec, out)
+        step = Step(base.hyper, base.params, base.state, base.delta_codec, out, sampler)
         align = base.align()
         try:
             uploads = open_uploads()
             if policy.method != "centered_clip":
-                result = run_pass(uploads, coefficients, base.shapes, align=align, step=step)
+                result = run_pass(
+                    uploads, coefficients, base.shapes, align=align, step=step, sampler=sampler
+                )
                 dots, v_sq, factors = result.dots, result.g_sq, clip
             else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
-                first = run_pass(uploads, coefficients, base.shapes, align=align, keep=True)
+                first = run_pass(
+                    uploads, coefficients, base.shapes, align=align, keep=True, sampler=sampler
+                )
                 dots, v_sq = first.dots, first.g_sq
                 factors = centre_pulls(distances(norms, dots, v_sq))
                 pulls = [u.weight * factors[u.id] / total for u in kept]
@@ -346,7 +406,18 @@ def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _Stag
         u.id: Share(u.weight, u.norm, factors[u.id], cosine(u.norm, dots[u.id], v_norm), dist[u.id])
         for u in kept
     }
-    return _Tried(out, result, shares)
+    figures = RoundFigures(
+        ids=[u.id for u in kept],
+        norms=norms,
+        coefficients={u.id: c for u, c in zip(kept, coefficients, strict=True)},
+        dots=dots,
+        g_sq=v_sq,
+        samples=sampler.uploads(),
+        recent=list(inputs.recent),
+        reference=reference_norm(list(norms.values()), inputs.history, policy),
+        n_params=n_params,
+    )
+    return _Tried(out, result, shares, figures, sampler.changes())
 
 
 def _outputs(inputs: CloseInputs, base: _Base, hasher: ThreadPoolExecutor) -> Outputs:

@@ -9,7 +9,7 @@ against the server, and that the server must refuse or bound.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -26,15 +26,38 @@ Attack = Literal[
     "token_inflation",  # claims 10^12 tokens, to outweigh everyone (and earn their credit)
     "replay",  # uploads another volunteer's tensors as its own
     "stale",  # its Δ from an older version, relabelled as trained from the current one
+    "zeros",  # an update of zeros: claims the lease's work, did none
+    "copycat",  # another volunteer's Δ times 0.9: not byte-equal, so no replay
+    "alie",  # "a little is enough": the honest mean minus one standard deviation per value
 ]
+# the freeloaders and direction attackers the close's checks leave out (diloco.outer.checks):
+# they earn nothing
+CHECKED: dict[Attack, str] = {
+    "zeros": "zero_update",
+    "copycat": "copy",
+    "noise": "unaligned",
+    "sign_flip": "opposed",
+}
+ALIE_Z = 1.0
 ATTACKS: tuple[Attack, ...] = get_args(Attack)
 INFLATED_TOKENS = 10**12
 
 
 def tamper_delta(
-    attack: Attack, delta: Mapping[str, torch.Tensor], *, seed: int
+    attack: Attack,
+    delta: Mapping[str, torch.Tensor],
+    *,
+    seed: int,
+    peers: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> dict[str, torch.Tensor]:
-    """The Δ an attacker sends in place of its honest ``delta`` (attacks on the values)."""
+    """The Δ an attacker sends in place of its honest ``delta`` (attacks on the values);
+    ``peers``: the round's honest Δs it has seen (``alie``: all of them, its own with them)."""
+    if attack == "zeros":
+        return {n: torch.zeros_like(t) for n, t in delta.items()}
+    if attack == "alie":  # Baruch et al. 2019: within the spread, every value pushed one way
+        seen = [*peers, delta]
+        stacked = {n: torch.stack([p[n] for p in seen]) for n in delta}
+        return {n: s.mean(0) - ALIE_Z * s.std(0, correction=0) for n, s in stacked.items()}
     if attack == "scaled10":
         return {n: t * 10 for n, t in delta.items()}
     if attack == "scaled100":
@@ -74,20 +97,23 @@ def hostile_body(
     seed: int = 0,
     other_delta: Mapping[str, torch.Tensor] | None = None,
     stale_delta: Mapping[str, torch.Tensor] | None = None,
+    peers: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> bytes:
     """The whole upload body an attacker sends: ``delta`` and ``meta`` are its honest
-    work's; ``other_delta`` another volunteer's Δ this round (``replay``); ``stale_delta``
-    its own Δ from an earlier round (``stale``)."""
-    if attack == "replay":
+    work's; ``other_delta`` another volunteer's Δ this round (``replay``, ``copycat``);
+    ``stale_delta`` its own Δ from an earlier round (``stale``); ``peers`` the round's
+    honest Δs (``alie``)."""
+    if attack in ("replay", "copycat"):
         if other_delta is None:
-            raise ValueError("replay: needs another volunteer's Δ")
-        delta = other_delta
+            raise ValueError(f"{attack}: needs another volunteer's Δ")
+        scale = 0.9 if attack == "copycat" else 1.0
+        delta = {n: t * scale for n, t in other_delta.items()}
     elif attack == "stale":
         if stale_delta is None:
             raise ValueError("stale: needs an earlier round's Δ")
         delta = stale_delta
     else:
-        delta = tamper_delta(attack, delta, seed=seed)
+        delta = tamper_delta(attack, delta, seed=seed, peers=peers)
     codec_ = make_codec(kind, block_size)  # int8 or none: an attacker keeps no residual
     encoded = {n: codec_.encode(t) for n, t in delta.items()}
     codec = codec_.describe()

@@ -83,6 +83,7 @@ class _Workers:
         their mean training losses."""
         losses: list[float] = []
         first_delta = None  # what a copier sends: the first honest worker's Δ
+        honest: list[dict[str, torch.Tensor]] = []  # what the round's attackers see
         for i, trainer in enumerate(self.trainers):
             dealt = self.dealer.deal(r + 1, i)  # this round's batches (simulate.dealing)
             if self.ledger is None:
@@ -99,9 +100,10 @@ class _Workers:
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks
             if attack := self.opts.attacks.get(i):  # what a hostile volunteer sends instead
-                chunks = [self._hostile(attack, i, r, upload, first_delta)]
-            elif first_delta is None:
-                first_delta = upload.delta
+                chunks = [self._hostile(attack, i, r, upload, first_delta, honest)]
+            else:
+                honest.append(upload.delta)
+                first_delta = honest[0]
             self.earlier[i] = upload.delta
             self.bytes_up += sum(len(c) for c in chunks)
             # a dropped upload never reaches the server
@@ -115,7 +117,13 @@ class _Workers:
         return losses
 
     def _hostile(
-        self, attack: Attack, i: int, r: int, upload: Upload, other: dict[str, torch.Tensor] | None
+        self,
+        attack: Attack,
+        i: int,
+        r: int,
+        upload: Upload,
+        other: dict[str, torch.Tensor] | None,
+        peers: list[dict[str, torch.Tensor]],
     ) -> bytes:
         assert upload.meta is not None
         return hostile_body(
@@ -127,6 +135,7 @@ class _Workers:
             seed=self.opts.seed * 1_000 + r,
             other_delta=other,
             stale_delta=self.earlier.get(i, upload.delta),
+            peers=peers,
         )
 
 

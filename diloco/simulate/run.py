@@ -92,7 +92,7 @@ class RoundRecord:
     accepted: int  # contributions that reached the outer step (DiLoCo), else workers
     update_norm: float | None = None
     refused: int = 0  # uploads the server would refuse (non-finite, a replay, ...)
-    left_out: int = 0  # admitted, then left out of the step by the guard
+    left_out: int = 0  # admitted, then left out of the step by the guard or the checks
 
 
 @dataclass

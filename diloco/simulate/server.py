@@ -28,6 +28,7 @@ from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
+from diloco.outer.checks import Check
 from diloco.outer.close import CloseInputs, Upload, close_round
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
@@ -125,7 +126,7 @@ class RoundDesk:
         index = self.round.index
         if not self.admitted:
             versions.unchanged(index)
-            return Stepped({}, None, None, {})
+            return Stepped({}, None, None, {}, {})
         folder = versions.root / f"uploads-{index}"
         folder.mkdir(exist_ok=True)
         uploads: list[Upload] = []
@@ -145,6 +146,8 @@ class RoundDesk:
             history=list(history),
             quorum=quorum,
             out=versions.paths(index),
+            check_seed=versions.check_seed(index),
+            recent=list(versions.recent),
         )
         try:
             closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)
@@ -152,14 +155,18 @@ class RoundDesk:
             shutil.rmtree(folder, ignore_errors=True)
         if closed.base_judge_loss is not None:
             versions.judge_loss = closed.base_judge_loss
-        left_out = {
-            i: why for i, why in closed.excluded.items() if closed.exclusion_codes[i] == "guard"
+        left_out = {  # by the guard or the checks (diloco.outer.checks)
+            i: why
+            for i, why in closed.excluded.items()
+            if closed.exclusion_codes[i] != "blob_unreadable"
         }
         if not closed.committed:  # the server reopens the round; the simulator moves on
             versions.unchanged(index)
-            return Stepped({}, None, None, left_out, rejected=closed.verdict)
-        versions.published(index, closed.judge_loss)
-        return Stepped(closed.shares, closed.update_norm, closed.judge_loss, left_out)
+            return Stepped({}, None, None, left_out, closed.checks, rejected=closed.verdict)
+        versions.published(index, closed.judge_loss, closed.change_sample)
+        return Stepped(
+            closed.shares, closed.update_norm, closed.judge_loss, left_out, closed.checks
+        )
 
 
 @dataclass
@@ -170,7 +177,8 @@ class Stepped:
     shares: dict[str, Share]  # by upload id: what each aggregated contribution put in
     update_norm: float | None  # ‖θ_new − θ_base‖ (None: no step)
     judge_loss: float | None  # the step's loss on the judging sample
-    left_out: dict[str, str]  # upload id -> why the guard left it out
+    left_out: dict[str, str]  # upload id -> why the guard or the checks left it out
+    checks: dict[str, Check]  # every upload's (diloco.outer.checks)
     rejected: StepVerdict | None = None
 
 

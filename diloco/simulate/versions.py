@@ -18,6 +18,7 @@ delta of zeros. With ``delta_dir`` every version's delta file is also copied the
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ import torch
 
 from diloco.checkpoint import RESIDUAL_PREFIX, write_initial_state, write_params
 from diloco.config import RunConfig
+from diloco.outer.checks import RECENT_CHANGES, RecentChange
 from diloco.outer.close import VersionPaths
 from diloco.wire.delta import write_delta
 from diloco.wire.exchange import delta_codec_for
@@ -51,6 +53,8 @@ class Versions:
             "nesterov": cfg.outer.nesterov,
         }
         self.version = 0
+        self.seed = cfg.seed
+        self.recent: list[RecentChange] = []  # the last published changes, sampled
         base = self.paths(0)
         meta = {"run_id": run_id}
         write_params(base.params, params, version=0, metadata=meta)
@@ -72,8 +76,21 @@ class Versions:
     def latest(self) -> VersionPaths:
         return self.paths(self.version)
 
-    def published(self, version: int, judge_loss: float | None) -> None:
-        """The close wrote ``version``'s files (``paths(version)``): it is the latest now."""
+    def check_seed(self, version: int) -> int:
+        """The close of ``version``'s round samples its uploads from this seed
+        (``diloco.outer.checks``); the server draws one per round and keeps it secret, the
+        simulator derives it from the run's seed so that a simulation replays."""
+        return random.Random(f"{self.seed}/{version}").getrandbits(62)
+
+    def published(
+        self, version: int, judge_loss: float | None, change_sample: torch.Tensor | None = None
+    ) -> None:
+        """The close wrote ``version``'s files (``paths(version)``): it is the latest now.
+        ``change_sample``: its change where its round sampled, kept for the next rounds'
+        copy check (the last ``RECENT_CHANGES``)."""
+        if change_sample is not None:
+            change = RecentChange(version, self.check_seed(version), change_sample)
+            self.recent = [*self.recent, change][-RECENT_CHANGES:]
         self._advance(version)
         self.theta = self._read_params(self.latest.params)
         self.judge_loss = judge_loss  # None: unjudged, measured by the next close if needed

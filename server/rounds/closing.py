@@ -31,10 +31,13 @@ import logging
 from concurrent.futures import Executor
 from datetime import UTC, datetime
 
+import numpy as np
+import torch
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
+from diloco.outer.checks import RECENT_CHANGES, RecentChange
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
@@ -161,6 +164,18 @@ async def _read_inputs(
                 .limit(cfg.aggregation.history)
             )
         )
+        recent = (
+            await session.execute(
+                select(Round.index, Round.check_seed, Round.change_sample)
+                .where(
+                    Round.run_id == claim.run_id,
+                    Round.index < claim.index,
+                    Round.change_sample.is_not(None),
+                )
+                .order_by(Round.index.desc())
+                .limit(RECENT_CHANGES)
+            )
+        ).all()
     inputs = StepInputs(
         run_id=claim.run_id,
         version=claim.index,
@@ -172,6 +187,12 @@ async def _read_inputs(
         ],
         history=[h for h in history if h is not None],
         quorum=cfg.rounds.quorum,
+        check_seed=rnd.check_seed,
+        recent=[
+            RecentChange(index, seed, unpack_sample(sample))
+            for index, seed, sample in reversed(recent)
+            if sample is not None
+        ],
     )
     return inputs, [rounds_service.aggregated(c) for c in rows]
 
@@ -209,6 +230,7 @@ async def _publish(
             "claim_token": None,
             "claim_expires_at": None,
             "retry_at": None,
+            "change_sample": pack_sample(result.change_sample),
         }
         if result.decision is not None:  # some were left out: say so on the round
             closed |= {
@@ -242,10 +264,20 @@ async def _publish(
                         "aggregated_at": now,
                         "cosine": result.shares[cid].cosine,
                         "clip_factor": result.shares[cid].clip,
+                        "checks": _figures(result, cid),
                     }
                     for cid, flops in effects.credit.items()
                 ],
             )
+        await session.execute(  # only the last few are compared with
+            update(Round)
+            .where(
+                Round.run_id == claim.run_id,
+                Round.index <= claim.index - RECENT_CHANGES,
+                Round.change_sample.is_not(None),
+            )
+            .values(change_sample=None)
+        )
         run.status = effects.run_status
         run.checkpoint_version = claim.index
         if effects.next_round is not None:
@@ -265,10 +297,25 @@ async def _exclude(session: AsyncSession, result: OuterResult) -> None:
                     "id": cid,
                     "excluded_code": result.exclusion_codes[cid],
                     "excluded_reason": why,
+                    "checks": _figures(result, cid),
                 }
                 for cid, why in result.excluded.items()
             ],
         )
+
+
+def _figures(result: OuterResult, contribution_id: str) -> dict | None:
+    check = result.checks.get(contribution_id)
+    return None if check is None else check.figures()
+
+
+def pack_sample(values: torch.Tensor | None) -> bytes | None:
+    """A sampled change as a round stores it: float32, little-endian."""
+    return None if values is None else values.numpy().astype("<f4").tobytes()
+
+
+def unpack_sample(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
 
 
 async def _reopen(

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     CheckConstraint,
     Float,
@@ -10,6 +12,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -64,6 +67,11 @@ class Round(Base):
     error_code: Mapped[str | None] = mapped_column(String(32), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_at: Mapped[datetime | None] = mapped_column(default=None)
+    # the close's checks (diloco.outer.checks): where it samples the uploads, drawn when the
+    # round opens and never shown to anyone; and, once published, its change θ_v − θ_{v−1}
+    # at those coordinates (float32, little-endian), kept for the next RECENT_CHANGES closes
+    check_seed: Mapped[int] = mapped_column(BigInteger, default=lambda: secrets.randbits(62))
+    change_sample: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
 
 
 class Lease(Base):
@@ -168,6 +176,9 @@ class Contribution(Base):
     # what the round's step made of it (diloco.outer.robust.Share), set when the step is published
     cosine: Mapped[float | None] = mapped_column(Float, default=None)  # to the aggregate
     clip_factor: Mapped[float | None] = mapped_column(Float, default=None)
+    # what the close's checks measured of it (diloco.outer.checks.Check.figures); a failed
+    # check's code and reason are also its excluded_code and excluded_reason
+    checks: Mapped[dict | None] = mapped_column(JSON, default=None)
     # retention (server.upkeep.retention) deleted the blob once its round was closed and the run's
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes

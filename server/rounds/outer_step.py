@@ -25,8 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
+from diloco.outer.checks import Check, RecentChange
 from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Share
 from diloco.protocol.state import Decision
@@ -59,6 +62,8 @@ class StepInputs:
     contributions: list[Stored]  # in the order they were accepted
     history: list[float]  # norms of the run's latest aggregated contributions
     quorum: int
+    check_seed: int  # the round's secret sampling seed (diloco.outer.checks)
+    recent: list[RecentChange]  # the run's last published changes, sampled
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class OuterResult:
     # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
     # judge, write (fsync and rename); tries added up
     seconds: dict[str, float]
+    checks: dict[str, Check]  # every contribution's (diloco.outer.checks)
+    change_sample: torch.Tensor | None  # the published change, sampled (None: no step)
 
 
 def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjector) -> OuterResult:
@@ -100,6 +107,8 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             out=VersionPaths(
                 stage.output(at.params), stage.output(at.state), stage.output(at.delta)
             ),
+            check_seed=inputs.check_seed,
+            recent=inputs.recent,
         )
         judge = _judge(storage, inputs)
         base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
@@ -110,7 +119,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         if not closed.committed:
             return OuterResult(
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
-                base_loss, {}, closed.seconds,
+                base_loss, {}, closed.seconds, closed.checks, None,
             )  # fmt: skip
         assert closed.params_sha256 is not None and closed.delta_sha256 is not None
         stage.publish()  # object storage: the three files go up, durable before any row names them
@@ -134,6 +143,8 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         base_loss,
         closed.shares,
         closed.seconds,
+        closed.checks,
+        closed.change_sample,
     )
 
 

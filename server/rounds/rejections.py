@@ -19,7 +19,12 @@ from server.contributors.models import Contributor
 from server.http.errors import HubError, RunNotFound
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, UploadRejection
-from server.rounds.schemas import RoundContribution, RoundContributions, RoundRejection
+from server.rounds.schemas import (
+    RoundContribution,
+    RoundContributions,
+    RoundRejection,
+    UploadChecks,
+)
 from server.runs.models import Run
 
 log = logging.getLogger("diloco.server.rejections")
@@ -124,6 +129,7 @@ async def round_contributions(
                 blob_retained=c.blob_deleted_at is None,
                 cosine=c.cosine,
                 clip=c.clip_factor,
+                checks=None if c.checks is None else UploadChecks.model_validate(c.checks),
             )
             for c, name in accepted
         ],

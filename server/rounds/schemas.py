@@ -58,6 +58,16 @@ class RoundList(BaseModel):
     rounds: list[RoundOut]
 
 
+class UploadChecks(BaseModel):
+    """What the close's checks measured of a contribution (``diloco.outer.checks``)."""
+
+    code: str | None  # the check it failed (zero_update, copy, unaligned, opposed); None: passed
+    loo_cosine: float | None  # cosine to the aggregate of the round's other uploads
+    copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
+    copy_of: str | None  # which one
+    norm_ratio: float | None  # ‖Δ‖ over the round's reference norm
+
+
 class RoundContribution(BaseModel):
     id: str
     contributor_id: str
@@ -78,6 +88,7 @@ class RoundContribution(BaseModel):
     norm: float | None  # ‖Δ‖ of its decoded tensors
     cosine: float | None  # to the round's aggregate, once the step is published
     clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)
+    checks: UploadChecks | None  # measured at the close (None: not closed yet)
     sha256: str  # of the accepted body: the ledger's record, kept when the blob is not
     nbytes: int
     blob_retained: bool  # False: retention deleted the blob (server.upkeep.retention); row kept

@@ -1,0 +1,221 @@
+"""Cheap checks on every upload of a round, at its close (issue 26, item 2).
+
+A freeloader's upload passes the checks at upload (finite, measured, not a byte-exact
+replay) and would otherwise be paid in full. The close looks at every upload once more,
+with figures its pass measures anyway or at almost no cost, and leaves out for good
+(no weight, no credit, the reason stored with the contribution) one that is:
+
+- ``zero_update``: ‖Δ‖ = 0, or at most ``ZERO_FRACTION`` of the round's reference norm
+  (``diloco.outer.robust.reference_norm``: the round's median, or with few uploads the
+  run's recent history too). Honest work of one inner step is still orders of magnitude
+  above that.
+- ``copy``: a near-copy, |cosine| ≥ ``COPY_COSINE``, of an upload accepted before it in
+  the round (any scale, either sign: another's Δ × 0.9 or × −1), or of one of the last
+  ``RECENT_CHANGES`` published changes θ_v − θ_{v−1} (what a freeloader downloads). The
+  cosines are measured on a sample of coordinates: every ``stride``-th value from a
+  ``phase`` drawn from the round's secret seed (``Sampling``), about ``SAMPLE_SIZE`` values,
+  so a copier cannot know which values to alter; a copy scores 1 whatever the sample, and
+  two independent updates score within a few 1/√SAMPLE_SIZE of their true cosine.
+- ``unaligned`` / ``opposed``: its cosine with the others' aggregate (leave-one-out: its
+  own share taken out, from the pass's dot products, exact) is within ``SIGMAS``/√n of 0,
+  where noise independent of the others lands (n the number of parameters), or below
+  −``SIGMAS``/√n; judged only when the round has at least ``DIRECTION_MIN`` uploads and
+  their median leave-one-out cosine is clearly positive (above 3 × ``SIGMAS``/√n): with
+  two uploads, or in a round with no common direction, the cheap checks cannot say who is
+  the odd one out (the loss scoring can).
+
+The base an upload names is checked at upload against its lease (``admit_claim``).
+Quiet attacks that point the right way (ALIE-style shifts, a stale base, other data) pass
+these checks; they are bounded by clipping and judged by their effect on the loss.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+SAMPLE_SIZE = 1 << 14  # coordinates sampled per update (64 KiB of fp32)
+COPY_COSINE = 0.99
+ZERO_FRACTION = 1e-3
+SIGMAS = 4.0
+DIRECTION_MIN = 3
+RECENT_CHANGES = 3
+LOO_PRECISION = 1e-3  # published changes a round's uploads are compared with
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The coordinates sampled: global index i (parameters in the model's order, flattened)
+    with i ≡ ``phase`` (mod ``stride``)."""
+
+    stride: int
+    phase: int
+
+    @classmethod
+    def for_round(cls, n_params: int, seed: int) -> Sampling:
+        stride = max(1, n_params // SAMPLE_SIZE)
+        return cls(stride, seed % stride)
+
+    def take(self, x: torch.Tensor, at: int) -> torch.Tensor:
+        """The sampled values of ``x``, whose first value has global index ``at``."""
+        return x[(self.phase - at) % self.stride :: self.stride].clone()
+
+
+@dataclass(frozen=True)
+class RecentChange:
+    """A published change θ_v − θ_{v−1}, sampled where its own round sampled (its seed)."""
+
+    version: int
+    seed: int
+    values: torch.Tensor
+
+
+class Sampler:
+    """Collects the samples a pass takes: each upload's at every sampling (the round's own
+    first, then each recent change's), and the step's change at the round's own."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], samplings: Sequence[Sampling]):
+        self.samplings = list(samplings)
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for name, shape in shapes.items():
+            self.offsets[name] = at
+            at += math.prod(shape)
+        self._uploads: dict[str, list[list[tuple[int, torch.Tensor]]]] = {}
+        self._change: list[tuple[int, torch.Tensor]] = []
+
+    def upload(self, upload_id: str, name: str, start: int, x: torch.Tensor) -> None:
+        at = self.offsets[name] + start
+        pieces = self._uploads.setdefault(upload_id, [[] for _ in self.samplings])
+        for got, sampling in zip(pieces, self.samplings, strict=True):
+            got.append((at, sampling.take(x, at)))
+
+    def change(self, name: str, start: int, change: torch.Tensor) -> None:
+        at = self.offsets[name] + start
+        self._change.append((at, self.samplings[0].take(change, at)))
+
+    def uploads(self) -> dict[str, list[torch.Tensor]]:
+        """Each upload's samples, one tensor per sampling, in global order."""
+        return {i: [_ordered(p) for p in pieces] for i, pieces in self._uploads.items()}
+
+    def changes(self) -> torch.Tensor:
+        return _ordered(self._change)
+
+
+def _ordered(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    if not pieces:
+        return torch.zeros(0)
+    return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
+
+
+@dataclass(frozen=True)
+class Check:
+    """What the checks found about one upload; ``code`` None: it passed."""
+
+    code: str | None
+    reason: str
+    loo_cosine: float | None  # to the aggregate of the others (None: no others)
+    copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
+    copy_of: str | None  # which: an upload id or "version N"
+    norm_ratio: float | None  # ‖Δ‖ over the round's reference norm (None: no reference)
+
+    def figures(self) -> dict[str, float | str | None]:
+        """What a contribution stores and shows."""
+        return {
+            "code": self.code,
+            "loo_cosine": self.loo_cosine,
+            "copy_cosine": self.copy_cosine,
+            "copy_of": self.copy_of,
+            "norm_ratio": self.norm_ratio,
+        }
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """What the pass measured of the round, in the uploads' order (the order accepted)."""
+
+    ids: list[str]
+    norms: dict[str, float]
+    coefficients: dict[str, float]  # cᵢ: g = Σ cᵢ Δᵢ
+    dots: dict[str, float]  # ⟨Δᵢ, g⟩
+    g_sq: float  # ‖g‖²
+    samples: dict[str, list[torch.Tensor]]  # Sampler.uploads()
+    recent: list[RecentChange] = field(default_factory=list)  # in the samplings' order, from [1]
+    reference: float | None = None  # the round's reference norm
+    n_params: int = 1
+
+
+def check_uploads(f: RoundFigures) -> dict[str, Check]:
+    """Every upload's ``Check`` (module docstring)."""
+    loo = {i: _loo_cosine(f, i) for i in f.ids}
+    tau = SIGMAS / math.sqrt(max(1, f.n_params))
+    known = [c for c in loo.values() if c is not None]
+    directed = len(known) >= DIRECTION_MIN and statistics.median(known) > 3 * tau
+    out = {}
+    for k, i in enumerate(f.ids):
+        norm = f.norms[i]
+        ratio = norm / f.reference if f.reference else None
+        copy_cos, copy_of = _closest_copy(f, i, f.ids[:k])
+        code, reason = None, "passed"
+        if norm == 0 or (ratio is not None and ratio <= ZERO_FRACTION):
+            code = "zero_update"
+            reason = f"its update is (near) zero: ‖Δ‖ = {norm:.3g}" + (
+                f", {ratio:.2g} of the round's reference norm" if ratio is not None else ""
+            )
+        elif copy_cos is not None and copy_cos >= COPY_COSINE:
+            code = "copy"
+            reason = f"a near-copy of {copy_of} (|cosine| {copy_cos:.4f} ≥ {COPY_COSINE})"
+        elif directed and loo[i] is not None and loo[i] < -tau:  # type: ignore[operator]
+            code = "opposed"
+            reason = f"it points against the others' aggregate (cosine {loo[i]:.3g} < −{tau:.2g})"
+        elif directed and loo[i] is not None and abs(loo[i]) <= tau:  # type: ignore[arg-type]
+            code = "unaligned"
+            reason = (
+                f"its direction is unrelated to the others' aggregate (cosine {loo[i]:.3g}, "
+                f"within ±{tau:.2g} where noise lands)"
+            )
+        out[i] = Check(code, reason, loo[i], copy_cos, copy_of, ratio)
+    return out
+
+
+def _loo_cosine(f: RoundFigures, i: str) -> float | None:
+    """cos(Δᵢ, g − cᵢΔᵢ) from ‖Δᵢ‖, ⟨Δᵢ, g⟩ and ‖g‖², without another pass; None when
+    there are no others, or when Δᵢ so dominates g (no clipping) that the difference would
+    be rounding error (the dots are float32 sums: trusted to about 1e-6 of ‖g‖²)."""
+    c, n, dot = f.coefficients[i], f.norms[i], f.dots[i]
+    rest_sq = f.g_sq - 2 * c * dot + c * c * n * n
+    if n <= 0 or not rest_sq > LOO_PRECISION * max(f.g_sq, c * c * n * n, 1e-300):
+        return None
+    return max(-1.0, min(1.0, (dot - c * n * n) / (n * math.sqrt(rest_sq))))
+
+
+def _closest_copy(f: RoundFigures, i: str, earlier: list[str]) -> tuple[float | None, str | None]:
+    mine = f.samples.get(i)
+    if mine is None:
+        return None, None
+    pairs = [(mine[0], f.samples[j][0], j) for j in earlier if j in f.samples]
+    pairs += [
+        (mine[k + 1], r.values, f"the change published as version {r.version}")
+        for k, r in enumerate(f.recent)
+        if k + 1 < len(mine)
+    ]
+    best: tuple[float | None, str | None] = (None, None)
+    for a, b, name in pairs:
+        cos = _abs_cosine(a, b)
+        if cos is not None and (best[0] is None or cos > best[0]):
+            best = (cos, name)
+    return best
+
+
+def _abs_cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if a.shape != b.shape:
+        return None
+    a64, b64 = a.double(), b.double()
+    na, nb = float(a64.norm()), float(b64.norm())
+    if not (na > 0 and nb > 0) or not (math.isfinite(na) and math.isfinite(nb)):
+        return None
+    return min(1.0, abs(float(a64 @ b64)) / (na * nb))

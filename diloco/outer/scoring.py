@@ -1,0 +1,130 @@
+"""Scoring an upload by its effect on the loss (issue 26, item 3).
+
+An honest volunteer's Δ is the change its H inner steps made, starting from the round's
+base, on its lease's data: applied alone to the base, θ_base − Δ is (up to the codec) the
+model it trained, and it must lower the loss on the data it trained on. The close applies
+each scored upload alone and measures the loss on two small samples with the same model:
+
+- ``own``: the first ``[aggregation] score_windows`` windows of the upload's lease data, read
+  as the volunteer read them (``diloco.data.text.lease_stream``: its shard or range, its
+  seed): what it trained on first;
+- ``other``: the same number of the run's judging windows (its validation data), the same
+  for everyone.
+
+``own_gain`` = L(θ_base; own) − L(θ_base − Δ; own), and ``other_gain`` likewise. An upload
+whose own gain is not positive did not do the work its lease asked for, or did it from
+another base: zeros, noise, a sign flip, and a stale Δ (trained from an older version and
+relabelled: applied on top of the version that already holds it, it overshoots) all score
+at or below zero, where every honest upload measured scored well above it
+(docs/protocol.md, "Scoring by the loss"). It is left out as ``no_gain``, like a failed
+cheap check (``diloco.outer.checks``).
+
+Which uploads are scored: all of a round of at most ``SCORE_ALL``; of a larger round, half
+of them (rounded up), drawn with the round's secret seed, so nobody knows beforehand
+whether theirs will be. The cost is three forward passes of ``score_windows`` windows per
+scored upload, and the model three times in memory (base, Δ, the model); ``score_windows
+= 0`` turns scoring off.
+
+What it does not catch: work trained honestly on other data than the lease's (it lowers
+the loss on the lease's data as much as honest work does at this scale: measured, the
+own-data advantage of honest work was within noise), and shifts that point the right way
+(ALIE): both are bounded by clipping.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.model.architectures import build_model
+from diloco.train import load_parameters, parameters_of
+from diloco.wire.contribution import decode_contribution
+from diloco.wire.exchange import codec_for
+from diloco.wire.tensorfile import TensorFileReader
+
+SCORE_ALL = 8  # rounds of up to this many uploads have every upload scored
+
+
+@dataclass(frozen=True)
+class Windows:
+    """A sample of token windows: inputs and next-token targets, (n, T) int64."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def first(cls, next_batch: object, n: int) -> Windows:
+        """The first ``n`` windows a lease's stream gives (``next_batch`` called as needed)."""
+        xs, ys, have = [], [], 0
+        while have < n:
+            x, y = next_batch()  # type: ignore[operator]
+            xs.append(x)
+            ys.append(y)
+            have += len(x)
+        return cls(torch.cat(xs)[:n].long(), torch.cat(ys)[:n].long())
+
+
+@dataclass(frozen=True)
+class Score:
+    own_gain: float | None  # L(base; own) − L(base − Δ; own) (None: no own data given)
+    other_gain: float  # the same on the judging windows
+
+    @property
+    def failed(self) -> bool:
+        return self.own_gain is not None and not self.own_gain > 0
+
+    def reason(self) -> str:
+        return (
+            f"applied alone it does not lower the loss on its own lease's data "
+            f"(gain {self.own_gain:+.4g} nats; {self.other_gain:+.4g} on the judging sample)"
+        )
+
+
+def chosen(ids: Sequence[str], seed: int) -> set[str]:
+    """The uploads a close scores (module docstring)."""
+    if len(ids) <= SCORE_ALL:
+        return set(ids)
+    return set(random.Random(seed).sample(list(ids), (len(ids) + 1) // 2))
+
+
+class Scorer:
+    """The base version loaded once; ``score`` applies one upload alone and measures."""
+
+    def __init__(self, cfg: RunConfig, base_params: Path, other: Windows) -> None:
+        self.cfg, self.other = cfg, other
+        with torch.device("meta"):
+            self.model = build_model(cfg.model)
+        self.model.to_empty(device="cpu")
+        self.model.tie_weights()
+        with TensorFileReader(base_params) as f:
+            self.base = {n: f.tensor(n) for n in parameters_of(self.model)}
+        self.shapes = {n: tuple(t.shape) for n, t in self.base.items()}
+        self.codec = codec_for(cfg.compression)
+        load_parameters(self.model, self.base)
+        self.base_other = self._loss(other)
+
+    def score(self, upload: Path, own: Windows | None) -> Score:
+        base_own = None if own is None else self._loss(own)
+        delta = self._decode(upload)
+        load_parameters(self.model, {n: t - delta[n].view_as(t) for n, t in self.base.items()})
+        try:
+            own_gain = None if own is None or base_own is None else base_own - self._loss(own)
+            return Score(own_gain, self.base_other - self._loss(self.other))
+        finally:
+            load_parameters(self.model, self.base)
+
+    def _decode(self, upload: Path) -> Mapping[str, torch.Tensor]:
+        _, encoded = decode_contribution(
+            upload.read_bytes(), self.shapes, codec=self.codec.describe()
+        )
+        return {n: self.codec.decode(e) for n, e in encoded.items()}
+
+    @torch.no_grad()
+    def _loss(self, w: Windows) -> float:
+        self.model.eval()
+        return float(self.model(w.x, w.y))
