@@ -16,13 +16,17 @@ with figures its pass measures anyway or at almost no cost, and leaves out for g
   ``phase`` drawn from the round's secret seed (``Sampling``), about ``SAMPLE_SIZE`` values,
   so a copier cannot know which values to alter; a copy scores 1 whatever the sample, and
   two independent updates score within a few 1/√SAMPLE_SIZE of their true cosine.
-- ``unaligned`` / ``opposed``: its cosine with the others' aggregate (leave-one-out: its
-  own share taken out, from the pass's dot products, exact) is within ``SIGMAS``/√n of 0,
-  where noise independent of the others lands (n the number of parameters), or below
-  −``SIGMAS``/√n; judged only when the round has at least ``DIRECTION_MIN`` uploads and
-  their median leave-one-out cosine is clearly positive (above 3 × ``SIGMAS``/√n): with
-  two uploads, or in a round with no common direction, the cheap checks cannot say who is
-  the odd one out (the loss scoring can).
+- ``unaligned`` / ``opposed``: its cosine, on the sample, to the coordinate-wise median of
+  the others' samples (a reference a minority cannot pull far) is within ``SIGMAS``/√s of
+  0, where a direction independent of the others lands (s the sample's size), or below
+  −``SIGMAS``/√s. Judged only when no upload failed the checks above (a copy negated
+  would make its original look opposed), in a round of at least ``DIRECTION_MIN`` uploads
+  whose median cosine is clearly positive (above 3 × ``SIGMAS``/√s), and only for a
+  minority of them: with two uploads, in a round with no common direction, or where the
+  odd ones are not the few, the cheap checks cannot say who is the odd one out.
+
+Each upload's cosine to the aggregate of the others (leave-one-out, exact, from the pass's
+dot products) is measured and stored beside them (``loo_cosine``).
 
 The base an upload names is checked at upload against its lease (``admit_claim``).
 Quiet attacks that point the right way (ALIE-style shifts, a stale base, other data) pass
@@ -34,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -119,6 +123,7 @@ class Check:
     code: str | None
     reason: str
     loo_cosine: float | None  # to the aggregate of the others (None: no others)
+    median_cosine: float | None  # on the sample, to the others' coordinate-wise median
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which: an upload id or "version N"
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm (None: no reference)
@@ -128,6 +133,7 @@ class Check:
         return {
             "code": self.code,
             "loo_cosine": self.loo_cosine,
+            "median_cosine": self.median_cosine,
             "copy_cosine": self.copy_cosine,
             "copy_of": self.copy_of,
             "norm_ratio": self.norm_ratio,
@@ -146,16 +152,14 @@ class RoundFigures:
     samples: dict[str, list[torch.Tensor]]  # Sampler.uploads()
     recent: list[RecentChange] = field(default_factory=list)  # in the samplings' order, from [1]
     reference: float | None = None  # the round's reference norm
-    n_params: int = 1
 
 
 def check_uploads(f: RoundFigures) -> dict[str, Check]:
-    """Every upload's ``Check`` (module docstring)."""
+    """Every upload's ``Check`` (module docstring). The checks that need no aggregate (zero,
+    copy) go first: while one of them fails, the direction is not judged (a copy negated
+    would make its original look opposed); the caller leaves those out and asks again."""
     loo = {i: _loo_cosine(f, i) for i in f.ids}
-    tau = SIGMAS / math.sqrt(max(1, f.n_params))
-    known = [c for c in loo.values() if c is not None]
-    directed = len(known) >= DIRECTION_MIN and statistics.median(known) > 3 * tau
-    out = {}
+    out: dict[str, Check] = {}
     for k, i in enumerate(f.ids):
         norm = f.norms[i]
         ratio = norm / f.reference if f.reference else None
@@ -169,16 +173,45 @@ def check_uploads(f: RoundFigures) -> dict[str, Check]:
         elif copy_cos is not None and copy_cos >= COPY_COSINE:
             code = "copy"
             reason = f"a near-copy of {copy_of} (|cosine| {copy_cos:.4f} ≥ {COPY_COSINE})"
-        elif directed and loo[i] is not None and loo[i] < -tau:  # type: ignore[operator]
-            code = "opposed"
-            reason = f"it points against the others' aggregate (cosine {loo[i]:.3g} < −{tau:.2g})"
-        elif directed and loo[i] is not None and abs(loo[i]) <= tau:  # type: ignore[arg-type]
-            code = "unaligned"
+        out[i] = Check(code, reason, loo[i], None, copy_cos, copy_of, ratio)
+    if any(c.code is not None for c in out.values()):
+        return out
+    return _judge_directions(f, out)
+
+
+def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check]:
+    """Each upload's cosine, on the sample, to the coordinate-wise median of the others'
+    (a reference a minority cannot pull far); a minority whose cosine is where noise lands
+    or below is left out, in a round of at least ``DIRECTION_MIN`` whose median cosine is
+    clearly positive."""
+    ids = [i for i in f.ids if i in f.samples]
+    if len(ids) < DIRECTION_MIN:
+        return out
+    own = torch.stack([f.samples[i][0] for i in ids]).double()  # (n, sample)
+    cos: dict[str, float] = {}
+    for k, i in enumerate(ids):
+        others = torch.cat([own[:k], own[k + 1 :]])
+        centre = others.median(dim=0).values if len(others) > 2 else others.mean(dim=0)
+        c = _abs_cosine(own[k], centre, signed=True)
+        if c is not None:
+            cos[i] = c
+    out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
+    tau = SIGMAS / math.sqrt(max(1, own.shape[1]))
+    if len(cos) < DIRECTION_MIN or not statistics.median(cos.values()) > 3 * tau:
+        return out
+    odd = {i: c for i, c in cos.items() if c <= tau}
+    if len(odd) > (len(ids) - 1) // 2:  # not a minority: the round has no one direction
+        return out
+    for i, c in odd.items():
+        if c < -tau:
+            reason = f"it points against the others (cosine {c:.3g} to their median, < −{tau:.2g})"
+            out[i] = replace(out[i], code="opposed", reason=reason)
+        else:
             reason = (
-                f"its direction is unrelated to the others' aggregate (cosine {loo[i]:.3g}, "
+                f"its direction is unrelated to the others' (cosine {c:.3g} to their median, "
                 f"within ±{tau:.2g} where noise lands)"
             )
-        out[i] = Check(code, reason, loo[i], copy_cos, copy_of, ratio)
+            out[i] = replace(out[i], code="unaligned", reason=reason)
     return out
 
 
@@ -211,11 +244,13 @@ def _closest_copy(f: RoundFigures, i: str, earlier: list[str]) -> tuple[float | 
     return best
 
 
-def _abs_cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+def _abs_cosine(a: torch.Tensor, b: torch.Tensor, *, signed: bool = False) -> float | None:
+    """|cos(a, b)| (``signed``: cos), None when either is zero or not finite."""
     if a.shape != b.shape:
         return None
     a64, b64 = a.double(), b.double()
     na, nb = float(a64.norm()), float(b64.norm())
     if not (na > 0 and nb > 0) or not (math.isfinite(na) and math.isfinite(nb)):
         return None
-    return min(1.0, abs(float(a64 @ b64)) / (na * nb))
+    dot = float(a64 @ b64) / (na * nb)
+    return max(-1.0, min(1.0, dot if signed else abs(dot)))

@@ -415,7 +415,6 @@ def _try_step(inputs: CloseInputs, base: _Base, kept: list[Upload], clock: _Stag
         samples=sampler.uploads(),
         recent=list(inputs.recent),
         reference=reference_norm(list(norms.values()), inputs.history, policy),
-        n_params=n_params,
     )
     return _Tried(out, result, shares, figures, sampler.changes())
 

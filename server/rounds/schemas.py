@@ -63,6 +63,9 @@ class UploadChecks(BaseModel):
 
     code: str | None  # the check it failed (zero_update, copy, unaligned, opposed); None: passed
     loo_cosine: float | None  # cosine to the aggregate of the round's other uploads
+    # on the sampled coordinates, to the coordinate-wise median of the others' (what the
+    # direction checks judge)
+    median_cosine: float | None = None
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which one
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm

@@ -1,0 +1,139 @@
+"""The close's cheap checks (``diloco.outer.checks``), on updates built here: what each
+check leaves out, what it must never leave out, and the sampling they read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diloco.outer.checks import (
+    RecentChange,
+    RoundFigures,
+    Sampler,
+    Sampling,
+    check_uploads,
+)
+
+N = 50_000  # parameters
+SHAPES = {"a": (200, 100), "b": (30_000,)}
+
+
+def flat(seed: int, signal: torch.Tensor | None = None, noise: float = 1.0) -> torch.Tensor:
+    x = torch.randn(N, generator=torch.Generator().manual_seed(seed)) * noise
+    return x if signal is None else signal + x
+
+
+def figures(updates: dict[str, torch.Tensor], recent: list[RecentChange] = ()) -> RoundFigures:
+    """What the close's pass measures of these updates (the plain mean, one seed)."""
+    ids = list(updates)
+    c = 1.0 / len(ids)
+    g = sum(c * u for u in updates.values())
+    assert isinstance(g, torch.Tensor)
+    sampler = Sampler(
+        SHAPES, [Sampling.for_round(N, 7), *(Sampling.for_round(N, r.seed) for r in recent)]
+    )
+    for i, u in updates.items():
+        at = 0
+        for name, shape in SHAPES.items():
+            n = math.prod(shape)
+            for start in range(0, n, 4096):  # chunk by chunk, as the pass does
+                part = u[at + start : at + min(n, start + 4096)]
+                sampler.upload(i, name, start, part)
+            at += n
+    norms = {i: float(u.norm()) for i, u in updates.items()}
+    return RoundFigures(
+        ids=ids,
+        norms=norms,
+        coefficients=dict.fromkeys(ids, c),
+        dots={i: float(u.double() @ g.double()) for i, u in updates.items()},
+        g_sq=float(g.double() @ g.double()),
+        samples=sampler.uploads(),
+        recent=list(recent),
+        reference=sorted(norms.values())[len(norms) // 2],
+    )
+
+
+def honest(k: int) -> dict[str, torch.Tensor]:
+    """Updates that share a direction (the signal) and differ in their own noise."""
+    signal = flat(0)
+    return {f"h{i}": flat(100 + i, signal, noise=1.5) for i in range(k)}
+
+
+def codes(
+    updates: dict[str, torch.Tensor], recent: list[RecentChange] = ()
+) -> dict[str, str | None]:
+    return {i: c.code for i, c in check_uploads(figures(updates, recent)).items()}
+
+
+def test_honest_updates_pass_every_check() -> None:
+    assert set(codes(honest(6)).values()) == {None}
+
+
+@pytest.mark.parametrize(
+    ("attack", "code"),
+    [
+        (lambda ups: torch.zeros(N), "zero_update"),
+        (lambda ups: ups["h0"] * 1e-6, "zero_update"),
+        (lambda ups: ups["h1"] * 0.9, "copy"),
+        (lambda ups: -ups["h2"], "copy"),  # another's Δ, negated, is a copy too
+        (lambda ups: flat(999) * float(ups["h0"].norm()) / math.sqrt(N), "unaligned"),
+        (lambda ups: -sum(ups.values()) / 4, "opposed"),
+    ],
+)
+def test_each_freeloader_is_left_out_with_its_code_and_no_honest_one_is(attack, code) -> None:
+    updates = honest(4)
+    updates["x"] = attack(updates)
+    got = codes(updates)
+    assert got.pop("x") == code
+    assert set(got.values()) == {None}, got
+
+
+def test_the_earlier_upload_is_the_original_and_the_later_one_the_copy() -> None:
+    updates = honest(3)
+    updates = {"copy": updates["h1"] * 1.1, **updates}  # accepted first: h1 is the copy
+    got = codes(updates)
+    assert got["h1"] == "copy" and got["copy"] is None
+
+
+def test_a_copy_of_a_recent_published_change_is_left_out() -> None:
+    updates = honest(3)
+    change = flat(5) * 0.01
+    seed = 1234
+    sampled = torch.cat(
+        [Sampling.for_round(N, seed).take(change, 0)]
+    )  # the change as its round sampled it
+    updates["x"] = -change * 40  # what a freeloader downloads, sent back as its own work
+    check = check_uploads(figures(updates, [RecentChange(3, seed, sampled)]))["x"]
+    assert check.code == "copy" and check.copy_of == "the change published as version 3"
+    assert check.copy_cosine == pytest.approx(1.0)
+
+
+def test_direction_is_not_judged_with_two_uploads_or_without_a_common_direction() -> None:
+    updates = honest(1)
+    updates["noise"] = flat(77)
+    assert set(codes(updates).values()) == {None}  # who is the odd one out? not said
+    independent = {f"r{i}": flat(i) for i in range(5)}  # no common direction at all
+    assert set(codes(independent).values()) == {None}
+
+
+def test_an_update_that_dominates_the_sum_is_still_judged_by_the_others_median() -> None:
+    updates = honest(3)
+    updates["huge"] = flat(3) * 1e7  # noise, unclipped: g is all but this one
+    check = check_uploads(figures(updates))["huge"]
+    assert check.loo_cosine is None  # the difference would be rounding error: not given
+    assert check.code == "unaligned" and abs(check.median_cosine) < 0.03
+
+
+def test_the_sample_is_every_strideth_value_from_the_phase_whatever_the_chunking() -> None:
+    x = torch.arange(N, dtype=torch.float32)
+    sampling = Sampling.for_round(N, 12345)
+    assert sampling.stride == max(1, N // (1 << 14)) and 0 <= sampling.phase < sampling.stride
+    sampler = Sampler(SHAPES, [sampling])
+    sampler.upload("u", "b", 10_000, x[20_000 + 10_000 :])  # out of order, two pieces
+    sampler.upload("u", "a", 0, x[:20_000])
+    sampler.upload("u", "b", 0, x[20_000:30_000])
+    (got,) = sampler.uploads()["u"]
+    want = x[sampling.phase :: sampling.stride]
+    assert torch.equal(got, want)
