@@ -27,7 +27,7 @@ from client.lease import Lease, ProtocolError
 from client.optimizer_state import SavedState, load_state, save_state
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.data.text import AHEAD_SEED, lease_stream, range_windows
+from diloco.data.text import AHEAD_SEED, lease_stream, range_windows, read_lease_tokens
 from diloco.model.architectures import build_model
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.precision import Precision, choose_precision
@@ -107,15 +107,15 @@ def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:
                 f"shard {ref.index}: the lease's range [{rng.start}, {rng.start + rng.tokens}) "
                 f"is not inside its {total} tokens or holds no window; tell the run's operator"
             )
-        part = np.fromfile(path, dtype=dtype, count=rng.tokens, offset=rng.start * dtype.itemsize)
-        return torch.from_numpy(part.astype(np.int64))
+        return read_lease_tokens(
+            path, dtype=ref.dtype, chunk_len=ref.chunk_len, start=rng.start, tokens=rng.tokens
+        )
     if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len or ref.dtype != "uint8":
         raise ProtocolError(
             f"shard {ref.index}: chunk_len {ref.chunk_len} must exceed block_size {block_size} "
             f"and divide nbytes {ref.nbytes} (uint8 tokens); tell the run's operator"
         )
-    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
-    return tokens.view(ref.nbytes // ref.chunk_len, ref.chunk_len)  # (n_chunks, chunk_len)
+    return read_lease_tokens(path, dtype=ref.dtype, chunk_len=ref.chunk_len)
 
 
 def load_checkpoint_params(path: Path) -> dict[str, torch.Tensor]:

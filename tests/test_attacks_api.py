@@ -140,6 +140,8 @@ def test_one_attacker_is_refused_or_bounded(
     for i in range(HONEST):  # no honest volunteer is ever left out by a check
         work = by_name[f"honest-{attack}-{i}"]
         assert work["aggregated"] and work["checks"]["code"] is None, work
+        # scored on its lease's first windows, read again by the server: it lowered the loss
+        assert work["checks"]["own_gain"] > 0 or work["checks"]["other_gain"] > 0, work
     for c in listed["contributions"]:  # telemetry for every aggregated contribution
         if c["aggregated"]:
             assert c["norm"] > 0 and c["cosine"] is not None and 0 < c["clip"] <= 1
@@ -164,9 +166,10 @@ def blown_up(run: dict, work: Work) -> bytes:
 def test_the_guard_discards_a_step_an_attacker_blows_up_and_publishes_without_it(
     http: httpx.Client,
 ) -> None:
-    # Prepare: robust aggregation off, so the plain mean follows a Δ 10^4 times too long
+    # Prepare: robust aggregation off, so the plain mean follows a Δ 10^4 times too long,
+    # and no scoring (which would leave it out before any step): the guard alone
     config = server_run_config(rounds={"quorum": 2, "target": 3, "max_rounds": 3})
-    config["aggregation"] = {"method": "mean"}
+    config["aggregation"] = {"method": "mean", "score_windows": 0}
     run = create_run(http, config)
     honest = [register(http, f"guarded-{i}") for i in range(2)]
     attacker = register(http, "guard-attacker")
@@ -263,7 +266,7 @@ def test_a_round_whose_guard_blames_its_only_upload_reopens_and_then_closes_on_h
     # Prepare: the plain mean; a round that closes on its first upload (target 1), and that
     # upload an attacker's Δ 10^4 times too long: no step can be made without it
     config = server_run_config(rounds={"quorum": 1, "target": 1, "max_rounds": 2})
-    config["aggregation"] = {"method": "mean"}
+    config["aggregation"] = {"method": "mean", "score_windows": 0}  # the guard alone
     run = create_run(http, config)
     honest, attacker = register(http, "reopen-honest"), register(http, "reopen-attacker")
     base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/0")

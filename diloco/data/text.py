@@ -174,6 +174,21 @@ def range_batches(
 AHEAD_SEED = 0xA4EAD
 
 
+def read_lease_tokens(
+    path: Path, *, dtype: str, chunk_len: int, start: int | None = None, tokens: int | None = None
+) -> torch.Tensor:
+    """A lease's data from its shard file, as the volunteer trains on it (and the server's
+    scoring reads it again): a dataset lease's range [``start``, ``start`` + ``tokens``)
+    as 1-D int64, read by offset (the rest of the shard is never loaded); a text run's
+    shard as uint8 ``(nbytes / chunk_len, chunk_len)``. The caller checks the sizes."""
+    if start is not None and tokens is not None:
+        little = np.dtype(dtype).newbyteorder("<")
+        part = np.fromfile(path, dtype=little, count=tokens, offset=start * little.itemsize)
+        return torch.from_numpy(part.astype(np.int64))
+    data = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    return data.view(-1, chunk_len)  # (n_chunks, chunk_len)
+
+
 def lease_stream(
     data: torch.Tensor,
     *,

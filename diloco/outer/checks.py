@@ -127,10 +127,15 @@ class Check:
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which: an upload id or "version N"
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm (None: no reference)
+    # its effect on the loss, applied alone (diloco.outer.scoring; None: not scored)
+    own_gain: float | None = None
+    other_gain: float | None = None
 
     def figures(self) -> dict[str, float | str | None]:
         """What a contribution stores and shows."""
         return {
+            "own_gain": self.own_gain,
+            "other_gain": self.other_gain,
             "code": self.code,
             "loo_cosine": self.loo_cosine,
             "median_cosine": self.median_cosine,

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -67,6 +67,7 @@ from diloco.outer.robust import (
     distances,
     reference_norm,
 )
+from diloco.outer.scoring import Score, Scorer, Windows, chosen
 from diloco.protocol.rules import (
     decide_after_exclusions,
     decide_after_guard,
@@ -89,6 +90,9 @@ class Upload:
     path: Path  # its stored body (``diloco.wire.contribution``); may be missing or damaged
     weight: float  # the tokens it counts for
     norm: float  # ‖Δ‖, measured when it was accepted
+    # the first windows of its lease's data, as its volunteer read them, for the scoring
+    # (diloco.outer.scoring); None: not scored (late work, whose base is an older version)
+    own: Windows | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,9 @@ class CloseInputs:
     # taken, and the last published changes, sampled, to compare the uploads with
     check_seed: int = 0
     recent: list[RecentChange] = field(default_factory=list)
+    # the windows every scored upload is also measured on (the validation data's first
+    # score_windows); None: no upload is scored
+    score_sample: Windows | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,7 @@ def _close(
     out = _LeftOut()
     decision, measured_base = None, None
     policy = inputs.cfg.aggregation
+    scoring = _Scoring.of(inputs)
     while True:
         kept = [u for u in inputs.uploads if u.id not in out.reasons]
         if out.unreadable:
@@ -243,16 +251,12 @@ def _close(
             continue
         hit("close.aggregate")
         hit("close.step")
-        checks = check_uploads(tried.figures)
-        out.checks |= checks
-        if failed := {i: c for i, c in checks.items() if c.code is not None}:
+        if failed := _vet(inputs, kept, tried, out, scoring, clock):
             tried.out.abort()
-            for i, c in failed.items():
-                out.leave(i, str(c.code), c.reason)
-            why = "; ".join(f"{i}: {c.reason}" for i, c in failed.items())
-            log.warning(
-                "run %s round %d: left out by the checks: %s", inputs.run_id, inputs.version, why
-            )
+            for i, (code, reason) in failed.items():
+                out.leave(i, code, reason)
+            why = "; ".join(f"{i}: {reason}" for i, (_, reason) in failed.items())
+            log.warning("run %s round %d: left out %s", inputs.run_id, inputs.version, why)
             if len(kept) - len(failed) < inputs.quorum:
                 decision = out.below_quorum(inputs, len(kept) - len(failed))
                 return out.not_committed(decision, None, measured_base, None, clock)
@@ -296,7 +300,7 @@ def _close(
         verdict,
         tried.shares,
         clock.seconds,
-        out.checks,
+        out.final_checks(),
         tried.change_sample,
     )
 
@@ -309,6 +313,7 @@ class _LeftOut:
     reasons: dict[str, str] = field(default_factory=dict)
     codes: dict[str, str] = field(default_factory=dict)
     checks: dict[str, Check] = field(default_factory=dict)
+    scores: dict[str, Score] = field(default_factory=dict)  # diloco.outer.scoring
 
     @property
     def unreadable(self) -> dict[str, str]:
@@ -332,8 +337,68 @@ class _LeftOut:
     ) -> Closed:
         return Closed(
             dict(self.reasons), dict(self.codes), decision, False, None, None, None, loss,
-            measured_base, verdict, {}, clock.seconds, self.checks, None,
+            measured_base, verdict, {}, clock.seconds, self.final_checks(), None,
         )  # fmt: skip
+
+    def final_checks(self) -> dict[str, Check]:
+        """Each upload's latest checks, with its score where it was scored."""
+        out = dict(self.checks)
+        for i, score in self.scores.items():
+            check = replace(out[i], own_gain=score.own_gain, other_gain=score.other_gain)
+            if score.failed:
+                check = replace(check, code="no_gain", reason=score.reason())
+            out[i] = check
+        return out
+
+
+@dataclass
+class _Scoring:
+    """Which uploads the close scores by the loss, and the scorer, loaded when first needed."""
+
+    chosen: set[str]
+    scorer: Scorer | None = None
+
+    @classmethod
+    def of(cls, inputs: CloseInputs) -> _Scoring | None:
+        if inputs.score_sample is None or inputs.cfg.aggregation.score_windows == 0:
+            return None
+        with_data = [u.id for u in inputs.uploads if u.own is not None]
+        return cls(chosen(with_data, inputs.check_seed))
+
+    def score(self, inputs: CloseInputs, upload: Upload) -> Score:
+        if self.scorer is None:
+            assert inputs.score_sample is not None
+            self.scorer = Scorer(inputs.cfg, inputs.base_params, inputs.score_sample)
+        assert upload.own is not None
+        return self.scorer.score(upload.path, upload.own)
+
+
+def _vet(
+    inputs: CloseInputs,
+    kept: list[Upload],
+    tried: _Tried,
+    out: _LeftOut,
+    scoring: _Scoring | None,
+    clock: _StageClock,
+) -> dict[str, tuple[str, str]]:
+    """The uploads this try must leave out, with their code and reason: the cheap checks'
+    failures (``diloco.outer.checks``); when there are none, the scored uploads whose own
+    data's loss they do not lower (``diloco.outer.scoring``; each upload scored once)."""
+    checks = check_uploads(tried.figures)
+    out.checks |= checks
+    if failed := {i: (str(c.code), c.reason) for i, c in checks.items() if c.code is not None}:
+        return failed
+    if scoring is None:
+        return {}
+    for u in kept:
+        if u.id in scoring.chosen and u.id not in out.scores:
+            out.scores[u.id] = scoring.score(inputs, u)
+    clock.lap("score")
+    return {
+        u.id: ("no_gain", out.scores[u.id].reason())
+        for u in kept
+        if u.id in out.scores and out.scores[u.id].failed
+    }
 
 
 def _farthest_first(distance: float) -> float:

@@ -17,7 +17,7 @@ per round and step together on their batches; single is one volunteer taking eve
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.data.text import AHEAD_SEED, Dataset, lease_stream, random_batch
 from diloco.data.units import UnitDealer, plan_units
+from diloco.outer.scoring import Windows
 from diloco.protocol.rules import assign_lease
 from diloco.protocol.state import LeaseAssignment
 
@@ -102,12 +103,27 @@ class Units:
         self.dealer.record(unit)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Dealt:
-    """One worker's data for one round."""
+    """One worker's data for one round; the first batches it drew are kept (``own``)."""
 
-    next_batch: Callable[[], Batch]
+    source: Callable[[], Batch]
     unit: int | None = None  # the data unit of a dataset run's lease
+    keep: int = 0  # windows of the first batches to keep, for the close's scoring
+    drawn: list[Batch] = field(default_factory=list)
+
+    def next_batch(self) -> Batch:
+        batch = self.source()
+        if sum(len(x) for x, _ in self.drawn) < self.keep:
+            self.drawn.append(batch)
+        return batch
+
+    def own(self) -> Windows | None:
+        """The first ``keep`` windows it trained on (the close scores the upload on them, as
+        the server scores a lease on the first windows of its stream)."""
+        if not self.keep or sum(len(x) for x, _ in self.drawn) < self.keep:
+            return None
+        return Windows.first(iter(self.drawn).__next__, self.keep)
 
 
 class Dealer:
@@ -127,12 +143,13 @@ class Dealer:
 
     def deal(self, round: int, worker: int) -> Dealt:
         """Worker ``worker``'s (from 0) batches for round ``round`` (from 1)."""
+        keep = self.cfg.aggregation.score_windows
         if self.batches == "worker":
-            return Dealt(self.streams[worker])
+            return Dealt(self.streams[worker], keep=keep)
         n_shards = len(self.data.shards)
         lease = assign_lease(worker, round=round, run_seed=self.seed, n_shards=n_shards)
         unit = None if self.units is None else self.units.pick()
-        return Dealt(lease_batches(self.data, self.cfg, lease, self.units, unit), unit)
+        return Dealt(lease_batches(self.data, self.cfg, lease, self.units, unit), unit, keep)
 
     def trained(self, dealt: Dealt) -> None:
         """The worker's upload reached the server: its unit is covered."""

@@ -112,7 +112,8 @@ class _Workers:
                 and float(torch.rand((), generator=self.drops)) < self.opts.drop_prob
             ):
                 continue
-            if not isinstance(desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks), Refusal):
+            admitted = desk.admit(f"worker-{i}@{r + 1}", f"worker-{i}", chunks, own=dealt.own())
+            if not isinstance(admitted, Refusal):
                 self.dealer.trained(dealt)  # the server counts the unit covered at upload
         return losses
 
@@ -160,7 +161,9 @@ def _rounds(
         losses = workers.train(r, versions.theta, desk)
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it
-        stepped = desk.close(versions, evaluate=judge, history=history)
+        stepped = desk.close(
+            versions, evaluate=judge, history=history, score_sample=recorder.score_sample()
+        )
         accepted = 0
         if stepped.update_norm is not None:
             accepted = len(stepped.shares)

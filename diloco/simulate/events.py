@@ -44,10 +44,11 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
+from diloco.outer.scoring import Windows
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EventClock
-from diloco.simulate.dealing import Units, lease_batches
+from diloco.simulate.dealing import Batch, Units, lease_batches
 from diloco.simulate.hub import Hub
 from diloco.simulate.protocol_mode import (
     WASTE,
@@ -111,6 +112,7 @@ class _ProtocolRun:
             units=Units.of(data, cfg, opts.seed),
         )
         self.recorder = Recorder(cfg, opts, data, device, progress)
+        self.hub.score_sample = self.recorder.score_sample()
         self.heartbeat_every = timedelta(seconds=heartbeat_every(cfg.rounds.heartbeat_interval_s))
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)
@@ -311,7 +313,11 @@ class _ProtocolRun:
             # client: its AdamW moments would also carry the steps of such wasted work.
             # Late work trains from its own base version, which the hub keeps.
             assert late is not None or self.hub.version == lease.round - 1
-            next_batch = lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
+
+            def stream() -> Callable[[], Batch]:
+                return lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
+
+            next_batch = stream()
             base = self.hub.params_of(lease.round - 1)
             upload = train_upload(
                 v.trainer,
@@ -325,7 +331,9 @@ class _ProtocolRun:
             v.last = lease
             assert upload.result.tokens == claim.tokens
             self.bytes_up += upload.nbytes
-            refused = self.hub.store(v.name, lease.round, upload, spent, late)
+            # the scoring reads the lease's first windows again, as the server does
+            own = Windows.first(stream(), cfg.aggregation.score_windows) if late is None else None
+            refused = self.hub.store(v.name, lease.round, upload, spent, late, own=own)
             if refused is not None:  # an honest volunteer's body is never refused: a bug
                 raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")
             self._spend(v, spent)

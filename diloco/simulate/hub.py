@@ -44,6 +44,7 @@ from safetensors.torch import save as safetensors_save
 
 from diloco.config import RunConfig
 from diloco.model.gpt import LanguageModel
+from diloco.outer.scoring import Windows
 from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
@@ -103,6 +104,7 @@ class Hub:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
         self.units = units  # a dataset run's data units, dealt as PICK_UNIT deals them
         self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
+        self.score_sample: Windows | None = None  # the scoring's shared windows (Recorder's)
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds)
         self.leasing = LeasePolicy.of(
@@ -247,6 +249,8 @@ class Hub:
         upload: Upload,
         compute: timedelta,
         late: LateGrant | None = None,
+        *,
+        own: Windows | None = None,
     ) -> Refusal | None:
         """The body, checked as the server checks it (finite once decoded, not a replay),
         then stored; or the refusal. Late work (``late``) is checked against its own round
@@ -256,7 +260,7 @@ class Hub:
         if late is None:
             log = self.logs[index]
             cid = f"con_{index}_{len(log.contributions) + 1}"
-            admitted = log.desk.admit(cid, who, upload.chunks, inner_steps)
+            admitted = log.desk.admit(cid, who, upload.chunks, inner_steps, own=own)
         else:
             log = self.logs[late.merged_into]
             cid = f"con_{index}_late_{len(log.late) + 1}"
@@ -330,7 +334,11 @@ class Hub:
         rnd, log = self.rounds[self.current], self.logs[self.current]
         assert rnd.state is RoundState.CLOSING
         stepped = log.desk.close(
-            self.files, evaluate=self.evaluate, history=self.history, quorum=self.cfg.rounds.quorum
+            self.files,
+            evaluate=self.evaluate,
+            history=self.history,
+            quorum=self.cfg.rounds.quorum,
+            score_sample=self.score_sample,
         )
         # a rejected step publishes nothing new: the version is unchanged, nobody is credited
         in_step = stepped.shares

@@ -44,6 +44,7 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset, simulated_data
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
+from diloco.outer.scoring import Windows
 from diloco.simulate.attacks import Attack
 from diloco.simulate.dealing import Dealer, Dealt
 from diloco.simulate.downloads import DeltaReport
@@ -160,6 +161,12 @@ class Recorder:
             )
 
         return judge
+
+    def score_sample(self) -> Windows | None:
+        """The windows every scored upload is also measured on (the server's: the first
+        ``[aggregation] score_windows`` validation windows); None with scoring off."""
+        n = self.cfg.aggregation.score_windows
+        return Windows.validation(self.data.val, n, self.cfg.model.block_size) if n else None
 
     def close_round(
         self, model: LanguageModel, record_type: type[RoundRecord] = RoundRecord, **fields: Any

@@ -32,6 +32,7 @@ from diloco.outer.checks import Check
 from diloco.outer.close import CloseInputs, Upload, close_round
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
+from diloco.outer.scoring import Windows
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
@@ -51,6 +52,7 @@ class Admitted:
     loss: float  # the contributor's mean inner loss, as its header says
     tokens: int  # its weight: what it counts for in the step and in credit
     staleness: int = 0  # late work: versions published since its base (0: fresh)
+    own: Windows | None = None  # its lease's first windows, for the scoring (None: unscored)
 
 
 @dataclass
@@ -72,11 +74,13 @@ class RoundDesk:
         *,
         origin: RoundView | None = None,
         staleness: int = 0,
+        own: Windows | None = None,
     ) -> Admitted | Refusal:
         """An upload for a lease of ``inner_steps`` (None: the run's steps), checked and
         weighed as the server does, or refused. ``origin``: the round a late upload was
         trained for (its header is checked against that round), merged into this one
-        ``staleness`` versions on."""
+        ``staleness`` versions on. ``own``: the first windows of its lease's data, for the
+        close's scoring (``diloco.outer.scoring``)."""
         shapes, codec = _model(self.cfg)
         decoder = ContributionDecoder(shapes, codec=codec)
         inspector = UploadInspector(codec)
@@ -103,7 +107,7 @@ class RoundDesk:
             upload_weight(meta.tokens, self.cfg.lease_tokens_for(inner_steps)), staleness
         )
         source = Source(source_id, float(weight), inspector.norm, lambda: chunks)
-        admitted = Admitted(source, contributor, meta.loss, weight, staleness)
+        admitted = Admitted(source, contributor, meta.loss, weight, staleness, own)
         self.admitted.append(admitted)
         return admitted
 
@@ -118,11 +122,13 @@ class RoundDesk:
         evaluate: Callable[[Path], float],
         history: list[float],
         quorum: int = 1,
+        score_sample: Windows | None = None,
     ) -> Stepped:
         """The server's close on the admitted uploads, from ``versions``' latest version;
         it publishes this round's version there (an unchanged one when the guard rejects
         every step, or when nothing was admitted). ``evaluate``: a parameters file's loss
-        on the judging sample."""
+        on the judging sample; ``score_sample``: the windows every scored upload is also
+        measured on (None: no scoring)."""
         index = self.round.index
         if not self.admitted:
             versions.unchanged(index)
@@ -135,7 +141,7 @@ class RoundDesk:
             with open(path, "wb") as f:
                 for chunk in a.source.chunks():
                     f.write(chunk)
-            uploads.append(Upload(a.source.id, path, a.source.weight, a.source.norm))
+            uploads.append(Upload(a.source.id, path, a.source.weight, a.source.norm, a.own))
         inputs = CloseInputs(
             run_id=SIM_RUN_ID,
             version=index,
@@ -148,6 +154,7 @@ class RoundDesk:
             out=versions.paths(index),
             check_seed=versions.check_seed(index),
             recent=list(versions.recent),
+            score_sample=score_sample,
         )
         try:
             closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)

@@ -42,19 +42,23 @@ from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
+from server.datasets.models import DataUnit
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
 from server.rounds import bans, claims
 from server.rounds import service as rounds_service
 from server.rounds.claims import BannedInStep, Claim, claim_next
-from server.rounds.models import Contribution, Round
+from server.rounds.models import Contribution, Lease, Round
 from server.rounds.outer_step import (
+    LeaseData,
     OuterResult,
     StepInputs,
     Stored,
     apply_outer_step,
 )
 from server.runs import service as runs_service
+from server.runs.models import Run
 from server.settings import Settings
+from server.storage import keys
 from server.storage.base import Storage
 
 log = logging.getLogger("diloco.rounds")
@@ -164,6 +168,7 @@ async def _read_inputs(
                 .limit(cfg.aggregation.history)
             )
         )
+        leases = await _lease_data(session, run, [c for c in rows if c.staleness == 0])
         recent = (
             await session.execute(
                 select(Round.index, Round.check_seed, Round.change_sample)
@@ -183,7 +188,8 @@ async def _read_inputs(
         base_params_key=base.params_key,
         base_state_key=base.state_key,
         contributions=[
-            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0) for c in rows
+            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0, leases.get(c.id))
+            for c in rows
         ],
         history=[h for h in history if h is not None],
         quorum=cfg.rounds.quorum,
@@ -195,6 +201,32 @@ async def _read_inputs(
         ],
     )
     return inputs, [rounds_service.aggregated(c) for c in rows]
+
+
+async def _lease_data(
+    session: AsyncSession, run: Run, rows: list[Contribution]
+) -> dict[str, LeaseData]:
+    """Where each contribution's lease read its data (``outer_step.LeaseData``), for the
+    close's scoring; late work is not scored (its base is an older version)."""
+    if not rows or not rounds_service.run_config(run).aggregation.score_windows:
+        return {}
+    found = await session.execute(
+        select(Contribution.id, Lease.shard, Lease.seed, DataUnit.start, DataUnit.tokens)
+        .join(Lease, Lease.id == Contribution.lease_id)
+        .outerjoin(DataUnit, (DataUnit.run_id == Lease.run_id) & (DataUnit.unit == Lease.unit))
+        .where(Contribution.id.in_([c.id for c in rows]))
+    )  # fmt: skip
+    return {
+        cid: LeaseData(
+            keys.training_shard(run.id, run.dataset_id, shard),  # a dataset unit's shard
+            seed,
+            run.token_dtype,
+            run.chunk_len,
+            start,
+            tokens,
+        )
+        for cid, shard, seed, start, tokens in found.all()
+    }
 
 
 async def _publish(

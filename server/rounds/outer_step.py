@@ -19,6 +19,7 @@ version stays deferred (``server.rounds.version_eval``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,18 +29,36 @@ from pathlib import Path
 import torch
 
 from diloco.config import RunConfig
+from diloco.data.text import lease_stream, read_lease_tokens
 from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
 from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Share
+from diloco.outer.scoring import Windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.runs import data as run_data
 from server.storage import keys
 from server.storage.base import Storage
 from server.storage.staging import Stage
 
+log = logging.getLogger("diloco.rounds")
+
 __all__ = ["OuterResult", "StepInputs", "Stored", "apply_outer_step"]
+
+
+@dataclass(frozen=True)
+class LeaseData:
+    """Where a contribution's lease read its data, as its volunteer read it (``load_shard``,
+    ``lease_stream``): the scoring reads its first windows again."""
+
+    shard_key: str
+    seed: int
+    dtype: str  # the shard's tokens
+    chunk_len: int  # a text run's shard rows
+    start: int | None = None  # a dataset lease's range
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,7 @@ class Stored:
     blob_key: str
     weight: float  # the tokens it counts for
     norm: float  # ‖Δ‖, measured when it was accepted
+    lease: LeaseData | None = None  # None: not scored (late work)
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     with Stage(storage) as stage:
         stage.inputs([inputs.base_params_key, inputs.base_state_key])
         blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
+        own, score_sample = _score_data(storage, stage, inputs)
         close = CloseInputs(
             run_id=inputs.run_id,
             version=inputs.version,
@@ -100,7 +121,8 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             base_params=stage.input(inputs.base_params_key),
             base_state=stage.input(inputs.base_state_key),
             uploads=[
-                Upload(c.id, blobs[c.blob_key], c.weight, c.norm) for c in inputs.contributions
+                Upload(c.id, blobs[c.blob_key], c.weight, c.norm, own.get(c.id))
+                for c in inputs.contributions
             ],
             history=inputs.history,
             quorum=inputs.quorum,
@@ -109,6 +131,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             ),
             check_seed=inputs.check_seed,
             recent=inputs.recent,
+            score_sample=score_sample,
         )
         judge = _judge(storage, inputs)
         base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
@@ -146,6 +169,56 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         closed.checks,
         closed.change_sample,
     )
+
+
+def _score_data(
+    storage: Storage, stage: Stage, inputs: StepInputs
+) -> tuple[dict[str, Windows], Windows | None]:
+    """The scoring's windows (``diloco.outer.scoring``): each scored contribution's first
+    ``score_windows`` windows of its lease's data, read from its shard as its volunteer
+    read them, and the validation data's first ones; nothing with scoring off."""
+    cfg = inputs.cfg
+    n, block = cfg.aggregation.score_windows, cfg.model.block_size
+    leased = [c for c in inputs.contributions if c.lease is not None]
+    if not n or not leased:
+        return {}, None
+    val = run_data.load_val(storage, inputs.run_id, cfg, tokens=n * block + 1)
+    if val.numel() <= block:  # not one window to judge by
+        return {}, None
+    keys_ = {c.lease.shard_key for c in leased if c.lease is not None}
+    paths = stage.inputs(keys_, missing_ok=True)  # a missing one: that upload is unscored
+    own: dict[str, Windows] = {}
+    shards: dict[str, torch.Tensor] = {}  # a text run's shards, each read once
+    for c in leased:
+        assert c.lease is not None
+        try:
+            if (path := paths.get(c.lease.shard_key)) is None:
+                raise OSError(f"its shard {c.lease.shard_key} could not be fetched")
+            own[c.id] = _first_windows(c.lease, path, shards, cfg)
+        except (OSError, ValueError, RuntimeError, StopIteration) as err:  # unscored, logged
+            log.warning("run %s: contribution %s not scored: its lease's data: %s",
+                        inputs.run_id, c.id, err)  # fmt: skip
+    return own, Windows.validation(val, n, block)
+
+
+def _first_windows(
+    lease: LeaseData, path: Path, shards: dict[str, torch.Tensor], cfg: RunConfig
+) -> Windows:
+    """The first ``score_windows`` windows of a lease's stream (``lease_stream``)."""
+    ranged = lease.start is not None
+    data = shards.get(lease.shard_key)
+    if data is None:
+        data = read_lease_tokens(
+            path, dtype=lease.dtype, chunk_len=lease.chunk_len, start=lease.start,
+            tokens=lease.tokens,
+        )  # fmt: skip
+        if not ranged:
+            shards[lease.shard_key] = data
+    batches = lease_stream(
+        data, ranged=ranged, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
+        seed=lease.seed,
+    )  # fmt: skip
+    return Windows.first(batches, cfg.aggregation.score_windows)
 
 
 def _judge(storage: Storage, inputs: StepInputs) -> Callable[[Path], float]:

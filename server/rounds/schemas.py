@@ -61,7 +61,8 @@ class RoundList(BaseModel):
 class UploadChecks(BaseModel):
     """What the close's checks measured of a contribution (``diloco.outer.checks``)."""
 
-    code: str | None  # the check it failed (zero_update, copy, unaligned, opposed); None: passed
+    # the check it failed (zero_update, copy, opposed, unaligned, no_gain); None: passed
+    code: str | None
     loo_cosine: float | None  # cosine to the aggregate of the round's other uploads
     # on the sampled coordinates, to the coordinate-wise median of the others' (what the
     # direction checks judge)
@@ -69,6 +70,10 @@ class UploadChecks(BaseModel):
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which one
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm
+    # scoring by the loss, applied alone to the base: the loss it takes off its lease's
+    # first windows and off the judging sample, in nats (None: not scored)
+    own_gain: float | None = None
+    other_gain: float | None = None
 
 
 class RoundContribution(BaseModel):

@@ -1,0 +1,116 @@
+"""Scoring an upload by its effect on the loss (``diloco.outer.scoring``), on a tiny model:
+honest work passes, work that lowers the loss nowhere is failed, and which uploads a
+close scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.checkpoint import write_params
+from diloco.config import parse_config
+from diloco.data.text import random_batch
+from diloco.model.architectures import build_model
+from diloco.outer.scoring import SCORE_ALL, Scorer, Windows, chosen
+from diloco.train import parameters_of
+from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.exchange import encode_delta
+from tests.support.corpora import TINYSHAKESPEARE
+
+CFG = parse_config(
+    {
+        "name": "scoring",
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"path": "unused.txt"},
+        "inner": {"steps": 30, "batch_size": 8, "lr": 3e-3},
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A base model (trained a little: at initialisation almost any change lowers the
+    loss), its file, some text, and the windows to score on."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("scoring")
+    model = build_model(CFG.model)
+    text = torch.frombuffer(bytearray(TINYSHAKESPEARE.read_bytes()[:200_000]), dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        opt.zero_grad()
+        model(*random_batch(text[:100_000], batch_size=8, block_size=32, generator=gen)).backward()
+        opt.step()
+    base = {n: t.detach().clone() for n, t in parameters_of(model).items()}
+    write_params(folder / "base.safetensors", base, version=0)
+    own = [random_batch(text, batch_size=8, block_size=32, generator=gen) for _ in range(30)]
+    other = Windows.validation(text[150_000:].long(), 8, 32)
+    return {"folder": folder, "model": model, "base": base, "own": own, "other": other}
+
+
+def body(folder: Path, name: str, delta: dict[str, torch.Tensor]) -> Path:
+    encoded, codec, _ = encode_delta(delta, CFG.compression)
+    meta = ContributionMeta("run", 1, 0, 1000, 30, 3.0, codec)
+    path = folder / f"{name}.upload"
+    path.write_bytes(b"".join(encode_contribution(meta, encoded)))
+    return path
+
+
+def trained_delta(setting: dict) -> dict[str, torch.Tensor]:
+    """Δ = θ_base − θ after 30 AdamW steps on the own batches (what a volunteer sends)."""
+    model, base = setting["model"], setting["base"]
+    with torch.no_grad():
+        for n, p in parameters_of(model).items():
+            p.copy_(base[n])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for x, y in setting["own"]:
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+    return {n: base[n] - p.detach() for n, p in parameters_of(model).items()}
+
+
+def test_honest_work_lowers_the_loss_and_passes(setting: dict) -> None:
+    scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
+    own = Windows.first(iter(setting["own"]).__next__, 8)
+    score = scorer.score(body(setting["folder"], "honest", trained_delta(setting)), own)
+    assert score.own_gain > 0.05 and score.other_gain > 0 and not score.failed
+
+
+@pytest.mark.parametrize("kind", ["zeros", "noise", "sign_flip"])
+def test_work_that_lowers_the_loss_nowhere_fails_with_its_figures(setting: dict, kind: str) -> None:
+    honest = trained_delta(setting)
+    if kind == "zeros":
+        delta = {n: torch.zeros_like(t) for n, t in honest.items()}
+    elif kind == "noise":
+        gen = torch.Generator().manual_seed(3)
+        delta = {n: torch.randn(t.shape, generator=gen) * 0.05 for n, t in honest.items()}
+    else:
+        delta = {n: -t for n, t in honest.items()}
+    scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
+    own = Windows.first(iter(setting["own"]).__next__, 8)
+    score = scorer.score(body(setting["folder"], kind, delta), own)
+    assert score.failed and score.own_gain <= 0 and score.other_gain <= 0
+    assert (
+        "lowers the loss neither" in score.reason() and f"{score.own_gain:+.4g}" in score.reason()
+    )
+
+
+def test_a_small_round_is_scored_whole_and_a_large_one_half_drawn_by_its_seed() -> None:
+    few = [f"c{i}" for i in range(SCORE_ALL)]
+    assert chosen(few, seed=1) == set(few)
+    many = [f"c{i}" for i in range(21)]
+    a, b = chosen(many, seed=1), chosen(many, seed=2)
+    assert len(a) == len(b) == 11 and a <= set(many)
+    assert a == chosen(many, seed=1) and a != b  # replays, and no one knows beforehand
+
+
+def test_windows_come_in_the_order_the_stream_gives_them() -> None:
+    batches = [(torch.full((3, 4), i), torch.full((3, 4), -i)) for i in range(4)]
+    w = Windows.first(iter(batches).__next__, 7)
+    assert w.x.shape == (7, 4) and w.x[:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2]
+    val = torch.arange(100)
+    v = Windows.validation(val, 3, 10)
+    assert v.x[1].tolist() == list(range(10, 20)) and v.y[1].tolist() == list(range(11, 21))
