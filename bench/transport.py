@@ -182,6 +182,9 @@ def create_run(server: DilocoServer, *, n_layer: int, n_embd: int, n_head: int,
         "rounds": {"quorum": quorum, "target": quorum, "timeout_s": 3600, "max_rounds": 10},
         "eval": {"windows": eval_windows},  # validation windows the server scores per version
         "compression": {"kind": compression},
+        # the bodies are synthetic Δs (random): they lower no loss, so the close's scoring
+        # would leave them out (diloco.outer.scoring); the cheap checks still run
+        "aggregation": {"score_windows": 0},
     }
     body, ctype = multipart({
         "config": (None, json.dumps(config).encode(), None),

@@ -126,7 +126,15 @@ def test_three_replicas_on_one_bucket_close_each_round_once_with_no_blob_through
             + [f"checkpoints/{v}.delta.safetensors" for v in range(1, 5)]
         )
         contributions = [k for k in keys if k.startswith("rounds/")]
-        assert len(contributions) == sum(r["accepted"] for r in rounds)
+        left_out = [
+            c["excluded"]
+            for r in rounds
+            for c in http.get(f"{API}/runs/{run_id}/rounds/{r['index']}/contributions").json()[
+                "contributions"
+            ]
+            if c["excluded"]
+        ]
+        assert len(contributions) == sum(r["accepted"] for r in rounds), left_out
         assert not [k for k in keys if k.startswith("incoming/")], "every upload was committed"
         assert not s3.list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix).get("Uploads")
         for name, proc in replicas.items():
