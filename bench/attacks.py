@@ -8,7 +8,11 @@ eval loss beside the attack-free run's, and the goals:
 
 - with robust aggregation on (the default method), every single-attacker case ends within
   +3% of the attack-free loss;
+- with the default method, 2 of the 5 making a direction attack (``DIRECTION``: a sign
+  flip, noise at the honest norm, ALIE) end within +5%;
 - with no attacker, robust aggregation costs at most +0.5% against the plain mean.
+
+The close's cheap checks and its scoring (issue 26) run in every arm, as on a server.
 
     python bench/attacks.py [--rounds 12] [--jobs 2] [--json out.json]
     python bench/attacks.py --quick          # a smoke run (one attack, one round)
@@ -37,6 +41,8 @@ METHODS = ("mean", "clipped_mean", "centered_clip")
 DEFAULT_METHOD = "clipped_mean"
 WORKERS = 5
 GOAL_ONE = 0.03  # robust on, one attacker: at most +3% final eval loss
+GOAL_TWO_DIRECTION = 0.05  # robust on, two direction attackers of five: at most +5%
+DIRECTION = ("sign_flip", "noise", "alie")
 GOAL_FREE = 0.005  # robust on, no attacker: at most +0.5% against the plain mean
 
 
@@ -128,7 +134,7 @@ def report(
     print("\nattack-free final eval loss: " + ", ".join(f"{m} {free[m]:.4f}" for m in methods))
     head = "".join(f"  {m:>22}" for m in methods)
     print(f"\n{'attack':<16} {'attackers':>9}{head}   (final eval loss, vs attack-free mean)")
-    worst_one = 0.0
+    worst_one = worst_two = 0.0
     for attack in attacks:
         for n in (1, 2):
             cells = []
@@ -140,8 +146,13 @@ def report(
                 cells.append(f"  {r['final_eval_loss']:>8.4f} {rel:+7.2%}{note:>6}")
                 if m == DEFAULT_METHOD and n == 1:
                     worst_one = max(worst_one, rel)
+                if m == DEFAULT_METHOD and n == 2 and attack in DIRECTION:
+                    worst_two = max(worst_two, rel)
             print(f"{attack:<16} {n:>9}" + "".join(cells))
-    print("(r: uploads the server refused; g: contributions the guard left out)")
+    print(
+        "(r: uploads the server refused; g: contributions the close left out: its checks, "
+        "its scoring or its guard)"
+    )
     cost = free[DEFAULT_METHOD] / free["mean"] - 1
     print(f"\nGoals ({seconds:.0f} s):")
     ok_one = worst_one <= GOAL_ONE
@@ -149,12 +160,20 @@ def report(
         f"- {DEFAULT_METHOD}, one attacker, worst case {worst_one:+.2%} vs attack-free "
         f"(goal <= +{GOAL_ONE:.0%}) -> {'met' if ok_one else 'NOT MET'}"
     )
+    directed = [a for a in DIRECTION if a in attacks]
+    ok_two = worst_two <= GOAL_TWO_DIRECTION
+    if directed:
+        print(
+            f"- {DEFAULT_METHOD}, two direction attackers ({', '.join(directed)}), worst case "
+            f"{worst_two:+.2%} vs attack-free (goal <= +{GOAL_TWO_DIRECTION:.0%}) -> "
+            f"{'met' if ok_two else 'NOT MET'}"
+        )
     ok_free = cost <= GOAL_FREE
     print(
         f"- {DEFAULT_METHOD} with no attacker costs {cost:+.2%} against the plain mean "
         f"(goal <= +{GOAL_FREE:.1%}) -> {'met' if ok_free else 'NOT MET'}"
     )
-    return ok_one and ok_free
+    return ok_one and (ok_two or not directed) and ok_free
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -218,6 +219,29 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
             )
             out[i] = replace(out[i], code="unaligned", reason=reason)
     return out
+
+
+def tally(checks: Mapping[str, Check]) -> dict[str, Any]:
+    """A round's checks in figures, for the benchmarks: how many each code left out, how
+    many were scored, and the smallest margins the uploads that passed kept (their median
+    cosine, and the larger of their two gains)."""
+    passed = [c for c in checks.values() if c.code is None]
+    cosines = [c.median_cosine for c in passed if c.median_cosine is not None]
+    gains = [
+        max(c.own_gain, c.other_gain)
+        for c in passed
+        if c.own_gain is not None and c.other_gain is not None
+    ]
+    left_out: dict[str, int] = {}
+    for c in checks.values():
+        if c.code is not None:
+            left_out[c.code] = left_out.get(c.code, 0) + 1
+    return {
+        "left_out": left_out,
+        "scored": sum(c.own_gain is not None for c in checks.values()),
+        "min_median_cosine": min(cosines, default=None),
+        "min_gain": min(gains, default=None),
+    }
 
 
 def _loo_cosine(f: RoundFigures, i: str) -> float | None:

@@ -23,6 +23,7 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
+from diloco.outer.checks import tally
 from diloco.protocol.state import Refusal
 from diloco.simulate.attacks import Attack, hostile_body
 from diloco.simulate.dealing import Dealer, stream_generator
@@ -179,6 +180,7 @@ def _rounds(
             update_norm=stepped.update_norm,
             refused=sum(desk.refused.values()),
             left_out=len(stepped.left_out),
+            checks=tally(stepped.checks),
         )
     if ledger is None:
         return Trained(recorder.records, workers.bytes_up // K, workers.bytes_down // K)

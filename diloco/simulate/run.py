@@ -94,6 +94,7 @@ class RoundRecord:
     update_norm: float | None = None
     refused: int = 0  # uploads the server would refuse (non-finite, a replay, ...)
     left_out: int = 0  # admitted, then left out of the step by the guard or the checks
+    checks: dict[str, Any] = field(default_factory=dict)  # diloco.outer.checks.tally
 
 
 @dataclass
