@@ -137,6 +137,8 @@ def test_one_attacker_is_refused_or_bounded(
         assert mine["credit"] == 0 and not mine["aggregated"], mine
         assert mine["excluded"].startswith(f"{CHECKED[attack]}: "), mine
         assert mine["checks"]["code"] == CHECKED[attack]
+        me = http.get(f"{API}/contributors/me", headers=auth(attacker)).json()
+        assert me["recent"][0]["excluded"].startswith(f"{CHECKED[attack]}: "), me["recent"]
     for i in range(HONEST):  # no honest volunteer is ever left out by a check
         work = by_name[f"honest-{attack}-{i}"]
         assert work["aggregated"] and work["checks"]["code"] is None, work

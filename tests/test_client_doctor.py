@@ -123,3 +123,22 @@ def test_flops_and_profile_rendering():
     assert flops(6.1e15) == "6.10 PFLOP" and flops(2.5e9) == "2.50 GFLOP" and flops(12) == "12 FLOP"
     lines = render_profile({"name": "x[y]", "id": "ctr_1", "totals": {}, "hardware": None})
     assert "not reported yet" in lines[1] and "0 accepted" in lines[2]
+
+
+def test_me_says_which_contributions_a_close_left_out_and_why():
+    from rich.console import Console
+
+    recent = [
+        {"run_id": "run_1", "round": 3, "tokens": 10, "loss": 2.0, "aggregated": False,
+         "credit": 0, "excluded": "copy: a near-copy of con_9 (|cosine| 1.0000 ≥ 0.99)"},
+        {"run_id": "run_1", "round": 2, "tokens": 10, "loss": 2.0, "aggregated": True,
+         "credit": 6e9, "excluded": None},
+        {"run_id": "run_1", "round": 4, "tokens": 10, "loss": 2.0, "aggregated": False,
+         "credit": 0, "excluded": None},
+    ]  # fmt: skip
+    lines = render_profile({"name": "v", "id": "ctr_1", "totals": {}, "recent": recent})
+    console = Console(width=200, record=True)
+    console.print(*lines)
+    text = console.export_text()
+    assert "left out: copy: a near-copy of con_9" in text
+    assert "yes" in text and "not yet" in text

@@ -373,8 +373,9 @@ def test_a_clipped_contribution_shows_its_norm_cosine_and_clip(page, server):
     for name in ("steady", "also-steady"):
         row = pg.locator("tr", has=pg.get_by_text(name, exact=True))
         expect(row).to_contain_text("×1")
+        expect(row).to_contain_text("passed")  # the close's checks
     headers = pg.locator("th").all_text_contents()
-    assert {"Weight", "Norm", "Cosine", "Clip"} <= set(headers), headers
+    assert {"Weight", "Norm", "Cosine", "Clip", "Checks"} <= set(headers), headers
 
 
 def test_api_docs_render_offline_under_their_csp(server, page):

@@ -239,6 +239,20 @@ export function runPage(main, runId) {
     await refreshContributions(true);
   }
 
+  // what the close's checks and scoring measured: the code it failed (or "passed"), and
+  // the figures behind it on hover
+  function checksCell(k) {
+    if (!k) return { text: "–", title: "not checked yet: its round has not closed" };
+    const figures = [
+      `cosine to the others' median ${num(k.median_cosine, 3)}`,
+      `to their aggregate ${num(k.loo_cosine, 3)}`,
+      `nearest copy ${num(k.copy_cosine, 4)}${k.copy_of ? ` (${k.copy_of})` : ""}`,
+      `norm ×${num(k.norm_ratio, 3)} the round's`,
+      k.own_gain === null ? "not scored" : `loss gain ${num(k.own_gain, 4)} own, ${num(k.other_gain, 4)} other`,
+    ].join("; ");
+    return k.code ? { class: "close-error", text: k.code, title: figures } : { text: "passed", title: figures };
+  }
+
   async function refreshContributions(force) {
     if (state.selected === null) return;
     const round = state.rounds.find((r) => r.index === state.selected);
@@ -249,7 +263,7 @@ export function runPage(main, runId) {
     replace(contribBox,
       data.contributions.length
         ? table(["Contributor", "Tokens", "Weight", "Steps", "Train loss", "Norm", "Cosine", "Clip",
-          "Accepted at", "Aggregated", "Credit"],
+          "Checks", "Accepted at", "Aggregated", "Credit"],
           data.contributions.map((c) => h("tr", {},
             h("td", { class: "name", text: c.staleness
               ? `${c.contributor_name} · late from round ${c.round}` : c.contributor_name }),
@@ -266,6 +280,7 @@ export function runPage(main, runId) {
             // the factor the robust aggregate scaled it by: below 1, this one was bounded
             h("td", c.clip !== null && c.clip < 1 ? { class: "clipped", text: `×${num(c.clip, 3)}`, title: "bounded by the robust aggregate" }
               : { text: c.clip === null ? "–" : "×1" }),
+            h("td", checksCell(c.checks)),
             h("td", { text: when(c.created_at) }),
             h("td", c.excluded ? { class: "close-error", text: `left out: ${c.excluded}` }
               : { text: c.aggregated ? "yes" : "not yet" }),

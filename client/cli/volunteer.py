@@ -128,6 +128,16 @@ def flops(value: float) -> str:
     return f"{value:,.0f} FLOP"
 
 
+def _in_step(c: dict[str, Any]) -> str:
+    """Whether a contribution went into its round's step: yes, not yet, or left out and why
+    (a failed check: the code, the sentence cut short)."""
+    if c.get("aggregated"):
+        return "yes"
+    if excluded := c.get("excluded"):
+        return escape(f"left out: {str(excluded)[:80]}")
+    return "not yet"
+
+
 def render_profile(p: dict[str, Any]) -> list[Any]:
     """The profile as printable lines and tables (pure: tested without a terminal)."""
     totals, hw = p.get("totals") or {}, p.get("hardware") or {}
@@ -165,7 +175,7 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
                 f"{c.get('tokens', 0):,}",
                 f"{c.get('loss', float('nan')):.4f}",
                 _when(c.get("created_at")),
-                "yes" if c.get("aggregated") else "not yet",
+                _in_step(c),
                 flops(float(c.get("credit", 0))),
             )
         out.append(table)

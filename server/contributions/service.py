@@ -134,6 +134,7 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
                 created_at=c.created_at,
                 aggregated=c.aggregated_at is not None,
                 credit=c.credit,
+                excluded=c.excluded,
             )
             for c in recent
         ],

@@ -70,6 +70,8 @@ class RecentContribution(BaseModel):
     created_at: datetime
     aggregated: bool
     credit: float
+    # why its round's close left it out (a failed check: `copy: a near-copy of …`), else null
+    excluded: str | None = None
 
 
 class Profile(BaseModel):

@@ -185,6 +185,13 @@ class Contribution(Base):
     blob_deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
     @property
+    def excluded(self) -> str | None:
+        """Why its round's close left it out, as the API says it (``code: reason``)."""
+        return (
+            None if self.excluded_code is None else f"{self.excluded_code}: {self.excluded_reason}"
+        )
+
+    @property
     def counted_weight(self) -> int:
         """The tokens it counts for in its step and in credit: its weight when accepted
         (rows from before weights were measured: their claim), discounted by its staleness."""

@@ -116,9 +116,7 @@ async def round_contributions(
                 created_at=c.created_at,
                 aggregated=c.aggregated_at is not None,
                 credit=c.credit,
-                excluded=None
-                if c.excluded_code is None
-                else f"{c.excluded_code}: {c.excluded_reason}",
+                excluded=c.excluded,
                 weight=c.counted_weight,
                 round=c.round_index,
                 merged_into_round=c.merged_into_round,
