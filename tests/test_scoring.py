@@ -13,7 +13,7 @@ from diloco.checkpoint import write_params
 from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.architectures import build_model
-from diloco.outer.scoring import SCORE_ALL, Scorer, Windows, chosen
+from diloco.outer.scoring import SCORE_ALL, Score, Scorer, Windows, chosen
 from diloco.train import parameters_of
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from diloco.wire.exchange import encode_delta
@@ -79,12 +79,10 @@ def test_honest_work_lowers_the_loss_and_passes(setting: dict) -> None:
     assert score.own_gain > 0.05 and score.other_gain > 0 and not score.failed
 
 
-@pytest.mark.parametrize("kind", ["zeros", "noise", "sign_flip"])
-def test_work_that_lowers_the_loss_nowhere_fails_with_its_figures(setting: dict, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["noise", "sign_flip"])
+def test_work_that_raises_the_loss_on_both_fails_with_its_figures(setting: dict, kind: str) -> None:
     honest = trained_delta(setting)
-    if kind == "zeros":
-        delta = {n: torch.zeros_like(t) for n, t in honest.items()}
-    elif kind == "noise":
+    if kind == "noise":
         gen = torch.Generator().manual_seed(3)
         delta = {n: torch.randn(t.shape, generator=gen) * 0.05 for n, t in honest.items()}
     else:
@@ -92,10 +90,24 @@ def test_work_that_lowers_the_loss_nowhere_fails_with_its_figures(setting: dict,
     scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
     own = Windows.first(iter(setting["own"]).__next__, 8)
     score = scorer.score(body(setting["folder"], kind, delta), own)
-    assert score.failed and score.own_gain <= 0 and score.other_gain <= 0
-    assert (
-        "lowers the loss neither" in score.reason() and f"{score.own_gain:+.4g}" in score.reason()
-    )
+    assert score.failed and score.own_gain < -0.005 * score.own_base
+    assert score.other_gain < -0.005 * score.other_base
+    assert "raises the loss both" in score.reason()
+    assert f"{-score.own_gain:.4g}" in score.reason()
+
+
+def test_zeros_change_nothing_and_are_left_to_the_zero_check(setting: dict) -> None:
+    zeros = {n: torch.zeros_like(t) for n, t in setting["base"].items()}
+    scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
+    own = Windows.first(iter(setting["own"]).__next__, 8)
+    score = scorer.score(body(setting["folder"], "zeros", zeros), own)
+    assert (score.own_gain, score.other_gain, score.failed) == (0.0, 0.0, False)
+
+
+def test_a_little_worse_on_both_is_within_the_tolerance() -> None:
+    # late in a run honest work can raise both losses a little (measured: -0.003, -0.024)
+    assert not Score(-0.003, -0.024, 2.5, 2.5).failed
+    assert Score(-0.08, -0.05, 2.5, 2.5).failed  # a stale Δ, measured
 
 
 def test_a_small_round_is_scored_whole_and_a_large_one_half_drawn_by_its_seed() -> None:

@@ -12,15 +12,15 @@ each scored upload alone and measures the loss on two small samples with the sam
   for everyone.
 
 ``own_gain`` = L(θ_base; own) − L(θ_base − Δ; own), and ``other_gain`` likewise. An upload
-that lowers the loss on neither did not do the work its lease asked for, or did it from
-another base: zeros, noise, a sign flip, and a stale Δ (trained from an older version and
-relabelled: applied on top of the version that already holds it, it overshoots) score at or
-below zero on both (a stale Δ in about half the rounds measured), where honest work scores
-above zero on at least one. It is left out as ``no_gain``, like a failed cheap check
-(``diloco.outer.checks``). Either gain alone is not enough to judge by: late in a run an
-honest volunteer's own model can be worse than the averaged base on its first windows
-(measured: 2 of 380 honest uploads in a 20-volunteer run lost 0.01–0.02 nats there, while
-gaining on the judging sample).
+that raises the loss on both, each by more than ``TOLERANCE`` of the base's, did not do
+the work its lease asked for, or did it from another base: noise, a sign flip, and a stale
+Δ (trained from an older version and relabelled: applied on top of the version that
+already holds it, it overshoots) do (a stale Δ in about half the rounds measured). It is
+left out as ``no_gain``, like a failed cheap check (``diloco.outer.checks``; zeros, which
+change nothing, are the zero check's). Neither gain alone is enough to judge by, nor
+their sign: late in a run an honest volunteer's own model can be a little worse than the
+averaged base on its first windows, on the judging sample, or on both (measured: down to
+−0.003 and −0.024 nats at once, at a loss of 2.5).
 
 Which uploads are scored: all of a round of at most ``SCORE_ALL``; of a larger round, half
 of them (rounded up), drawn with the round's secret seed, so nobody knows beforehand
@@ -52,6 +52,10 @@ from diloco.wire.exchange import codec_for
 from diloco.wire.tensorfile import TensorFileReader
 
 SCORE_ALL = 8  # rounds of up to this many uploads have every upload scored
+# how much an upload may raise both losses and still pass, as a share of the base's loss:
+# late in a run honest work can raise both a little (measured down to −0.003 and −0.024
+# nats at a loss of 2.5), work that did nothing useful raises them by far more
+TOLERANCE = 0.005
 
 
 @dataclass(frozen=True)
@@ -84,15 +88,22 @@ class Windows:
 class Score:
     own_gain: float  # L(base; own) − L(base − Δ; own), in nats
     other_gain: float  # the same on the judging windows
+    own_base: float  # L(base; own)
+    other_base: float  # L(base; other)
 
     @property
     def failed(self) -> bool:
-        return not (self.own_gain > 0 or self.other_gain > 0)
+        """It raises the loss on both samples, each by more than ``TOLERANCE`` of the base's."""
+        return (
+            self.own_gain < -TOLERANCE * self.own_base
+            and self.other_gain < -TOLERANCE * self.other_base
+        )
 
     def reason(self) -> str:
         return (
-            f"applied alone it lowers the loss neither on its lease's own data (gain "
-            f"{self.own_gain:+.4g} nats) nor on the judging sample ({self.other_gain:+.4g})"
+            f"applied alone it raises the loss both on its lease's own data (by "
+            f"{-self.own_gain:.4g} nats) and on the judging sample (by {-self.other_gain:.4g}), "
+            f"each past {TOLERANCE:.1%} of the base's"
         )
 
 
@@ -124,7 +135,9 @@ class Scorer:
         delta = self._decode(upload)
         load_parameters(self.model, {n: t - delta[n].view_as(t) for n, t in self.base.items()})
         try:
-            return Score(base_own - self._loss(own), self.base_other - self._loss(self.other))
+            own_gain = base_own - self._loss(own)
+            other_gain = self.base_other - self._loss(self.other)
+            return Score(own_gain, other_gain, base_own, self.base_other)
         finally:
             load_parameters(self.model, self.base)
 
