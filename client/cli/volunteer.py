@@ -148,10 +148,22 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
         escape(f"hardware: {hw.get('device', '?')} {hw.get('device_name', '')}".rstrip())
         if hw
         else "hardware: not reported yet (it is sent when diloco join starts)",
+        *(
+            [
+                escape(
+                    f"QUARANTINED since {_when(p['quarantined_at'])}: {p.get('quarantine_reason')}"
+                )
+            ]
+            if p.get("quarantined_at")
+            else []
+        ),
         f"contributions: {totals.get('accepted', 0)} accepted, "
         f"{totals.get('aggregated', 0)} in an outer step; "
         f"{totals.get('tokens', 0):,} tokens; credit {flops(float(totals.get('credit', 0)))}",
     ]
+    if p.get("quarantined_at"):  # diloco.protocol.reputation
+        why = p.get("quarantine_reason")
+        out.append(escape(f"QUARANTINED since {_when(p['quarantined_at'])}: {why}"))
     runs = p.get("runs") or []
     if runs:
         table = Table("run", "accepted", "in a step", "tokens", "credit", "last round")

@@ -125,6 +125,8 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
             credit=sum(r.credit for r in run_totals),
         ),
         runs=run_totals,
+        quarantined_at=contributor.quarantined_at,
+        quarantine_reason=contributor.quarantine_reason,
         recent=[
             RecentContribution(
                 run_id=c.run_id,

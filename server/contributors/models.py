@@ -27,3 +27,7 @@ class Contributor(Base):
     # while set, and the contributor's work in rounds not yet closed was excluded
     banned_at: Mapped[datetime | None] = mapped_column(default=None)
     ban_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # quarantined (diloco.protocol.reputation): its uploads are stored, never aggregated or
+    # credited, until an admin lifts it
+    quarantined_at: Mapped[datetime | None] = mapped_column(default=None)
+    quarantine_reason: Mapped[str | None] = mapped_column(Text, default=None)

@@ -39,6 +39,15 @@ class BanState(BaseModel):
     leases_released: int  # live leases it released (this call's; 0 for an unban)
 
 
+class QuarantineState(BaseModel):
+    """A contributor's quarantine, as the admin's unquarantine answers it."""
+
+    id: str
+    name: str
+    quarantined_at: datetime | None  # None: not quarantined
+    quarantine_reason: str | None
+
+
 class ProfileUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -83,6 +92,9 @@ class Profile(BaseModel):
     totals: Totals
     runs: list[RunTotals]  # by credit, highest first
     recent: list[RecentContribution]  # newest first
+    # quarantined: its uploads are stored, never aggregated or credited (why, and since when)
+    quarantined_at: datetime | None = None
+    quarantine_reason: str | None = None
 
 
 class SortKey(StrEnum):

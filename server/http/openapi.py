@@ -119,6 +119,7 @@ ERRORS: dict[str, Errors] = {
     "POST /api/v1/contributors/me/token": CONTRIBUTOR,
     "POST /api/v1/contributors/{contributor_id}/ban": {**ADMIN, 404: ("not_found",)},
     "POST /api/v1/contributors/{contributor_id}/unban": {**ADMIN, 404: ("not_found",)},
+    "POST /api/v1/contributors/{contributor_id}/unquarantine": {**ADMIN, 404: ("not_found",)},
     "GET /api/v1/speedtest": LIMITED,
     "POST /api/v1/speedtest": {413: ("body_too_large",), 422: (), **LIMITED},
     "GET /api/v1/hub": {},

@@ -57,17 +57,19 @@ def retry_answer(existing: Contribution, sha: str) -> Accepted:
     return Accepted(False, receipt(existing))
 
 
-async def not_banned(session: AsyncSession, contributor_id: str) -> None:
-    """Refuse a contributor banned since its token was checked; hold its row until commit."""
-    ban = (
+async def standing(session: AsyncSession, contributor_id: str) -> str | None:
+    """Refuse a contributor banned since its token was checked; hold its row until commit.
+    Its quarantine's reason, when it is quarantined (its upload is taken, and excluded)."""
+    row = (
         await session.execute(
-            select(Contributor.banned_at, Contributor.ban_reason)
+            select(Contributor.banned_at, Contributor.ban_reason, Contributor.quarantine_reason)
             .where(Contributor.id == contributor_id)
             .with_for_update(read=True)
         )
     ).one_or_none()
-    if ban is not None and ban.banned_at is not None:
-        raise banned(ban.ban_reason)
+    if row is not None and row.banned_at is not None:
+        raise banned(row.ban_reason)
+    return None if row is None else row.quarantine_reason
 
 
 async def lock_rounds(session: AsyncSession, run_id: str, index: int) -> None:

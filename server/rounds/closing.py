@@ -38,10 +38,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.outer.checks import RECENT_CHANGES, RecentChange
+from diloco.protocol.reputation import VERIFY_CODES
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
+from server.contributors import quarantine
 from server.datasets.models import DataUnit
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
 from server.rounds import bans, claims
@@ -316,11 +318,24 @@ async def _publish(
             await rounds_service.open_round(
                 session=session, run=run, index=effects.next_round.index, now=now
             )
+        await _review(session, result, now)
     log.info("run %s: %s", claim.run_id, effects.summary)
     return str(code)
 
 
+async def _review(session: AsyncSession, result: OuterResult, now: datetime) -> None:
+    """Quarantine whom verification keeps failing (``server.contributors.quarantine``),
+    once this close's exclusions and credit are written."""
+    failed = [cid for cid, code in result.exclusion_codes.items() if code in VERIFY_CODES]
+    if failed:
+        who = await session.scalars(
+            select(Contribution.contributor_id).where(Contribution.id.in_(failed))
+        )
+        await quarantine.review(session, list(who), now)
+
+
 async def _exclude(session: AsyncSession, result: OuterResult) -> None:
+    """Record what the close left out, with what its checks measured."""
     if result.excluded:  # bulk UPDATE by primary key
         await session.execute(
             update(Contribution),
@@ -371,6 +386,7 @@ async def _reopen(
         )
         if won is not None:
             await _exclude(session, result)
+            await _review(session, result, datetime.now(UTC))
     log.warning("run %s: %s", claim.run_id, decision.reason)
 
 

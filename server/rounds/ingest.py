@@ -37,6 +37,7 @@ from diloco.config import RunConfig
 from diloco.outer.inspection import UploadInspector
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
+from diloco.protocol.reputation import CODE as QUARANTINED
 from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight
 from diloco.protocol.state import LateGrant, Refusal, UploadClaim
 from diloco.wire.contribution import (
@@ -64,9 +65,9 @@ from server.rounds import service as rounds_service
 from server.rounds.admission import (
     Accepted,
     lock_rounds,
-    not_banned,
     replayed,
     retry_answer,
+    standing,
     upload_facts,
 )
 from server.rounds.models import Contribution
@@ -288,7 +289,7 @@ async def _record(
     async with sessions() as session, session.begin():
         locked = await runs_service.get(session=session, run_id=run_id, lock="share")
         await lock_rounds(session, run_id, index)
-        await not_banned(session, contributor_id)
+        quarantine = await standing(session, contributor_id)
         facts, raced, lease_id = await upload_facts(
             session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness
         )
@@ -326,6 +327,9 @@ async def _record(
                 weight=weight,
                 norm=body.inspection.norm,
                 payload_sha256=body.inspection.payload_sha256,
+                # a quarantined contributor's work is stored, never aggregated or credited
+                excluded_code=None if quarantine is None else QUARANTINED,
+                excluded_reason=quarantine,
             )
             .on_conflict_do_nothing()
             .returning(Contribution.id)
