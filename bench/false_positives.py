@@ -1,13 +1,15 @@
-"""False positives of the close's checks and scoring: only honest volunteers, through the
+"""False positives of the close's verification: only honest volunteers, through the
 server's own close in the simulator (``diloco simulate``, diloco mode: the cheap checks of
-``diloco.outer.checks`` and the scoring of ``diloco.outer.scoring`` on every round). Every
-upload they leave out is a false positive.
+``diloco.outer.checks`` and the scoring of ``diloco.outer.scoring`` in every round), and the
+server's quarantine rule (``diloco.protocol.reputation``) applied to each volunteer's
+record as the rounds go.
 
 It prints, per round, how many uploads were scored and left out (by code), and the
 smallest margins honest work kept: its cosine to the others' median on the sampled
 coordinates (the direction checks leave out at or below 4/√s, about 0.03), and the larger
-of its two loss gains (the scoring leaves out at or below 0). Then the goal (issue 26): no
-honest upload left out, 100 volunteers over 20 rounds.
+of its two loss gains (the scoring leaves out below −0.5% of the base's loss on both).
+Then the goal (issue 26): in 20 rounds of 100 honest volunteers none is ever quarantined.
+An honest upload left out once loses that round's credit; the count is printed beside.
 
     python bench/false_positives.py [--workers 100] [--rounds 20] [--json out.json]
     python bench/false_positives.py --workers 6 --rounds 2     # a smoke run
@@ -40,6 +42,7 @@ def main() -> None:
     import torch
 
     from diloco.config import parse_config
+    from diloco.protocol.reputation import quarantine_reason
     from diloco.simulate.run import SimOptions, simulate
 
     torch.set_num_threads(1)
@@ -55,13 +58,19 @@ def main() -> None:
     print(f"\n{'round':>5} {'uploads':>7} {'scored':>6} {'left out':<24} "
           f"{'min cosine':>10} {'min gain':>9} {'eval loss':>9}")  # fmt: skip
     left_out: dict[str, int] = {}
-    uploads = scored = 0
-    cosines, gains = [], []
+    history: dict[str, list[str | None]] = {}  # each volunteer's codes, newest first
+    quarantined: dict[str, int] = {}  # volunteer -> the round it would be quarantined in
+    cosines, gains, scored = [], [], 0
     for r in result.rounds:
         c = r.checks
+        failed = {i.split("@")[0]: code for i, code in c["failed"].items()}
+        for w in range(args.workers):
+            who = f"worker-{w}"
+            history[who] = [failed.get(who), *history.get(who, [])]
+            if who not in quarantined and quarantine_reason(history[who]) is not None:
+                quarantined[who] = r.round
         for code, n in c["left_out"].items():
             left_out[code] = left_out.get(code, 0) + n
-        uploads += r.accepted + r.left_out
         scored += c["scored"]
         if c["min_median_cosine"] is not None:
             cosines.append(c["min_median_cosine"])
@@ -72,19 +81,21 @@ def main() -> None:
             f"{r.round:>5} {r.accepted + r.left_out:>7} {c['scored']:>6} {codes:<24} "
             f"{_num(c['min_median_cosine']):>10} {_num(c['min_gain']):>9} {r.eval_loss:>9.4f}"
         )
-    wrong = sum(left_out.values())
+    once = sum(left_out.values())
     low_cos, low_gain = _num(min(cosines, default=None)), _num(min(gains, default=None))
-    print(f"\n{uploads} honest uploads, {scored} scored, in {seconds:.0f} s; smallest cosine "
-          f"{low_cos}, smallest gain {low_gain}")  # fmt: skip
-    met = wrong == 0
+    print(f"\n{args.workers * len(result.rounds)} honest uploads, {scored} scored, in "
+          f"{seconds:.0f} s; {once} left out once ({left_out or 'none'}); smallest cosine "
+          f"{low_cos}, smallest gain kept {low_gain}")  # fmt: skip
+    met = not quarantined
     print(
-        f"Goal: no honest upload left out ({args.workers} volunteers, {args.rounds} rounds): "
-        f"{wrong} left out{' (' + str(left_out) + ')' if wrong else ''} -> "
-        f"{'met' if met else 'NOT MET'}"
+        f"Goal: no honest volunteer quarantined ({args.workers} volunteers, {args.rounds} "
+        f"rounds): {len(quarantined)} quarantined{' ' + str(quarantined) if quarantined else ''}"
+        f" -> {'met' if met else 'NOT MET'}"
     )
     if args.json:
         rounds = [{"round": r.round, **r.checks} for r in result.rounds]
-        args.json.write_text(json.dumps({"left_out": left_out, "rounds": rounds}, indent=2) + "\n")
+        out = {"left_out": left_out, "quarantined": quarantined, "rounds": rounds}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     if not met:
         sys.exit(1)
 

@@ -94,6 +94,23 @@ def test_attacks_bench_compares_an_attacker_with_the_attack_free_run(tmp_path):
     assert results["clipped_mean/scaled100/1"]["final_eval_loss"] <= free * 1.03
 
 
+@pytest.mark.cpu_bound
+def test_false_positives_bench_applies_the_quarantine_rule_to_honest_volunteers(tmp_path):
+    out = tmp_path / "fp.json"
+
+    proc = subprocess.run(
+        [sys.executable, "bench/false_positives.py", "--workers", "4", "--rounds", "2",
+         "--eval-windows", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Goal: no honest volunteer quarantined (4 volunteers, 2 rounds)" in proc.stdout
+    results = json.loads(out.read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2] and results["quarantined"] == {}
+    assert all(r["scored"] == 4 for r in results["rounds"])  # a round of up to 8: all scored
+
+
 def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(pg_admin_url):
     proc = subprocess.run(
         [sys.executable, "bench/hostile.py", "--quick", "--database-url", pg_admin_url],

@@ -222,9 +222,9 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
 
 
 def tally(checks: Mapping[str, Check]) -> dict[str, Any]:
-    """A round's checks in figures, for the benchmarks: how many each code left out, how
-    many were scored, and the smallest margins the uploads that passed kept (their median
-    cosine, and the larger of their two gains)."""
+    """A round's checks in figures, for the benchmarks: how many each code left out (and
+    which: ``failed``, upload id -> code), how many were scored, and the smallest margins
+    the uploads that passed kept (their median cosine, and the larger of their two gains)."""
     passed = [c for c in checks.values() if c.code is None]
     cosines = [c.median_cosine for c in passed if c.median_cosine is not None]
     gains = [
@@ -238,6 +238,7 @@ def tally(checks: Mapping[str, Check]) -> dict[str, Any]:
             left_out[c.code] = left_out.get(c.code, 0) + 1
     return {
         "left_out": left_out,
+        "failed": {i: c.code for i, c in checks.items() if c.code is not None},
         "scored": sum(c.own_gain is not None for c in checks.values()),
         "min_median_cosine": min(cosines, default=None),
         "min_gain": min(gains, default=None),
