@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from diloco.protocol.reputation import CODE, VERIFY_CODES, WINDOW, quarantine_reason
 from server.contributors.models import Contributor
 from server.http.errors import NotFound
-from server.rounds import notify
+from server.rounds import bans, notify
 from server.rounds.models import Contribution
 
 
@@ -54,19 +54,8 @@ async def review(session: AsyncSession, contributor_ids: Iterable[str], now: dat
 
 
 async def _exclude_pending(session: AsyncSession, contributor_id: str, reason: str) -> None:
-    runs = set(
-        await session.scalars(
-            update(Contribution)
-            .where(
-                Contribution.contributor_id == contributor_id,
-                Contribution.aggregated_at.is_(None),
-                Contribution.excluded_code.is_(None),
-            )
-            .values(excluded_code=CODE, excluded_reason=reason)
-            .returning(Contribution.run_id)
-        )
-    )
-    for run_id in sorted(runs):
+    runs = await bans.exclude_pending(session, contributor_id, CODE, reason)
+    for run_id in sorted(set(runs)):  # a round may close (or wait) now
         await notify.rounds_changed(session, run_id)
 
 

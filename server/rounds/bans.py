@@ -19,6 +19,7 @@ from datetime import datetime
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.protocol.reputation import CODE as QUARANTINED
 from diloco.protocol.state import RoundState
 from server.rounds import notify
 from server.rounds.models import Contribution, Lease, Round
@@ -31,23 +32,8 @@ async def withdraw(
 ) -> tuple[int, int]:
     """Exclude the contributor's pending contributions and release its live leases; how
     many of each. Wakes the round workers of every run concerned."""
-    unfinished = select(Round.run_id, Round.index).where(Round.state != RoundState.CLOSED)
-    excluded = list(
-        await session.scalars(
-            update(Contribution)
-            .where(
-                Contribution.contributor_id == contributor_id,
-                Contribution.aggregated_at.is_(None),
-                Contribution.excluded_code.is_(None),
-                # the step that takes it (late work: a later round than its own) is pending
-                tuple_(Contribution.run_id, Contribution.merged_into_round).in_(unfinished),
-            )
-            .values(
-                excluded_code=EXCLUDED_CODE,
-                excluded_reason=f"its contributor was banned: {reason}",
-            )
-            .returning(Contribution.run_id)
-        )
+    excluded = await exclude_pending(
+        session, contributor_id, EXCLUDED_CODE, f"its contributor was banned: {reason}"
     )
     released = list(
         await session.scalars(
@@ -62,9 +48,33 @@ async def withdraw(
     return len(excluded), len(released)
 
 
+async def exclude_pending(
+    session: AsyncSession, contributor_id: str, code: str, reason: str
+) -> list[str]:
+    """Exclude the contributor's work that no step has used and whose step is still
+    pending (a ban's, a quarantine's: ``server.contributors.quarantine``); the runs of the
+    rows excluded, one per row."""
+    unfinished = select(Round.run_id, Round.index).where(Round.state != RoundState.CLOSED)
+    return list(
+        await session.scalars(
+            update(Contribution)
+            .where(
+                Contribution.contributor_id == contributor_id,
+                Contribution.aggregated_at.is_(None),
+                Contribution.excluded_code.is_(None),
+                # the step that takes it (late work: a later round than its own) is pending
+                tuple_(Contribution.run_id, Contribution.merged_into_round).in_(unfinished),
+            )
+            .values(excluded_code=code, excluded_reason=reason)
+            .returning(Contribution.run_id)
+        )
+    )
+
+
 async def used_banned(*, session: AsyncSession, contribution_ids: list[str]) -> list[str]:
-    """Of the contributions a step used, those a ban has excluded since it read them. Locks
-    them all first (a ban in flight is waited for), then looks at their latest state."""
+    """Of the contributions a step used, those a ban or a quarantine has excluded since it
+    read them. Locks them all first (a ban in flight is waited for), then looks at their
+    latest state."""
     if not contribution_ids:
         return []
     rows = await session.execute(
@@ -73,4 +83,4 @@ async def used_banned(*, session: AsyncSession, contribution_ids: list[str]) -> 
         .order_by(Contribution.id)  # one lock order for every publisher
         .with_for_update()
     )
-    return [cid for cid, code in rows if code == EXCLUDED_CODE]
+    return [cid for cid, code in rows if code in (EXCLUDED_CODE, QUARANTINED)]

@@ -283,8 +283,8 @@ async def _publish(
             session=session, contribution_ids=[a.contribution_id for a in aggregated]
         ):  # raising rolls this transaction back: nothing of this step is published
             raise BannedInStep(
-                f"contributions {', '.join(banned)} were excluded by a ban while the step "
-                "computed; computing it again without them"
+                f"contributions {', '.join(banned)} were excluded by a ban or a quarantine "
+                "while the step computed; computing it again without them"
             )
         await _exclude(session, result)
         session.add(checkpoints_service.row_for(result.files, run_id=claim.run_id, eval_loss=None))
