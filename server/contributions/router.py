@@ -19,10 +19,12 @@ from server.contributors.schemas import (
     Order,
     Profile,
     ProfileUpdate,
+    QuarantineState,
     SortKey,
 )
 from server.db import SessionDep
 from server.http.inputs import ContributorId, RunFilter
+from server.rounds import quarantine
 
 router = APIRouter(prefix="/api/v1/contributors", tags=["contributors"])
 
@@ -52,6 +54,21 @@ async def ban(
     on, its work in rounds not yet closed is excluded (no credit) and its leases released."""
     return await service.ban(
         session=session, contributor_id=contributor_id, reason=body.reason, now=datetime.now(UTC)
+    )
+
+
+@router.post("/{contributor_id}/unquarantine")
+async def unquarantine(
+    contributor_id: ContributorId, _: AdminAuth, session: SessionDep
+) -> QuarantineState:
+    """Lift a quarantine (admin token): its next uploads are aggregated and credited again;
+    work it excluded stays excluded."""
+    lifted = await quarantine.lift(session, contributor_id)
+    return QuarantineState(
+        id=lifted.id,
+        name=lifted.name,
+        quarantined_at=lifted.quarantined_at,
+        quarantine_reason=lifted.quarantine_reason,
     )
 
 

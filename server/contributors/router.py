@@ -3,12 +3,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server.auth import AdminAuth, ContributorAuth
-from server.contributors import quarantine, service
+from server.contributors import service
 from server.contributors.schemas import (
     BanState,
     ContributorCreate,
     ContributorCreated,
-    QuarantineState,
 )
 from server.db import SessionDep
 from server.http import ratelimit
@@ -30,21 +29,6 @@ async def rotate_token(contributor: ContributorAuth, session: SessionDep) -> Con
     """A new token, shown only this once; the one sent stops working at once (401)."""
     token = await service.rotate_token(session=session, contributor=contributor)
     return ContributorCreated(id=contributor.id, name=contributor.name, token=token)
-
-
-@router.post("/{contributor_id}/unquarantine")
-async def unquarantine(
-    contributor_id: ContributorId, _: AdminAuth, session: SessionDep
-) -> QuarantineState:
-    """Lift a quarantine (admin token): its next uploads are aggregated and credited again;
-    work it excluded stays excluded."""
-    lifted = await quarantine.lift(session, contributor_id)
-    return QuarantineState(
-        id=lifted.id,
-        name=lifted.name,
-        quarantined_at=lifted.quarantined_at,
-        quarantine_reason=lifted.quarantine_reason,
-    )
 
 
 @router.post("/{contributor_id}/unban")

@@ -52,7 +52,7 @@ async def exclude_pending(
     session: AsyncSession, contributor_id: str, code: str, reason: str
 ) -> list[str]:
     """Exclude the contributor's work that no step has used and whose step is still
-    pending (a ban's, a quarantine's: ``server.contributors.quarantine``); the runs of the
+    pending (a ban's, a quarantine's: ``server.rounds.quarantine``); the runs of the
     rows excluded, one per row."""
     unfinished = select(Round.run_id, Round.index).where(Round.state != RoundState.CLOSED)
     return list(

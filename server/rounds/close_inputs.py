@@ -1,0 +1,130 @@
+"""What a round's close reads from the database before it computes
+(``server.rounds.closing``): its contributions in a fixed order, the base version, the
+clipping's history, the checks' recent published changes (``diloco.outer.checks``) and
+where each scored contribution's lease read its data (``diloco.outer.scoring``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from diloco.outer.checks import RECENT_CHANGES, RecentChange
+from diloco.protocol.state import Aggregated
+from server.checkpoints import service as checkpoints_service
+from server.datasets.models import DataUnit
+from server.rounds import service as rounds_service
+from server.rounds.claims import Claim
+from server.rounds.models import Contribution, Lease, Round
+from server.rounds.outer_step import LeaseData, StepInputs, Stored
+from server.runs import service as runs_service
+from server.runs.models import Run
+from server.storage import keys
+
+
+async def read_inputs(
+    sessions: async_sessionmaker[AsyncSession], claim: Claim
+) -> tuple[StepInputs, list[Aggregated]]:
+    """The close's inputs, and its contributions as ``close_effects`` counts them."""
+    async with sessions() as session:
+        rnd = await session.get_one(Round, (claim.run_id, claim.index))
+        run = await runs_service.get(session=session, run_id=claim.run_id)
+        cfg = rounds_service.run_config(run)
+        rows = list(
+            await session.scalars(
+                select(Contribution)
+                .where(
+                    Contribution.run_id == claim.run_id,
+                    # its own contributions and the late ones merged into it
+                    Contribution.merged_into_round == claim.index,
+                    Contribution.excluded_code.is_(None),
+                )
+                .order_by(Contribution.created_at, Contribution.id)  # a fixed order: determinism
+            )
+        )
+        base = await checkpoints_service.get(
+            session=session, run_id=claim.run_id, version=rnd.base_version
+        )
+        # the clipping's reference when the round has few: the run's latest aggregated norms
+        history = list(
+            await session.scalars(
+                select(Contribution.norm)
+                .where(
+                    Contribution.run_id == claim.run_id,
+                    Contribution.aggregated_at.is_not(None),
+                    Contribution.norm.is_not(None),
+                )
+                .order_by(Contribution.aggregated_at.desc())
+                .limit(cfg.aggregation.history)
+            )
+        )
+        leases = await _lease_data(session, run, [c for c in rows if c.staleness == 0])
+        recent = (
+            await session.execute(
+                select(Round.index, Round.check_seed, Round.change_sample)
+                .where(
+                    Round.run_id == claim.run_id,
+                    Round.index < claim.index,
+                    Round.change_sample.is_not(None),
+                )
+                .order_by(Round.index.desc())
+                .limit(RECENT_CHANGES)
+            )
+        ).all()
+    inputs = StepInputs(
+        run_id=claim.run_id,
+        version=claim.index,
+        cfg=cfg,
+        base_params_key=base.params_key,
+        base_state_key=base.state_key,
+        contributions=[
+            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0, leases.get(c.id))
+            for c in rows
+        ],
+        history=[h for h in history if h is not None],
+        quorum=cfg.rounds.quorum,
+        check_seed=rnd.check_seed,
+        recent=[
+            RecentChange(index, seed, unpack_sample(sample))
+            for index, seed, sample in reversed(recent)
+            if sample is not None
+        ],
+    )
+    return inputs, [rounds_service.aggregated(c) for c in rows]
+
+
+async def _lease_data(
+    session: AsyncSession, run: Run, rows: list[Contribution]
+) -> dict[str, LeaseData]:
+    """Where each contribution's lease read its data (``outer_step.LeaseData``), for the
+    close's scoring; late work is not scored (its base is an older version)."""
+    if not rows or not rounds_service.run_config(run).aggregation.score_windows:
+        return {}
+    found = await session.execute(
+        select(Contribution.id, Lease.shard, Lease.seed, DataUnit.start, DataUnit.tokens)
+        .join(Lease, Lease.id == Contribution.lease_id)
+        .outerjoin(DataUnit, (DataUnit.run_id == Lease.run_id) & (DataUnit.unit == Lease.unit))
+        .where(Contribution.id.in_([c.id for c in rows]))
+    )  # fmt: skip
+    return {
+        cid: LeaseData(
+            keys.training_shard(run.id, run.dataset_id, shard),  # a dataset unit's shard
+            seed,
+            run.token_dtype,
+            run.chunk_len,
+            start,
+            tokens,
+        )
+        for cid, shard, seed, start, tokens in found.all()
+    }
+
+
+def pack_sample(values: torch.Tensor | None) -> bytes | None:
+    """A sampled change as a round stores it: float32, little-endian."""
+    return None if values is None else values.numpy().astype("<f4").tobytes()
+
+
+def unpack_sample(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
