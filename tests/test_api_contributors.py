@@ -264,8 +264,10 @@ def test_hardware_report_is_stored_and_shown_on_the_board(http):
     assert r.status_code == 200, r.text
     assert r.json()["hardware"] == HARDWARE
     assert set(r.json()) == {
-        "id", "name", "created_at", "last_seen_at", "hardware", "totals", "runs", "recent"
+        "id", "name", "created_at", "last_seen_at", "hardware", "totals", "runs", "recent",
+        "quarantined_at", "quarantine_reason",
     }  # fmt: skip
+    assert (r.json()["quarantined_at"], r.json()["quarantine_reason"]) == (None, None)
     assert me(http, token)["hardware"] == {k: None for k in HARDWARE} | {"device": "mps"}
     assert partial.json() == me(http, token)
     entry = next(e for e in board(http, limit=1000)["contributors"] if e["id"] == r.json()["id"])
