@@ -142,3 +142,8 @@ def test_me_says_which_contributions_a_close_left_out_and_why():
     text = console.export_text()
     assert "left out: copy: a near-copy of con_9" in text
     assert "yes" in text and "not yet" in text
+    quarantined = render_profile(
+        {"name": "v", "id": "ctr_1", "totals": {}, "quarantined_at": "2026-11-28T02:00:00+00:00",
+         "quarantine_reason": "3 of its last 5 judged contributions failed verification"}
+    )  # fmt: skip
+    assert sum("QUARANTINED since" in str(line) for line in quarantined) == 1

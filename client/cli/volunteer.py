@@ -148,15 +148,6 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
         escape(f"hardware: {hw.get('device', '?')} {hw.get('device_name', '')}".rstrip())
         if hw
         else "hardware: not reported yet (it is sent when diloco join starts)",
-        *(
-            [
-                escape(
-                    f"QUARANTINED since {_when(p['quarantined_at'])}: {p.get('quarantine_reason')}"
-                )
-            ]
-            if p.get("quarantined_at")
-            else []
-        ),
         f"contributions: {totals.get('accepted', 0)} accepted, "
         f"{totals.get('aggregated', 0)} in an outer step; "
         f"{totals.get('tokens', 0):,} tokens; credit {flops(float(totals.get('credit', 0)))}",
