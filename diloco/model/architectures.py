@@ -40,6 +40,17 @@ def build_model(section: ModelSection) -> LanguageModel:
     return GPT(section.gpt_config())
 
 
+def empty_model(section: ModelSection) -> LanguageModel:
+    """A model whose parameters are to be loaded (no initialisation spent on them): built
+    on the meta device, given CPU memory, its weights tied (and a Llama's rotary
+    frequencies rebuilt) as ``tie_weights`` does after ``to_empty``."""
+    with torch.device("meta"):
+        model = build_model(section)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    return model
+
+
 @functools.lru_cache(maxsize=64)
 def _shapes(section: ModelSection) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with torch.device("meta"):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,8 +48,8 @@ COPY_COSINE = 0.99
 ZERO_FRACTION = 1e-3
 SIGMAS = 4.0
 DIRECTION_MIN = 3
-RECENT_CHANGES = 3
-LOO_PRECISION = 1e-3  # published changes a round's uploads are compared with
+RECENT_CHANGES = 3  # published changes a round's uploads are compared with
+LOO_PRECISION = 1e-3  # the leave-one-out cosine's trust in float32 dot products (_loo_cosine)
 
 
 @dataclass(frozen=True)
@@ -133,17 +133,9 @@ class Check:
     other_gain: float | None = None
 
     def figures(self) -> dict[str, float | str | None]:
-        """What a contribution stores and shows."""
-        return {
-            "own_gain": self.own_gain,
-            "other_gain": self.other_gain,
-            "code": self.code,
-            "loo_cosine": self.loo_cosine,
-            "median_cosine": self.median_cosine,
-            "copy_cosine": self.copy_cosine,
-            "copy_of": self.copy_of,
-            "norm_ratio": self.norm_ratio,
-        }
+        """What a contribution stores and shows: every field but the reason (which the
+        contribution's excluded_reason holds when it failed)."""
+        return {k: v for k, v in asdict(self).items() if k != "reason"}
 
 
 @dataclass(frozen=True)
@@ -198,7 +190,7 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     for k, i in enumerate(ids):
         others = torch.cat([own[:k], own[k + 1 :]])
         centre = others.median(dim=0).values if len(others) > 2 else others.mean(dim=0)
-        c = _abs_cosine(own[k], centre, signed=True)
+        c = _cosine(own[k], centre)
         if c is not None:
             cos[i] = c
     out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
@@ -268,19 +260,18 @@ def _closest_copy(f: RoundFigures, i: str, earlier: list[str]) -> tuple[float | 
     ]
     best: tuple[float | None, str | None] = (None, None)
     for a, b, name in pairs:
-        cos = _abs_cosine(a, b)
-        if cos is not None and (best[0] is None or cos > best[0]):
-            best = (cos, name)
+        cos = _cosine(a, b)
+        if cos is not None and (best[0] is None or abs(cos) > best[0]):
+            best = (abs(cos), name)
     return best
 
 
-def _abs_cosine(a: torch.Tensor, b: torch.Tensor, *, signed: bool = False) -> float | None:
-    """|cos(a, b)| (``signed``: cos), None when either is zero or not finite."""
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """cos(a, b) in float64, None when either is zero or not finite."""
     if a.shape != b.shape:
         return None
     a64, b64 = a.double(), b.double()
     na, nb = float(a64.norm()), float(b64.norm())
     if not (na > 0 and nb > 0) or not (math.isfinite(na) and math.isfinite(nb)):
         return None
-    dot = float(a64 @ b64) / (na * nb)
-    return max(-1.0, min(1.0, dot if signed else abs(dot)))
+    return max(-1.0, min(1.0, float(a64 @ b64) / (na * nb)))

@@ -45,7 +45,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.data.text import eval_batches
-from diloco.model.architectures import build_model
+from diloco.model.architectures import empty_model
 from diloco.train import load_parameters, parameters_of
 from diloco.wire.contribution import decode_contribution
 from diloco.wire.exchange import codec_for
@@ -119,10 +119,7 @@ class Scorer:
 
     def __init__(self, cfg: RunConfig, base_params: Path, other: Windows) -> None:
         self.cfg, self.other = cfg, other
-        with torch.device("meta"):
-            self.model = build_model(cfg.model)
-        self.model.to_empty(device="cpu")
-        self.model.tie_weights()
+        self.model = empty_model(cfg.model)
         with TensorFileReader(base_params) as f:
             self.base = {n: f.tensor(n) for n in parameters_of(self.model)}
         self.shapes = {n: tuple(t.shape) for n, t in self.base.items()}

@@ -101,6 +101,7 @@ class _ProtocolRun:
     ) -> None:
         self.cfg, self.proto, self.data = cfg, proto, data
         settings = proto.hub
+        self.recorder = Recorder(cfg, opts, data, device, progress)
         self.hub = Hub(
             cfg,
             settings,
@@ -109,10 +110,9 @@ class _ProtocolRun:
             n_shards=settings.n_shards or opts.workers,
             now=EPOCH,
             evaluate=Recorder(cfg, opts, data, device, None).evaluator(build_model(cfg.model)),
+            score_sample=self.recorder.score_sample(),
             units=Units.of(data, cfg, opts.seed),
         )
-        self.recorder = Recorder(cfg, opts, data, device, progress)
-        self.hub.score_sample = self.recorder.score_sample()
         self.heartbeat_every = timedelta(seconds=heartbeat_every(cfg.rounds.heartbeat_interval_s))
         self.drop_rate = per_second("drop_per_min", proto.drop_per_min)
         self.return_rate = per_second("return_per_min", proto.return_per_min)

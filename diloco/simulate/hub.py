@@ -99,12 +99,13 @@ class Hub:
         n_shards: int,
         now: datetime,
         evaluate: Callable[[Path], float],
+        score_sample: Windows | None = None,
         units: Units | None = None,
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
         self.units = units  # a dataset run's data units, dealt as PICK_UNIT deals them
         self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
-        self.score_sample: Windows | None = None  # the scoring's shared windows (Recorder's)
+        self.score_sample = score_sample  # the scoring's shared windows (Recorder.score_sample)
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds)
         self.leasing = LeasePolicy.of(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from diloco.config import RunConfig
-from diloco.model.architectures import build_model
+from diloco.model.architectures import empty_model
 from diloco.train import evaluate, load_parameters_file
 from server.runs import data as run_data
 from server.storage.base import Storage
@@ -25,10 +25,7 @@ def evaluate_file(
     windows of the run's validation data, read straight into the model's own memory (one
     copy of the model). A version's full eval, here; the close's judge
     (``server.rounds.outer_step``) on ``[aggregation] judge_windows``."""
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    model.to_empty(device="cpu")
-    model.tie_weights()
+    model = empty_model(cfg.model)
     load_parameters_file(model, params_path)
     val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
     return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)
