@@ -287,6 +287,7 @@ async def create_run(
             "lease_ttl_s": max(30.0, 3 * args.interval),
         },
         "aggregation": {"score_windows": 0},  # synthetic (random) Δs lower no loss
+        "audit": {"fraction": 0.0},  # nor would they replay: no lease was trained
     }
     form = aiohttp.FormData()
     form.add_field("config", json.dumps(config))

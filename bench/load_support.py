@@ -315,6 +315,7 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
     from diloco.train import parameters_of
     from diloco.wire.contribution import ContributionMeta, encode_contribution
     from diloco.wire.exchange import encode_delta
+    from diloco.wire.header import FRESH, ReplayRecord
 
     cfg = parse_config(lease["config"])
     with torch.device("meta"):
@@ -333,6 +334,8 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
             lease["inner_steps"],
             3.0,
             codec,
+            # a run's audits need a replay record; these random Δs would fail a replay
+            ReplayRecord(FRESH, "fp32", 1),
         )
         bodies.append(b"".join(encode_contribution(meta, encoded)))
     return bodies

@@ -185,6 +185,7 @@ def create_run(server: DilocoServer, *, n_layer: int, n_embd: int, n_head: int,
         # the bodies are synthetic Δs (random): they lower no loss, so the close's scoring
         # would leave them out (diloco.outer.scoring); the cheap checks still run
         "aggregation": {"score_windows": 0},
+        "audit": {"fraction": 0.0},  # nor would they replay: no lease was trained
     }
     body, ctype = multipart({
         "config": (None, json.dumps(config).encode(), None),

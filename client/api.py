@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from client.audit_api import AuditAPI
 from client.download import Fetched, fetch_once
 from client.http import (
     CHUNK,
@@ -65,7 +66,7 @@ class UploadReceipt:
     repeated: bool  # 200: the server already held this very body (an idempotent retry)
 
 
-class ServerAPI(RunsAPI):
+class ServerAPI(RunsAPI, AuditAPI):
     """The server's API, call by call (the plumbing is ``client.session.ApiSession``)."""
 
     # ---------------------------------------------------------------- contributors

@@ -14,7 +14,10 @@ the new one. A file for another config or model is refused with a reason, never 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,9 @@ from diloco.atomic import atomic_path
 
 FORMAT = "diloco-adamw/1"
 STATE_FILE = "adamw.safetensors"
+# the state the lease last uploaded began from, kept until the next upload: an audit asks
+# for it (its SHA-256 is the upload's replay record's ``start``; docs/verification.md)
+START_FILE = "adamw.start.safetensors"
 
 
 class OptimizerStateError(ValueError):
@@ -81,6 +87,30 @@ def save_state(
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return path
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (read in 1 MiB pieces)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def keep_as_start(state: Path) -> Path | None:
+    """Keep the state file ``state`` as it is now (a hard link, or a copy where links are
+    not allowed) under ``START_FILE`` beside it, before a new state replaces it; None if
+    there is none."""
+    start = state.with_name(START_FILE)
+    if not state.exists():
+        return None
+    with atomic_path(start) as tmp:
+        try:
+            os.link(state, tmp)
+        except OSError:
+            shutil.copyfile(state, tmp)
+    return start
 
 
 def _read_metadata(path: Path) -> dict[str, str]:

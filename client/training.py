@@ -24,7 +24,7 @@ import torch
 
 from client.gpu import Fit, flops_per_token, limit_memory, size_micro_batch
 from client.lease import Lease, ProtocolError
-from client.optimizer_state import SavedState, load_state, save_state
+from client.optimizer_state import SavedState, file_sha256, load_state, save_state
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.data.text import AHEAD_SEED, lease_stream, range_windows, read_lease_tokens
@@ -35,6 +35,7 @@ from diloco.train import Ahead, InnerResult, InnerTrainer, parameters_of, train_
 from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, contribution_nbytes
 from diloco.wire.exchange import encode_delta
+from diloco.wire.header import FRESH, ReplayRecord
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -164,6 +165,10 @@ class LocalTrainer:
         self.flops_per_token = 0.0  # training FLOPs per token of the built model
         self._key: str | None = None
         self.steps_taken = 0  # inner steps taken with this AdamW state (restored ones included)
+        # what the AdamW state in memory is, for a lease's replay record: FRESH, the SHA-256
+        # of the state file it was saved to or restored from, or None once training moved it
+        self.state_digest: str | None = None
+        self.lease_start: str | None = None  # state_digest when the lease now trained began
 
     def prepare(self, config: Mapping[str, Any]) -> tuple[RunConfig, bool]:
         """Build the model for ``config`` unless it is already built; True if (re)built."""
@@ -195,6 +200,7 @@ class LocalTrainer:
             micro_batch=fit.micro_batch,
         )
         self.cfg, self._key, self.steps_taken, self.fit = cfg, key, 0, fit
+        self.state_digest = FRESH
         self.flops_per_token = flops_per_token(cfg.model, model.num_parameters())
         return cfg, True
 
@@ -223,6 +229,7 @@ class LocalTrainer:
         """Forget the model and AdamW state (after a divergence): the next round starts fresh."""
         self.cfg = self.trainer = self._key = self.fit = None
         self.steps_taken = 0
+        self.state_digest = self.lease_start = None
 
     @property
     def config_key(self) -> str:
@@ -232,10 +239,11 @@ class LocalTrainer:
         return hashlib.sha256(self._key.encode()).hexdigest()
 
     def save_state(self, path: Path, *, run_id: str, round: int) -> Path:
-        """Write the AdamW state to ``path`` (atomically) for a restart to resume from."""
+        """Write the AdamW state to ``path`` (atomically) for a restart to resume from, and
+        for an audit of the next lease to replay from (its digest is that lease's start)."""
         if self.trainer is None:
             raise RuntimeError("LocalTrainer.prepare must run before save_state")
-        return save_state(
+        saved = save_state(
             path,
             self.trainer.model,
             self.trainer.optimizer,
@@ -245,6 +253,8 @@ class LocalTrainer:
             round=round,
             error=self.trainer.error_feedback,
         )
+        self.state_digest = file_sha256(saved)
+        return saved
 
     def restore_state(self, path: Path, *, run_id: str) -> SavedState:
         """Load the AdamW state saved at ``path``; OptimizerStateError if it does not fit."""
@@ -259,6 +269,7 @@ class LocalTrainer:
         )
         self.steps_taken = saved.steps
         self.trainer.error_feedback = saved.error
+        self.state_digest = file_sha256(path)
         return saved
 
     def batches(
@@ -310,6 +321,9 @@ class LocalTrainer:
         if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before train")
         trainer = self.trainer
+        # replayable only from a state the volunteer can reveal, and from the base itself
+        self.lease_start = self.state_digest if ahead is None else None
+        self.state_digest = None
         k = trainer.start_after(params, ahead)
         steps = max(1, lease.inner_steps - k)
         tokens_per_step = self.cfg.tokens_per_step
@@ -345,6 +359,7 @@ class LocalTrainer:
         if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before train_ahead")
 
+        self.state_digest = None
         ahead = train_ahead(
             self.trainer,
             steps,
@@ -379,8 +394,16 @@ class LocalTrainer:
             inner_steps=result.steps,
             loss=result.mean_loss,
             codec=codec,
+            replay=self.replay_record(),
         )
         return Contribution(meta, encoded, contribution_nbytes(meta, encoded))
+
+    def replay_record(self) -> ReplayRecord | None:
+        """What an audit needs of the lease just trained beyond the lease itself (None: it
+        began from steps trained ahead, or from a state no file holds)."""
+        if self.lease_start is None or self.fit is None:
+            return None
+        return ReplayRecord(self.lease_start, self.precision, self.fit.micro_batch)
 
 
 def stop_flag(*events: threading.Event) -> Callable[[], bool]:

@@ -289,6 +289,13 @@ class _Worker:
             bar.step(done, loss, tokens)
             self.faults.hit("volunteer.step")  # tests: a volunteer that slows down
 
+        if ahead is None and self.local.state_digest is None:
+            # our state moved since it was saved (a lease given up mid-way): save it now, so
+            # that this lease begins from a state we can reveal to an audit
+            path = self.fetcher.state_path(lease.run_id)
+            await asyncio.to_thread(
+                self.local.save_state, path, run_id=lease.run_id, round=lease.round
+            )
         started = time.perf_counter()
         pace.start()
         with bar:

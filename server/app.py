@@ -16,6 +16,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from diloco.faults import FaultInjector
+from server.audits.router import roles_router
+from server.audits.router import router as audits_router
 from server.checkpoints.router import router as checkpoints_router
 from server.contributions.router import router as contributions_router
 from server.contributors.router import router as contributors_router
@@ -119,6 +121,8 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         contributors_router,
         contributions_router,
         datasets_router,
+        audits_router,
+        roles_router,
         speedtest_router,
         downloads_router,
         web.router,

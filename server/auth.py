@@ -28,7 +28,7 @@ from fastapi import Depends, Request
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server.contributors.models import Contributor
+from server.contributors.models import Contributor, ContributorRole
 from server.http.errors import Banned, Forbidden, Unauthorized
 
 
@@ -49,10 +49,8 @@ def bearer_token(request: Request) -> str:
 
 
 def require_admin(request: Request) -> None:
-    token = bearer_token(request)
-    expected: str = request.app.state.admin_token
-    if not hmac.compare_digest(hash_token(token), hash_token(expected)):
-        if token.startswith("ctr_"):
+    if not is_admin(request):
+        if bearer_token(request).startswith("ctr_"):
             raise Forbidden("this needs the admin token, not a contributor token")
         raise Unauthorized("the admin token is wrong; it is in <data-dir>/admin-token")
 
@@ -97,6 +95,36 @@ async def read_contributor(request: Request) -> Contributor:
     return await _find_contributor(request, touch=False)
 
 
+def is_admin(request: Request) -> bool:
+    """Whether the request carries the admin token (constant-time)."""
+    token = bearer_token(request)
+    expected: str = request.app.state.admin_token
+    return hmac.compare_digest(hash_token(token), hash_token(expected))
+
+
+async def require_verifier(request: Request) -> str:
+    """The admin token, or a contributor the admin made a ``verifier``: who it is ("admin"
+    or the contributor's id)."""
+    if is_admin(request):
+        return "admin"
+    contributor = await read_contributor(request)
+    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    async with sessions() as session:
+        role = await session.scalar(
+            select(ContributorRole.role).where(
+                ContributorRole.contributor_id == contributor.id,
+                ContributorRole.role == "verifier",
+            )
+        )
+    if role is None:
+        raise Forbidden(
+            "this needs the admin token or a verifier's (the admin grants the role: "
+            f"POST /api/v1/contributors/{contributor.id}/roles)"
+        )
+    return contributor.id
+
+
 AdminAuth = Annotated[None, Depends(require_admin)]
+VerifierAuth = Annotated[str, Depends(require_verifier)]
 ContributorAuth = Annotated[Contributor, Depends(require_contributor)]
 ContributorReadAuth = Annotated[Contributor, Depends(read_contributor)]

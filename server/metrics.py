@@ -44,8 +44,10 @@ EVAL_SECONDS = Histogram(
     "Time to measure a published version's eval loss (after publishing)",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
-ServedKind = Literal["checkpoint", "delta", "shard", "wheel"]
-SERVED_KINDS: tuple[ServedKind, ...] = ("checkpoint", "delta", "shard", "wheel")
+ServedKind = Literal["checkpoint", "delta", "shard", "wheel", "audit", "contribution"]
+SERVED_KINDS: tuple[ServedKind, ...] = (
+    "checkpoint", "delta", "shard", "wheel", "audit", "contribution",
+)  # fmt: skip
 SERVED_BYTES = Counter(
     "diloco_served_bytes_total",
     "File bytes streamed to clients, by kind (a range counts its bytes, a 304 none)",

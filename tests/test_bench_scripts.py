@@ -111,6 +111,23 @@ def test_false_positives_bench_applies_the_quarantine_rule_to_honest_volunteers(
     assert all(r["scored"] == 4 for r in results["rounds"])  # a round of up to 8: all scored
 
 
+def test_audit_bench_tells_the_honest_lease_from_every_forgery():
+    proc = subprocess.run(
+        [sys.executable, "bench/audit.py", "--steps", "6"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = dict(
+        (line[:26].strip(), line.split()[-1])
+        for line in proc.stdout.splitlines()
+        if line.endswith(("passes", "fails"))
+    )
+    assert verdicts["honest"] == "passes" and len(verdicts) == 8, proc.stdout
+    assert [k for k, v in verdicts.items() if v == "passes"] == ["honest"], proc.stdout
+    assert "every other kind fails: met" in proc.stdout
+
+
 def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(pg_admin_url):
     proc = subprocess.run(
         [sys.executable, "bench/hostile.py", "--quick", "--database-url", pg_admin_url],

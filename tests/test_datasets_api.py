@@ -18,6 +18,7 @@ from diloco.data.manifest import MANIFEST, Manifest, dataset_id
 from diloco.data.units import UnitDealer
 from diloco.wire.codec import Int8Codec
 from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.header import FRESH, ReplayRecord
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, register
 from tests.support.datasets import make_dataset
@@ -194,7 +195,7 @@ def contribute(http: httpx.Client, token: str, lease: dict) -> httpx.Response:
     meta = ContributionMeta(
         run_id=lease["run_id"], round=lease["round"], base_version=lease["base_version"],
         tokens=cfg.lease_tokens, inner_steps=lease["inner_steps"], loss=3.0,
-        codec=codec.describe(),
+        codec=codec.describe(), replay=ReplayRecord(FRESH, "fp32", 1),
     )  # fmt: skip
     return http.put(
         f"{API}/runs/{lease['run_id']}/rounds/{lease['round']}/contribution",

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
-import httpx
 import pytest
 from prometheus_client import REGISTRY
 
@@ -22,7 +21,7 @@ from server.storage.base import LocalStorage, Storage, open_storage
 from server.upkeep import retention
 from server.upkeep.retention import Blob, Version, keeps, plan
 from tests.conftest import server_run_config
-from tests.support.contribute import API, create_run, register, train, upload
+from tests.support.contribute import API, close_rounds, create_run, register
 from tests.support.live import ServerProcess, wait_for
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
@@ -180,18 +179,6 @@ EXPECTED = sorted(
 RETIRED = [(0, False), (1, True), (2, True), (3, False), (4, True), (5, False), (6, False)]
 
 
-def close_rounds(http: httpx.Client, token: str, run_id: str, n: int) -> None:
-    """Rounds 1..n close, one upload each; round n + 1 stays open on version n."""
-    for index in range(1, n + 1):
-        work = train(http, token, run_id, steps=1)
-        assert upload(http, token, work).status_code == 201
-
-        def closed(i: int = index) -> bool:
-            return int(http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"]) == i
-
-        wait_for(closed, timeout=120, what=f"round {index} to close")
-
-
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
     backend: str, request: pytest.FixtureRequest, database_url: str, tmp_path: Path
@@ -207,6 +194,8 @@ def test_a_live_server_deletes_what_the_policy_says_and_nothing_else(
     store: Storage = open_storage(str(settings.get("storage", "")), tmp_path / "srv" / "blobs")
     config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
     config["retention"] = POLICY
+    # no audits: an audited upload's blob is kept for good (tests/test_audits.py)
+    config["audit"] = {"fraction": 0.0}
     try:
         server.wait_ready()
         with server.client() as http:
@@ -306,6 +295,8 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
     store = LocalStorage(tmp_path / "srv" / "blobs")
     config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
     config["retention"] = POLICY
+    # no audits: an audited upload's blob is kept for good (tests/test_audits.py)
+    config["audit"] = {"fraction": 0.0}
     try:
         server.wait_ready()
         with server.client() as http:

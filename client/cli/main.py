@@ -4,7 +4,8 @@ an environment variable ``DILOCO_<NAME>``.
 Exit codes: 0 success; 1 unexpected failure; 2 bad usage or an invalid config
 (the message names the key); 3 a data file that cannot be used; 4 the server refused the
 request (4xx: bad token, no such run, ...); 5 the server could not be reached, or kept
-failing (connection errors, timeouts, 5xx) after retries. ``diloco join`` and
+failing (connection errors, timeouts, 5xx) after retries; ``diloco verify``: 6 the
+contribution failed verification, 7 it cannot be replayed. ``diloco join`` and
 ``diloco serve`` stopped by a signal exit 128 + its number (130 for Ctrl+C, 143 for
 SIGTERM), once they have cleaned up.
 """
@@ -22,6 +23,7 @@ from client.cli import export as export_cli
 from client.cli import sample as sample_cli
 from client.cli import serve as serve_cli
 from client.cli import simulate as simulate_cli
+from client.cli import verify as verify_cli
 from client.cli import volunteer as volunteer_cli
 from client.cli.account import (
     Device,
@@ -49,6 +51,7 @@ app.command()(volunteer_cli.me)
 app.command()(simulate_cli.simulate)
 app.command("plot")(simulate_cli.plot_cmd)
 app.command()(sample_cli.sample)
+app.command()(verify_cli.verify)
 app.command(hidden=not serve_cli.installed())(serve_cli.serve)
 
 

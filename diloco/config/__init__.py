@@ -26,6 +26,7 @@ from diloco.config.sections import (
     NO_CONTROL_CHARS,
     SPARSE_OUTER,
     AggregationSection,
+    AuditSection,
     CompressionSection,
     DataSection,
     EvalSection,
@@ -56,6 +57,7 @@ class RunConfig(_Section):
     aggregation: AggregationSection = AggregationSection()
     retention: RetentionSection = RetentionSection()
     eval: EvalSection = EvalSection()
+    audit: AuditSection = AuditSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -186,6 +188,7 @@ __all__ = [
     "NO_CONTROL_CHARS",
     "SPARSE_OUTER",
     "AggregationSection",
+    "AuditSection",
     "CompressionSection",
     "ConfigError",
     "DataSection",

@@ -374,6 +374,19 @@ class AggregationSection(_Section):
     suspect_multiple: float = Field(1.5, ge=1.0, le=1000.0)
 
 
+class AuditSection(_Section):
+    """Audits by replay (docs/verification.md): a share of the uploads is re-run by a
+    verifier from the same base, data, seeds and starting AdamW state."""
+
+    # the share of uploads audited, drawn with the round's secret after each upload (a
+    # volunteer cannot know beforehand); its blob and its revealed starting state are kept
+    # past retention. 0: none
+    fraction: float = Field(0.05, ge=0.0, le=1.0)
+    # how long an audited volunteer has to send the AdamW state its lease began from;
+    # an audit still waiting then fails
+    reveal_s: float = Field(3600.0, ge=10.0, le=7 * 24 * 3600.0)
+
+
 MAX_GRACE_S = 366 * 24 * 3600.0  # a year: past it, say "keep for ever" (None) instead
 DEFAULT_GRACE_S = 24 * 3600.0
 

@@ -259,6 +259,9 @@ class Receipt(_Message):
     merged_into_round: int | None = None
     staleness: int = 0  # versions published since its base version: 0 unless late
     weight: int | None = None  # tokens it counts for in the step and in credit, discounted
+    # an audit's id: the upload was drawn for an audit by replay and the volunteer now
+    # sends the AdamW state its lease began from (PUT /runs/{id}/audits/{audit}/state)
+    audit: str | None = None
 
     @property
     def late(self) -> bool:

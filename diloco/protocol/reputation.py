@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # the exclusion codes that say the work was not there (diloco.outer.checks, .scoring)
-VERIFY_CODES = frozenset({"zero_update", "copy", "opposed", "unaligned", "no_gain"})
+# and an audit that found the work was not what it claims (diloco.protocol.audit)
+VERIFY_CODES = frozenset({"zero_update", "copy", "opposed", "unaligned", "no_gain", "replay"})
 WINDOW = 5
 FAILS = 3
 CODE = "quarantined"  # the exclusion code of a quarantined contributor's work

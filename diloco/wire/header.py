@@ -25,6 +25,7 @@ __all__ = [
     "DIGEST_BYTES",
     "DTYPES",
     "FORMAT_VERSION",
+    "FRESH",
     "MAGIC",
     "MAX_HEADER_BYTES",
     "MAX_NUMEL",
@@ -33,6 +34,7 @@ __all__ = [
     "ContributionHeader",
     "ContributionMeta",
     "NonFiniteWireError",
+    "ReplayRecord",
     "TensorSpec",
     "WireFormatError",
     "body_bytes",
@@ -54,8 +56,13 @@ DTYPES = {"int8": torch.int8, "float32": torch.float32, "uint8": torch.uint8}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_KEYS = (
     "format_version", "run_id", "round", "base_version", "tokens", "inner_steps", "loss",
-    "codec", "tensors",
+    "codec", "tensors", "replay",
 )  # fmt: skip
+_REPLAY_KEYS = ("start", "precision", "micro_batch")
+# the precisions a volunteer trains in (diloco.precision) and the most sequences a pass holds
+REPLAY_PRECISIONS = ("fp32", "bf16", "fp16")
+MAX_MICRO_BATCH = 4096
+FRESH = "fresh"  # a replay record's start: a new AdamW state, nothing to reveal
 _TENSOR_KEYS = ("name", "shape", "dtype", "n_scales")
 # what each integer of the header may be: indices and step counts are 32-bit wherever they
 # are stored (Postgres integers); tokens are a float64 aggregation weight, exact to 2^53
@@ -84,6 +91,37 @@ class ContributionMeta:
     inner_steps: int
     loss: float  # mean train loss of the inner loop, for the dashboard
     codec: dict[str, Any] = field(hash=False)  # the codec's describe()
+    # what an audit needs to re-run the lease (docs/verification.md); None: not replayable
+    # (the volunteer trained ahead of the lease, or a client from before replay records)
+    replay: ReplayRecord | None = None
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """How a contribution was trained, beyond its lease: the AdamW state it started from,
+    committed as the SHA-256 of the state file the volunteer keeps (``FRESH``: a new
+    optimizer), revealed only if the server audits it; its precision and micro-batch."""
+
+    start: str  # 64 lowercase hex digits, or FRESH
+    precision: str  # one of REPLAY_PRECISIONS
+    micro_batch: int
+
+    def check(self) -> None:
+        if self.start != FRESH and not (
+            len(self.start) == 64 and all(c in "0123456789abcdef" for c in self.start)
+        ):
+            raise WireFormatError(
+                f"header replay 'start' must be {FRESH!r} or 64 lowercase hex digits"
+            )
+        if self.precision not in REPLAY_PRECISIONS:
+            raise WireFormatError(
+                f"header replay 'precision' must be one of {list(REPLAY_PRECISIONS)}, "
+                f"got {self.precision!r}"
+            )
+        if not 1 <= self.micro_batch <= MAX_MICRO_BATCH:
+            raise WireFormatError(
+                f"header replay 'micro_batch' must be 1..{MAX_MICRO_BATCH}, got {self.micro_batch}"
+            )
 
 
 @dataclass(frozen=True)
@@ -160,6 +198,20 @@ def _check_meta(meta: ContributionMeta) -> None:
             )
     if not math.isfinite(meta.loss):
         raise WireFormatError(f"header key 'loss' must be finite, got {meta.loss}")
+    if meta.replay is not None:
+        meta.replay.check()
+
+
+def _replay_of(h: Mapping[str, Any]) -> ReplayRecord | None:
+    if "replay" not in h:
+        return None
+    r = _get(h, "replay", dict, "header")
+    _check_keys(r, _REPLAY_KEYS, "header replay")
+    return ReplayRecord(
+        start=_get(r, "start", str, "header replay"),
+        precision=_get(r, "precision", str, "header replay"),
+        micro_batch=_get(r, "micro_batch", int, "header replay"),
+    )
 
 
 def _check_spec(spec: TensorSpec, codec: Codec) -> None:
@@ -206,6 +258,7 @@ def parse_header(raw: bytes) -> ContributionHeader:
         inner_steps=_get(h, "inner_steps", int, "header"),
         loss=float(_get(h, "loss", (int, float), "header")),
         codec=codec.describe(),
+        replay=_replay_of(h),
     )
     _check_meta(meta)
     specs: list[TensorSpec] = []
@@ -302,6 +355,13 @@ def prefix_and_header(meta: ContributionMeta, specs: list[TensorSpec]) -> bytes:
             for s in specs
         ],
     }
+    if meta.replay is not None:
+        r = meta.replay
+        header["replay"] = {
+            "start": r.start,
+            "precision": r.precision,
+            "micro_batch": r.micro_batch,
+        }
     raw: bytes = msgpack.packb(header, use_bin_type=True)
     if len(raw) > MAX_HEADER_BYTES:
         raise WireFormatError(f"header is {len(raw)} bytes, over the {MAX_HEADER_BYTES} limit")

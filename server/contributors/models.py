@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import String, Text, func
+from sqlalchemy import CheckConstraint, ForeignKey, String, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -31,3 +31,17 @@ class Contributor(Base):
     # credited, until an admin lifts it
     quarantined_at: Mapped[datetime | None] = mapped_column(default=None)
     quarantine_reason: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class ContributorRole(Base):
+    """A role the admin granted an account (``POST /contributors/{id}/roles``): ``verifier``
+    may claim and decide audits (``server.audits``)."""
+
+    __tablename__ = "contributor_roles"
+    __table_args__ = (CheckConstraint("role IN ('verifier')", name="role_valid"),)
+
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True
+    )
+    role: Mapped[str] = mapped_column(String(16), primary_key=True)
+    granted_at: Mapped[datetime] = mapped_column()

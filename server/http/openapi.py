@@ -27,6 +27,7 @@ ADMIN: Errors = {401: ("unauthorized",), 403: ("forbidden",)}
 CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
 LIMITED: Errors = {429: ("rate_limited",)}  # server.http.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
+VERIFIER: Errors = {401: ("unauthorized",), 403: ("forbidden", "banned")}  # or the admin
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 VERSION_FILE: Errors = {**FILE, 410: ("gone",)}  # retention deleted the version's files
 UPLOAD: Errors = {
@@ -120,6 +121,32 @@ ERRORS: dict[str, Errors] = {
     "POST /api/v1/contributors/{contributor_id}/ban": {**ADMIN, 404: ("not_found",)},
     "POST /api/v1/contributors/{contributor_id}/unban": {**ADMIN, 404: ("not_found",)},
     "POST /api/v1/contributors/{contributor_id}/unquarantine": {**ADMIN, 404: ("not_found",)},
+    "POST /api/v1/contributors/{contributor_id}/roles": {**ADMIN, 404: ("not_found",)},
+    "DELETE /api/v1/contributors/{contributor_id}/roles/{role}": {**ADMIN, 404: ("not_found",)},
+    "PUT /api/v1/runs/{run_id}/audits/{audit_id}/state": {
+        **CONTRIBUTOR,
+        403: ("banned", "forbidden"),  # another contributor's audit
+        404: ("not_found",),
+        409: ("invalid_transition",),  # not waiting for a state (any more)
+        411: ("length_required",),
+        413: ("upload_too_large",),
+        422: ("invalid_data", "invalid_request"),  # not the committed SHA-256
+        507: ("storage_failed",),
+    },
+    "GET /api/v1/runs/{run_id}/audits": {**VERIFIER, **RUN},
+    "POST /api/v1/runs/{run_id}/audits/claim": {**VERIFIER, **RUN},
+    "POST /api/v1/runs/{run_id}/audits/{audit_id}": {
+        **VERIFIER,
+        404: ("not_found",),
+        409: ("invalid_transition",),
+    },
+    "GET /api/v1/runs/{run_id}/audits/{audit_id}/state": {**VERIFIER, **FILE},
+    "GET /api/v1/runs/{run_id}/contributions/{contribution_id}/blob": {**VERIFIER, **FILE},
+    "GET /api/v1/runs/{run_id}/rounds/{index}/ledger/{contributor_id}": {
+        **VERIFIER,
+        404: ("run_not_found", "not_found"),
+        410: ("gone",),  # retention deleted the round's base
+    },
     "GET /api/v1/speedtest": LIMITED,
     "POST /api/v1/speedtest": {413: ("body_too_large",), 422: (), **LIMITED},
     "GET /api/v1/hub": {},
@@ -162,6 +189,10 @@ FILES = {
     "(nbytes / chunk_len, chunk_len); a dataset run's shard file (data.token_dtype)",
     "GET /downloads/{filename}": "the client wheel (or, for NAME.sha256, `<hex>  NAME` as "
     "text/plain)",
+    "GET /api/v1/runs/{run_id}/audits/{audit_id}/state": "safetensors: the AdamW state an "
+    "audited lease began from (client.optimizer_state)",
+    "GET /api/v1/runs/{run_id}/contributions/{contribution_id}/blob": "an accepted "
+    "contribution's body as uploaded (docs/protocol.md)",
     "GET /api/v1/datasets/{dataset_id}/files/{name}": "a file of a prepared dataset "
     "(tokenizer.json, val.bin, shard-NNNNN.bin: docs/api.md, Datasets)",
 }
@@ -181,6 +212,12 @@ BODIES: dict[str, dict[str, Any]] = {
     "PUT /api/v1/datasets/{dataset_id}/files/{name}": {
         "required": True,
         "description": "the file's bytes, exactly as its manifest entry (Content-Length, sha256)",
+        "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
+    },
+    "PUT /api/v1/runs/{run_id}/audits/{audit_id}/state": {
+        "required": True,
+        "description": "the AdamW state file the audited lease began from, with a "
+        "Content-Length; its SHA-256 must be the upload's replay record's start",
         "content": {"application/octet-stream": {"schema": _BINARY_SCHEMA}},
     },
     "POST /api/v1/datasets": {

@@ -19,6 +19,7 @@ from datetime import datetime
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.protocol.audit import CODE as AUDIT_FAILED
 from diloco.protocol.reputation import CODE as QUARANTINED
 from diloco.protocol.state import RoundState
 from server.rounds import notify
@@ -72,9 +73,9 @@ async def exclude_pending(
 
 
 async def used_banned(*, session: AsyncSession, contribution_ids: list[str]) -> list[str]:
-    """Of the contributions a step used, those a ban or a quarantine has excluded since it
-    read them. Locks them all first (a ban in flight is waited for), then looks at their
-    latest state."""
+    """Of the contributions a step used, those a ban, a quarantine or a failed audit has
+    excluded since it read them. Locks them all first (a ban in flight is waited for), then
+    looks at their latest state."""
     if not contribution_ids:
         return []
     rows = await session.execute(
@@ -83,4 +84,4 @@ async def used_banned(*, session: AsyncSession, contribution_ids: list[str]) -> 
         .order_by(Contribution.id)  # one lock order for every publisher
         .with_for_update()
     )
-    return [cid for cid, code in rows if code in (EXCLUDED_CODE, QUARANTINED)]
+    return [cid for cid, code in rows if code in (EXCLUDED_CODE, QUARANTINED, AUDIT_FAILED)]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
@@ -49,6 +49,7 @@ from diloco.wire.contribution import (
 )
 from diloco.wire.exchange import codec_for
 from diloco.wire.header import dtype_name
+from server.audits import service as audits
 from server.http.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -101,6 +102,11 @@ def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
     dtype = dtype_name(codec.data_dtype)
     if bad := [t.name for t in header.tensors if t.dtype != dtype]:
         raise WrongTensors(f"tensors {bad} are not {dtype}, as the run's codec requires")
+    if header.meta.replay is None and cfg.audit.fraction > 0 and cfg.inner.overlap == 0:
+        raise MalformedUpload(
+            "the upload carries no replay record (header key 'replay'), which this run's "
+            "audits need; upgrade the client (pip install -U diloco-hub)"
+        )
 
 
 def _claim(header: ContributionHeader) -> UploadClaim:
@@ -235,7 +241,10 @@ async def receive(
         sha = decoder.body_sha256
         assert sha is not None  # finish() returned: the trailer matched
         if existing is not None:  # a retry: identical is fine, anything else is a conflict
-            return retry_answer(existing, sha)
+            answer = retry_answer(existing, sha)
+            async with sessions() as session:  # its audit may still wait for the state
+                audit = await audits.revealing(session, existing.id)
+            return Accepted(False, answer.out.model_copy(update={"audit": audit}))
         committing = asyncio.ensure_future(asyncio.to_thread(writer.commit))  # fsync: off the loop
         try:
             await asyncio.shield(committing)
@@ -330,12 +339,17 @@ async def _record(
                 # a quarantined contributor's work is stored, never aggregated or credited
                 excluded_code=None if quarantine is None else QUARANTINED,
                 excluded_reason=quarantine,
+                replay=None if body.meta.replay is None else asdict(body.meta.replay),
             )
             .on_conflict_do_nothing()
             .returning(Contribution.id)
         )
         if inserted is None:
             return await _not_inserted(session, storage, run_id, index, step, contributor_id, body)
+        audit = await audits.draw(
+            session, cfg, run_id=run_id, index=index, contribution_id=row_id,
+            contributor_id=contributor_id, replay=body.meta.replay, now=datetime.now(UTC),
+        )  # fmt: skip
         # what it trained on is covered (a dataset run's unit; nothing for a text run)
         await coverage.record(session, lease_id=lease_id, tokens=weight)
         await notify.rounds_changed(session, run_id)
@@ -346,6 +360,7 @@ async def _record(
         merged_into_round=step,
         staleness=staleness,
         weight=late_weight(weight, staleness),
+        audit=audit,
     )
     return Accepted(True, out)
 

@@ -134,7 +134,7 @@ async def _no_one(conn: asyncpg.Connection, token_hash: str) -> HubError:
     return Unauthorized(UNKNOWN_TOKEN)
 
 
-def _round_view(row: asyncpg.Record) -> RoundView | None:
+def round_view(row: asyncpg.Record) -> RoundView | None:
     if row["state"] is None:
         return None
     return RoundView(
@@ -176,7 +176,7 @@ async def join(
                 f"run {run_id} is private: join it with the invite code its owner gave you "
                 f"(POST /api/v1/runs/{run_id}/members, or diloco join --invite CODE)"
             )
-        view = _round_view(row)
+        view = round_view(row)
         held = None
         if row["lease_id"] is not None:
             held = LeaseView(
@@ -240,10 +240,10 @@ async def join(
         unit = None
         if lease["unit"] is not None:
             unit = await conn.fetchrow(coverage.UNIT_OF, run_id, lease["unit"])
-    return _lease_answer(settings, storage, run_id, view, row, lease, unit, now)
+    return lease_answer(settings, storage, run_id, view, row, lease, unit, now)
 
 
-def _lease_answer(
+def lease_answer(
     settings: Settings,
     storage: Storage,
     run_id: str,
@@ -351,7 +351,7 @@ async def heartbeat(
             raise await _no_one(conn, token_hash)
         if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-        rnd = _round_view(row)
+        rnd = round_view(row)
         facts = HeartbeatFacts(RunStatus(row["run_status"]), rnd, row["current"], row["held"])
         ttl_s = _run_config(row["config"]).rounds.lease_ttl_s
         grant = admit_heartbeat(now, facts, ttl_s=ttl_s)

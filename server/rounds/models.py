@@ -179,6 +179,9 @@ class Contribution(Base):
     # what the close's checks measured of it (diloco.outer.checks.Check.figures); a failed
     # check's code and reason are also its excluded_code and excluded_reason
     checks: Mapped[dict | None] = mapped_column(JSON, default=None)
+    # how it was trained beyond its lease (diloco.wire.header.ReplayRecord: the digest of
+    # the AdamW state it began from, precision, micro-batch): what an audit replays
+    replay: Mapped[dict | None] = mapped_column(JSON, default=None)
     # retention (server.upkeep.retention) deleted the blob once its round was closed and the run's
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes

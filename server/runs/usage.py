@@ -19,6 +19,7 @@ KINDS = (
     "deltas",  # checkpoints/<v>.delta.safetensors: the int8 delta from v - 1
     "contributions",  # rounds/<index>/: accepted contribution blobs
     "incoming",  # incoming/<index>/: direct uploads not yet committed
+    "audits",  # audits/<audit>.safetensors: the AdamW states audited volunteers revealed
     "unfinished",  # writes never committed nor aborted (a crash): the janitor's to remove
     "other",  # anything else under the run's prefix (none is expected)
 )

@@ -10,6 +10,7 @@
         checkpoints/<v>.delta.safetensors        the int8 delta from version v − 1
         rounds/<r>/<contributor>-<8 hex>.bin     an accepted contribution trained for round r
         incoming/<r>/<contributor>.bin           a direct upload, not yet committed
+        audits/<audit>.safetensors               the AdamW state an audited lease began from
     datasets/<id>/<file>                         a prepared dataset's files, shared by runs
 
 Every module that names an object builds its key here (``from server import keys``); the
@@ -94,6 +95,12 @@ def contribution(run_id: str, round_index: int, contributor_id: str) -> str:
     return f"{rounds(run_id)}{round_index}/{contributor_id}-{secrets.token_hex(4)}.bin"
 
 
+def audit_state(run_id: str, audit_id: str) -> str:
+    """The AdamW state an audited volunteer revealed (``server.audits``): its lease began
+    from it."""
+    return f"{run(run_id)}audits/{audit_id}.safetensors"
+
+
 def is_contribution(key: str) -> bool:
     """``runs/<id>/rounds/<r>/<name>``: a contribution's blob."""
     parts = key.split("/")
@@ -136,11 +143,12 @@ _VERSION_FILE = re.compile(r"^checkpoints/\d+(\.state|\.delta)?\.safetensors$")
 
 def kind_of(rest: str) -> str:
     """The kind of a run's committed key, given without its ``runs/<id>/`` prefix:
-    data, checkpoints, states, deltas, contributions, incoming, or other."""
+    data, checkpoints, states, deltas, contributions, incoming, audits, or other."""
     if m := _VERSION_FILE.match(rest):
         return {None: "checkpoints", ".state": "states", ".delta": "deltas"}[m.group(1)]
     top = rest.split("/", 1)[0]
-    return {"data": "data", "rounds": "contributions", "incoming": "incoming"}.get(top, "other")
+    kinds = {"data": "data", "rounds": "contributions", "incoming": "incoming", "audits": "audits"}
+    return kinds.get(top, "other")
 
 
 def written_at_creation(key: str) -> bool:

@@ -10,6 +10,8 @@
 - A contribution's blob goes once its round is closed and ``contribution_grace_s`` has
   passed since; its row (sha256, nbytes, norm, payload_sha256...) stays with
   ``blob_deleted_at`` set, so the ledger can still be checked against what was recorded.
+  An audited contribution's blob (``server.audits``) is kept for good, and so is the base
+  version of an audit not yet decided.
 
 The decision is the pure ``plan(now=..., ...)``; the janitor (``server.upkeep.janitor``) calls
 ``apply`` on each pass with the blobs it listed.
@@ -43,6 +45,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from diloco.config import RetentionSection
+from diloco.protocol.audit import DECIDED
+from server.audits.models import Audit
 from server.checkpoints.models import Checkpoint
 from server.metrics import JANITOR_ERRORS, JANITOR_REMOVED
 from server.rounds import service as rounds_service
@@ -232,7 +236,12 @@ async def _versions(
     bases = await session.scalars(
         select(Round.base_version).where(Round.run_id == run_id, Round.state != "closed")
     )
-    return versions, set(bases)
+    audited = await session.scalars(  # an audit not yet decided replays from its round's base
+        select(Audit.round_index - 1).where(
+            Audit.run_id == run_id, Audit.status.not_in(list(DECIDED))
+        )
+    )
+    return versions, set(bases) | set(audited)
 
 
 async def _blobs(
@@ -247,6 +256,7 @@ async def _blobs(
         .join(Round, and_(Round.run_id == c.run_id, Round.index == c.merged_into_round))
         .where(c.run_id == run_id)
         .where(c.blob_deleted_at.is_(None) | c.blob_key.in_(list(present)))
+        .where(~exists().where(Audit.contribution_id == c.id))  # audited: kept for good
     )
     return [
         Blob(cid, key, closed_at if state == "closed" else None, retired=deleted is not None)

@@ -31,7 +31,9 @@ from diloco.wire.codec import EncodedTensor
 from diloco.wire.contribution import ContributionMeta, decode_contribution, encode_contribution
 from diloco.wire.delta import DeltaCodec, apply_change, publish_change
 from diloco.wire.exchange import codec_for, delta_codec_for, encode_delta
+from diloco.wire.header import FRESH, ReplayRecord
 from diloco.wire.tensorfile import TensorFileReader
+from tests.support.live import wait_for
 
 API = "/api/v1"
 
@@ -123,6 +125,8 @@ def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = No
         inner_steps=h,
         loss=result.mean_loss,
         codec=codec,
+        # a new InnerTrainer each call: the lease begins fresh, in fp32, in one pass
+        replay=ReplayRecord(FRESH, "fp32", cfg.inner.batch_size),
     )
     return Work(lease=lease, meta=meta, encoded=encoded, delta=delta)
 
@@ -269,3 +273,15 @@ def outer_reference(
             out.momentum[name] = buffer.clone().view(theta.shape)
             out.residual[name] = r.detach().clone().view(theta.shape)
     return out
+
+
+def close_rounds(http: httpx.Client, token: str, run_id: str, n: int) -> None:
+    """Rounds 1..n close, one upload each; round n + 1 stays open on version n."""
+    for index in range(1, n + 1):
+        work = train(http, token, run_id, steps=1)
+        assert upload(http, token, work).status_code == 201
+
+        def closed(i: int = index) -> bool:
+            return int(http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"]) == i
+
+        wait_for(closed, timeout=120, what=f"round {index} to close")

@@ -1,0 +1,84 @@
+"""Audits by replay (issue 26, docs/verification.md): the rules, with no clock or database.
+
+Every upload carries a replay record (``diloco.wire.header.ReplayRecord``): the SHA-256 of
+the AdamW state file its lease began from (or ``fresh``), its precision and micro-batch.
+With its lease (base version, data, seed, steps) and the run's config that is all a
+verifier needs to train the lease again, once the volunteer reveals that state. Which
+uploads are audited is drawn after each upload from the round's secret ``check_seed``, so
+a volunteer cannot know beforehand which of its leases will be replayed: it either trains
+every lease honestly or risks each.
+
+An audit passes when the replayed update, encoded by the run's codec as the volunteer's
+was, points the same way as the upload (cosine at least ``MIN_COSINE``) and is as long
+(``NORM_RATIO``). The same code on the same kind of device and precision reproduces an
+upload to within rounding (cosine above 0.9999 on CPU fp32); the tolerance leaves room for
+another machine's kernels, not for other work: training on other data, from another base
+or for fewer steps moves the cosine far below it (bench/audit.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+MIN_COSINE = 0.99
+NORM_RATIO = (0.9, 1.1)  # replayed ‖Δ‖ / uploaded ‖Δ‖
+CLAIM_S = 1800.0  # a verifier holds a claimed audit this long before another may take it
+CODE = "replay"  # the exclusion code of work an audit found was not what it claims
+
+
+class AuditStatus(StrEnum):
+    REVEALING = "revealing"  # waiting for the volunteer's starting state
+    PENDING = "pending"  # a verifier may claim it
+    PASSED = "passed"
+    FAILED = "failed"
+
+
+DECIDED = frozenset({AuditStatus.PASSED, AuditStatus.FAILED})
+
+
+def drawn(check_seed: int, contributor_id: str, fraction: float) -> bool:
+    """Whether this contributor's upload to the round with this secret is audited: a
+    uniform draw from the secret and the contributor, below ``fraction``."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.sha256(f"audit:{check_seed}:{contributor_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def reveal_deadline(now: datetime, reveal_s: float) -> datetime:
+    return now + timedelta(seconds=reveal_s)
+
+
+def max_state_bytes(n_params: int) -> int:
+    """The largest starting-state file a volunteer may reveal for a model of ``n_params``:
+    AdamW's two moments and the codec's residual in float32, and a generous header (the
+    parameter names and shapes, the param groups)."""
+    return 3 * 4 * n_params + (4 << 20)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a replay found: the cosine between the replayed and the uploaded update, the
+    relative error ‖r − u‖ / ‖u‖ and the norm ratio ‖r‖ / ‖u‖."""
+
+    cosine: float
+    rel_error: float
+    norm_ratio: float
+
+    @property
+    def passed(self) -> bool:
+        low, high = NORM_RATIO
+        return self.cosine >= MIN_COSINE and low <= self.norm_ratio <= high
+
+    def sentence(self) -> str:
+        low, high = NORM_RATIO
+        figures = (
+            f"cosine {self.cosine:.4f} (at least {MIN_COSINE}), norm ratio "
+            f"{self.norm_ratio:.3f} ({low}..{high}), relative error {self.rel_error:.3g}"
+        )
+        if self.passed:
+            return f"the replay reproduces the upload: {figures}"
+        return f"the replay does not reproduce the upload: {figures}"
