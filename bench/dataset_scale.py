@@ -9,7 +9,7 @@
    the run's data units.
 
 (A volunteer reads only its lease's range of one shard: tests/test_datasets_api.py and
-client.training.load_shard.) Every process's peak RSS (VmHWM, polled while it runs) is
+client.fetch.load_shard.) Every process's peak RSS (VmHWM, polled while it runs) is
 printed beside the same figure for a small dataset measured in the same run: memory that
 does not grow with the data (at most 1.5x, and under 1 GiB, while the dataset is GBs).
 

@@ -3,36 +3,19 @@ starting state; a verifier (or the admin) reads the ledger, claims and decides a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from client.http import CHUNK, error_from, json_object
+from client.http import error_from, json_object
 from client.session import ApiSession
 
 
 class AuditAPI(ApiSession):
     async def reveal_state(self, run_id: str, audit_id: str, path: Path) -> dict[str, Any]:
         """PUT the AdamW state file an audited lease began from; the audit."""
-        url, size = self.url(f"/runs/{run_id}/audits/{audit_id}/state"), path.stat().st_size
-
-        async def body() -> AsyncIterator[bytes]:
-            with open(path, "rb") as f:
-                while block := f.read(CHUNK):
-                    yield block
-
-        async def once() -> dict[str, Any]:
-            headers = self._headers(
-                {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
-            )
-            async with self._http().put(
-                url, data=body(), headers=headers, timeout=self._transfer_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                return await json_object(resp)
-
-        return await self._with_retries(f"reveal for audit {audit_id}", once)
+        where = f"/runs/{run_id}/audits/{audit_id}/state"
+        _, audit = await self._put_file(where, path, f"reveal for audit {audit_id}")
+        return audit
 
     async def ledger(self, run_id: str, round: int, contributor_id: str) -> dict[str, Any]:
         """What re-running a contributor's lease of a round needs (verifier or admin)."""

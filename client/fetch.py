@@ -13,15 +13,56 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from client import catchup, credentials
 from client.api import ServerAPI
 from client.download import sha256_file
-from client.lease import Lease
+from client.lease import Lease, ProtocolError
 from client.optimizer_state import STATE_FILE
 from client.progress import Reporter
-from client.training import load_checkpoint_params, load_shard
+from diloco.checkpoint import CheckpointError, checkpoint_params_only
+from diloco.data.text import read_lease_tokens
+
+
+def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:
+    """A text run's shard as uint8 tokens ``(nbytes / chunk_len, chunk_len)``; a dataset
+    run's lease range (``lease.data_range``) as a 1-D int64 tensor, read from the shard file
+    by offset (the rest of the shard is never loaded)."""
+    ref = lease.shard
+    dtype = np.dtype(ref.dtype).newbyteorder("<")
+    if path.stat().st_size != ref.nbytes:
+        raise ProtocolError(
+            f"shard {path} holds {path.stat().st_size} bytes, the lease says {ref.nbytes}"
+        )
+    rng = lease.data_range
+    if rng is not None:
+        total = ref.nbytes // dtype.itemsize
+        if rng.start < 0 or rng.tokens < block_size + 1 or rng.start + rng.tokens > total:
+            raise ProtocolError(
+                f"shard {ref.index}: the lease's range [{rng.start}, {rng.start + rng.tokens}) "
+                f"is not inside its {total} tokens or holds no window; tell the run's operator"
+            )
+        return read_lease_tokens(
+            path, dtype=ref.dtype, chunk_len=ref.chunk_len, start=rng.start, tokens=rng.tokens
+        )
+    if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len or ref.dtype != "uint8":
+        raise ProtocolError(
+            f"shard {ref.index}: chunk_len {ref.chunk_len} must exceed block_size {block_size} "
+            f"and divide nbytes {ref.nbytes} (uint8 tokens); tell the run's operator"
+        )
+    return read_lease_tokens(path, dtype=ref.dtype, chunk_len=ref.chunk_len)
+
+
+def load_checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
+    """θ(t−1) in fp32 on the CPU; a cached file that no longer reads is deleted first."""
+    try:
+        params = checkpoint_params_only(path)
+    except CheckpointError:
+        path.unlink(missing_ok=True)  # the next join downloads it again
+        raise
+    return {n: t.float() for n, t in params.items()}
 
 
 class Fetcher:

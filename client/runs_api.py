@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from client.http import CHUNK, error_from, json_object
+from client.http import error_from, json_object
 from client.lease import ProtocolError, require
 from client.session import ApiSession
 
@@ -70,26 +70,9 @@ class RunsAPI(ApiSession):
     ) -> bool:
         """PUT one file of a dataset, streamed; False when the server had it already.
         A retry after a cut starts the file again (the server kept nothing of it)."""
-        url, size = self.url(f"/datasets/{dataset_id}/files/{name}"), path.stat().st_size
-
-        async def body() -> AsyncIterator[bytes]:
-            with open(path, "rb") as f:
-                while block := f.read(CHUNK):
-                    on_bytes(len(block))
-                    yield block
-
-        async def once() -> bool:
-            headers = self._headers(
-                {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
-            )
-            async with self._http().put(
-                url, data=body(), headers=headers, timeout=self._transfer_timeout
-            ) as resp:
-                if resp.status >= 400:
-                    raise await error_from(resp)
-                return resp.status == 201
-
-        return await self._with_retries(f"upload of {name}", once)
+        where = f"/datasets/{dataset_id}/files/{name}"
+        status, _ = await self._put_file(where, path, f"upload of {name}", on_bytes)
+        return status == 201
 
     async def list_runs(self) -> list[dict[str, Any]]:
         """Every run, newest first."""

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import aiohttp
 
 from client.credentials import normalize_server_url
-from client.http import RetryPolicy, Timeouts, error_from, json_object, with_retries
+from client.http import CHUNK, RetryPolicy, Timeouts, error_from, json_object, with_retries
 
 API_PREFIX = "/api/v1"
 T = TypeVar("T")
@@ -105,3 +106,30 @@ class ApiSession:
         return await self._with_retries(
             f"{method} {path}", once, idempotent=idempotent, retry=retry
         )
+
+    async def _put_file(
+        self, path: str, file: Path, what: str, on_bytes: Callable[[int], None] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """PUT a file's bytes to ``path``, streamed with its Content-Length; the status and
+        the JSON answer. A retry after a cut sends the file again from its start."""
+        url, size = self.url(path), file.stat().st_size
+
+        async def body() -> AsyncIterator[bytes]:
+            with open(file, "rb") as f:
+                while block := f.read(CHUNK):
+                    if on_bytes is not None:
+                        on_bytes(len(block))
+                    yield block
+
+        async def once() -> tuple[int, dict[str, Any]]:
+            headers = self._headers(
+                {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+            )
+            async with self._http().put(
+                url, data=body(), headers=headers, timeout=self._transfer_timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raise await error_from(resp)
+                return resp.status, await json_object(resp)
+
+        return await self._with_retries(what, once)

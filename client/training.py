@@ -19,15 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from client.gpu import Fit, flops_per_token, limit_memory, size_micro_batch
 from client.lease import Lease, ProtocolError
-from client.optimizer_state import SavedState, file_sha256, load_state, save_state
-from diloco.checkpoint import CheckpointError, checkpoint_params_only
+from client.optimizer_state import (
+    OptimizerStateError,
+    SavedState,
+    file_sha256,
+    load_state,
+    save_state,
+)
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.data.text import AHEAD_SEED, lease_stream, range_windows, read_lease_tokens
+from diloco.data.text import AHEAD_SEED, lease_stream, range_windows
 from diloco.model.architectures import build_model
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.precision import Precision, choose_precision
@@ -88,45 +92,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not _mps_available():
         raise DeviceError("--device mps: this machine or torch build has no MPS; use --device cpu")
     return device
-
-
-def load_shard(path: Path, lease: Lease, block_size: int) -> torch.Tensor:
-    """A text run's shard as uint8 tokens ``(nbytes / chunk_len, chunk_len)``; a dataset
-    run's lease range (``lease.data_range``) as a 1-D int64 tensor, read from the shard file
-    by offset (the rest of the shard is never loaded)."""
-    ref = lease.shard
-    dtype = np.dtype(ref.dtype).newbyteorder("<")
-    if path.stat().st_size != ref.nbytes:
-        raise ProtocolError(
-            f"shard {path} holds {path.stat().st_size} bytes, the lease says {ref.nbytes}"
-        )
-    rng = lease.data_range
-    if rng is not None:
-        total = ref.nbytes // dtype.itemsize
-        if rng.start < 0 or rng.tokens < block_size + 1 or rng.start + rng.tokens > total:
-            raise ProtocolError(
-                f"shard {ref.index}: the lease's range [{rng.start}, {rng.start + rng.tokens}) "
-                f"is not inside its {total} tokens or holds no window; tell the run's operator"
-            )
-        return read_lease_tokens(
-            path, dtype=ref.dtype, chunk_len=ref.chunk_len, start=rng.start, tokens=rng.tokens
-        )
-    if ref.chunk_len < block_size + 1 or ref.nbytes % ref.chunk_len or ref.dtype != "uint8":
-        raise ProtocolError(
-            f"shard {ref.index}: chunk_len {ref.chunk_len} must exceed block_size {block_size} "
-            f"and divide nbytes {ref.nbytes} (uint8 tokens); tell the run's operator"
-        )
-    return read_lease_tokens(path, dtype=ref.dtype, chunk_len=ref.chunk_len)
-
-
-def load_checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
-    """θ(t−1) in fp32 on the CPU; a cached file that no longer reads is deleted first."""
-    try:
-        params = checkpoint_params_only(path)
-    except CheckpointError:
-        path.unlink(missing_ok=True)  # the next join downloads it again
-        raise
-    return {n: t.float() for n, t in params.items()}
 
 
 @dataclass(frozen=True)
@@ -255,6 +220,28 @@ class LocalTrainer:
         )
         self.state_digest = file_sha256(saved)
         return saved
+
+    def keep_saved(self, path: Path, *, run_id: str) -> None:
+        """Before a lease: if the AdamW state moved since it was last saved or restored (a
+        lease given up mid-way), save it to ``path`` now, so that the lease begins from a
+        state a file holds, which an audit of it may ask for (docs/verification.md)."""
+        if self.state_digest is None:
+            self.save_state(path, run_id=run_id, round=0)
+
+    def resume(self, path: Path, *, run_id: str) -> tuple[bool, str]:
+        """After (re)building the model: the AdamW state saved at ``path`` restored if it
+        fits; whether it was (False also when there was none) and a sentence saying so."""
+        device = self.device
+        if not path.exists():
+            return True, f"fresh AdamW on {device}"
+        try:
+            saved = self.restore_state(path, run_id=run_id)
+        except OptimizerStateError as err:
+            return False, f"not resuming the saved AdamW state ({err}); starting fresh"
+        return True, (
+            f"AdamW state restored from {path} (step {saved.steps}, saved after round "
+            f"{saved.round}) on {device}"
+        )
 
     def restore_state(self, path: Path, *, run_id: str) -> SavedState:
         """Load the AdamW state saved at ``path``; OptimizerStateError if it does not fit."""

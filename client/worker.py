@@ -41,7 +41,6 @@ from client.fetch import Fetcher
 from client.gpu import device_peak_flops
 from client.lease import Lease
 from client.measured_speed import first_speed
-from client.optimizer_state import OptimizerStateError
 from client.pacing import RoundPace, reserve_s
 from client.progress import Reporter, RoundBar
 from client.training import (
@@ -255,20 +254,10 @@ class _Worker:
 
     async def restore_optimizer(self, lease: Lease, name: str) -> None:
         """After (re)building the model: resume the AdamW state a previous session of this
-        client saved for the run, or say why we start fresh."""
-        path, device = self.fetcher.state_path(lease.run_id), self.local.device
-        if not path.exists():
-            self.say.info(f"model built: {name}, fresh AdamW on {device}")
-            return
-        try:
-            saved = await asyncio.to_thread(self.local.restore_state, path, run_id=lease.run_id)
-        except OptimizerStateError as err:
-            self.say.warn(f"not resuming the saved AdamW state ({err}); starting fresh")
-            return
-        self.say.info(
-            f"model built: {name}; AdamW state restored from {path} "
-            f"(step {saved.steps}, saved after round {saved.round}) on {device}"
-        )
+        client saved for the run, or say why we start fresh (``LocalTrainer.resume``)."""
+        path = self.fetcher.state_path(lease.run_id)
+        resumed, line = await asyncio.to_thread(self.local.resume, path, run_id=lease.run_id)
+        (self.say.info if resumed else self.say.warn)(f"model built: {name}; {line}")
 
     async def train(
         self,
@@ -289,13 +278,9 @@ class _Worker:
             bar.step(done, loss, tokens)
             self.faults.hit("volunteer.step")  # tests: a volunteer that slows down
 
-        if ahead is None and self.local.state_digest is None:
-            # our state moved since it was saved (a lease given up mid-way): save it now, so
-            # that this lease begins from a state we can reveal to an audit
+        if ahead is None:  # the lease begins from a state a file holds: an audit's start
             path = self.fetcher.state_path(lease.run_id)
-            await asyncio.to_thread(
-                self.local.save_state, path, run_id=lease.run_id, round=lease.round
-            )
+            await asyncio.to_thread(self.local.keep_saved, path, run_id=lease.run_id)
         started = time.perf_counter()
         pace.start()
         with bar:

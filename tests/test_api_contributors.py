@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from diloco.protocol.reputation import counted_weight, standing
 from server.http.errors import BodyTooLarge
 from server.speedtest import MAX_BYTES, drain
 from tests.conftest import server_run_config
@@ -107,7 +108,12 @@ def scenario(server: ServerProcess) -> Scenario:
 def test_credit_is_tokens_times_6n_for_aggregated_contributions_only(http, scenario):
     run, ids, work = scenario.run, scenario.ids, scenario.work
     n = http.get(f"{API}/runs/{run['id']}").json()["n_params"]
-    credit = {name: work[name].meta.tokens * FLOPS * n for name in ("zed", "amy", "mia")}
+    # each one's first contribution: a new account's standing (diloco.protocol.reputation)
+    new = standing(verified=0, failed=0)
+    credit = {
+        name: counted_weight(work[name].meta.tokens, 0, new) * FLOPS * n
+        for name in ("zed", "amy", "mia")
+    }
 
     per_run = board(http, run=run["id"])
     overall = {e["id"]: e for e in board(http, limit=1000)["contributors"]}
@@ -138,10 +144,14 @@ def test_credit_is_tokens_times_6n_for_aggregated_contributions_only(http, scena
 def test_profile_totals_runs_and_recent_contributions(http, scenario):
     run, cancelled, work = scenario.run, scenario.cancelled, scenario.work
     n = http.get(f"{API}/runs/{run['id']}").json()["n_params"]
-    earned = work["zed"].meta.tokens * FLOPS * n
+    # its first contribution, at a new account's standing
+    earned = counted_weight(work["zed"].meta.tokens, 0, standing(0, 0)) * FLOPS * n
 
     zed = me(http, scenario.tokens["zed"])
     late = me(http, scenario.tokens["late"])
+
+    # one contribution verified (a step took it): one more share of its weight
+    assert (zed["standing"], late["standing"]) == (standing(1, 0), standing(0, 0))
 
     assert zed["totals"] == {
         "accepted": 2,
@@ -265,9 +275,10 @@ def test_hardware_report_is_stored_and_shown_on_the_board(http):
     assert r.json()["hardware"] == HARDWARE
     assert set(r.json()) == {
         "id", "name", "created_at", "last_seen_at", "hardware", "totals", "runs", "recent",
-        "quarantined_at", "quarantine_reason",
+        "quarantined_at", "quarantine_reason", "standing",
     }  # fmt: skip
     assert (r.json()["quarantined_at"], r.json()["quarantine_reason"]) == (None, None)
+    assert r.json()["standing"] == standing(verified=0, failed=0)  # a new account
     assert me(http, token)["hardware"] == {k: None for k in HARDWARE} | {"device": "mps"}
     assert partial.json() == me(http, token)
     entry = next(e for e in board(http, limit=1000)["contributors"] if e["id"] == r.json()["id"])

@@ -16,6 +16,7 @@ import torch
 from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
+from diloco.protocol.reputation import counted_weight, standing
 from diloco.simulate.attacks import ATTACKS, CHECKED, Attack, hostile_body
 from diloco.train import load_parameters
 from diloco.wire.exchange import encode_delta
@@ -150,9 +151,12 @@ def test_one_attacker_is_refused_or_bounded(
     if attack == "token_inflation":  # weighed (and credited) as one lease's work, no more
         cfg = parse_config(run["config"])
         mine = next(c for c in listed["contributions"] if c["contributor_name"] == name)
-        assert mine["weight"] == cfg.lease_tokens < mine["tokens"]
+        # (times a new account's standing, as every upload of its is)
+        counted = counted_weight(cfg.lease_tokens, 0, mine["standing"])
+        assert mine["standing"] == standing(0, 0) and mine["weight"] == counted
+        assert cfg.lease_tokens < mine["tokens"]
         n_params = http.get(f"{API}/runs/{run['id']}").json()["n_params"]
-        assert mine["credit"] == pytest.approx(6 * n_params * cfg.lease_tokens)
+        assert mine["credit"] == pytest.approx(6 * n_params * counted)
 
 
 def blown_up(run: dict, work: Work) -> bytes:

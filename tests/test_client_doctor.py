@@ -15,6 +15,7 @@ import pytest
 
 from client.cli.volunteer import flops, render_profile
 from client.measured_speed import load_speed
+from diloco.protocol.reputation import counted_weight, standing
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run
 from tests.support.live import free_port
@@ -109,7 +110,9 @@ def test_me_shows_contributions_and_credit_after_a_round(server, run_id, tmp_pat
     run = httpx.get(f"{server.url}{API}/runs/{run_id}").json()
     assert me["name"] == "carol" and me["hardware"]["device"] == "cpu"
     assert me["totals"]["accepted"] == me["totals"]["aggregated"] == 1
-    assert me["totals"]["credit"] == me["totals"]["tokens"] * 6 * run["n_params"] > 0
+    # a new account's first contribution: its tokens at a new account's standing
+    counted = counted_weight(me["totals"]["tokens"], 0, standing(0, 0))
+    assert me["totals"]["credit"] == counted * 6 * run["n_params"] > 0
     assert text.returncode == 0 and "carol" in text.stdout and "credit" in text.stdout
     assert flops(me["totals"]["credit"]) in text.stdout
 

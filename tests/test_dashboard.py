@@ -376,6 +376,10 @@ def test_a_clipped_contribution_shows_its_norm_cosine_and_clip(page, server):
         expect(row).to_contain_text("passed")  # the close's checks
     headers = pg.locator("th").all_text_contents()
     assert {"Weight", "Norm", "Cosine", "Clip", "Checks"} <= set(headers), headers
+    # each is a new account's first upload: its weight says why it counts for less
+    expect(loud_row.locator("td.weighed")).to_have_attribute(
+        "title", re.compile(r"its contributor's standing: 11%")
+    )
 
 
 def test_api_docs_render_offline_under_their_csp(server, page):

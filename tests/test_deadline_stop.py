@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from diloco.protocol.reputation import counted_weight, standing
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run
 from tests.support.live import Proc, ServerProcess, wait_for
@@ -66,7 +67,8 @@ def test_a_volunteer_that_slows_down_uploads_fewer_steps_before_the_deadline(ser
     assert len(first) == 1, first
     taken = first[0]["inner_steps"]
     assert 29 <= taken < H, first
-    assert first[0]["tokens"] == first[0]["weight"] == taken * 4 * 32
+    assert first[0]["tokens"] == taken * 4 * 32  # its weight: those, at a new account's standing
+    assert first[0]["weight"] == counted_weight(taken * 4 * 32, 0, standing(0, 0))
     created = datetime.fromisoformat(first[0]["created_at"])
     assert created < datetime.fromisoformat(rounds[1]["deadline"]), (first, rounds[1])
     assert rounds[1]["state"] == "closed" and rounds[1]["accepted"] == 1

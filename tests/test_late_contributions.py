@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from diloco.protocol.reputation import counted_weight, standing
 from server.storage import keys
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import (
@@ -37,6 +38,10 @@ from tests.support.contribute import (
 from tests.support.live import Proc, ServerProcess, admin_headers, wait_for
 
 TOKENS = 3 * 4 * 32  # H x batch x block: each upload's tokens and undiscounted weight
+# what a new account's upload counts for in the step and in credit, late (half) or not
+# (diloco.protocol.reputation: its standing scales both; the round's tokens are not scaled)
+LATE = counted_weight(TOKENS, 1, standing(0, 0))
+ON_TIME = counted_weight(TOKENS, 0, standing(0, 0))
 
 
 def new_run(http: httpx.Client, **rounds: object) -> dict:
@@ -78,10 +83,10 @@ def test_a_late_contribution_is_merged_into_the_open_round_with_half_its_weight(
     assert late.status_code == 201, late.text
     receipt = late.json()
     assert (receipt["round"], receipt["merged_into_round"]) == (1, 2)
-    assert (receipt["staleness"], receipt["weight"]) == (1, TOKENS // 2)
+    assert (receipt["staleness"], receipt["weight"]) == (1, LATE)
     assert fresh.status_code == 201, fresh.text
     assert (fresh.json()["merged_into_round"], fresh.json()["staleness"]) == (2, 0)
-    assert fresh.json()["weight"] == TOKENS
+    assert fresh.json()["weight"] == ON_TIME
     # round 2's step took both of b's contributions, the late one counted as late
     round2 = http.get(f"{API}/runs/{run_id}/rounds").json()["rounds"][1]
     assert (round2["accepted"], round2["late"], round2["tokens"]) == (2, 1, TOKENS + TOKENS // 2)
@@ -89,12 +94,12 @@ def test_a_late_contribution_is_merged_into_the_open_round_with_half_its_weight(
     by_id = {c["id"]: c for c in listed}
     late_row, fresh_row = by_id[receipt["contribution_id"]], by_id[fresh.json()["contribution_id"]]
     assert (late_row["round"], late_row["merged_into_round"], late_row["staleness"]) == (1, 2, 1)
-    assert (late_row["weight"], fresh_row["weight"]) == (TOKENS // 2, TOKENS)
+    assert (late_row["weight"], fresh_row["weight"]) == (LATE, ON_TIME)
     assert late_row["aggregated"] and fresh_row["aggregated"]
     # credit follows the weight used: tokens x 6 x n_params, half for the late work
     flops = 6 * http.get(f"{API}/runs/{run_id}").json()["n_params"]
-    assert late_row["credit"] == pytest.approx(TOKENS // 2 * flops)
-    assert fresh_row["credit"] == pytest.approx(TOKENS * flops)
+    assert late_row["credit"] == pytest.approx(LATE * flops)
+    assert fresh_row["credit"] == pytest.approx(ON_TIME * flops)
     # round 1's listing shows the late work too, merged into round 2
     round1 = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
     assert receipt["contribution_id"] in {c["id"] for c in round1}
@@ -139,7 +144,12 @@ def test_the_run_and_its_rounds_count_the_open_round_alike_and_weigh_its_loss_by
     assert (current["index"], round2["index"], round2["state"]) == (2, 2, "open")
     assert (current["accepted"], current["late"]) == (round2["accepted"], round2["late"]) == (2, 1)
     # the open round's train loss is weighted by the tokens each counts for, as a close's
-    weights = [late.json()["weight"], fresh.json()["weight"]]
+    # (the tokens each counts for in the round: discounted for lateness, not by standing)
+    weights = [TOKENS // 2, short.meta.tokens]
+    assert [late.json()["weight"], fresh.json()["weight"]] == [
+        counted_weight(TOKENS, 1, standing(0, 0)),
+        counted_weight(short.meta.tokens, 0, standing(0, 0)),
+    ]
     losses = [works[c].meta.loss, short.meta.loss]
     assert weights[0] != weights[1] and losses[0] != losses[1]
     assert round2["tokens"] == sum(weights)
@@ -280,10 +290,10 @@ def test_the_client_finishes_a_round_that_closed_and_reports_it_accepted_late(
         # Assert: it uploaded instead of abandoning, and says where its work went
         out = volunteer.output()
         assert volunteer.popen.returncode == 0, out[-3000:]
-        assert f"accepted late into round 2 (staleness 1, weight {TOKENS // 2})" in out, out
+        assert f"accepted late into round 2 (staleness 1, weight {LATE})" in out, out
         assert "1 contributions accepted" in out
         listed = http.get(f"{API}/runs/{run_id}/rounds/2/contributions").json()
         (late,) = [c for c in listed["contributions"] if c["contributor_name"] == "late-client"]
-        assert (late["round"], late["staleness"], late["weight"]) == (1, 1, TOKENS // 2)
+        assert (late["round"], late["staleness"], late["weight"]) == (1, 1, LATE)
     finally:
         volunteer.stop()

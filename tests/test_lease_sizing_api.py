@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from diloco.config import parse_config
+from diloco.protocol.reputation import counted_weight, standing
 from diloco.protocol.sizing import StepBounds, observed_rate, size_lease
 from tests.conftest import server_run_config
 from tests.support.contribute import API, auth, create_run, register, train, upload
@@ -135,7 +136,9 @@ def test_a_claim_weighs_at_most_what_its_sized_lease_holds(http):
     # Assert: it weighs 10 steps' tokens, not the nominal 40's, and records 10 steps
     assert r.status_code == 201, r.text
     rows = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
-    assert [(c["weight"], c["inner_steps"]) for c in rows] == [(10 * 128, 10)]
+    # (at a new account's standing: diloco.protocol.reputation)
+    counted = counted_weight(10 * 128, 0, standing(0, 0))
+    assert [(c["weight"], c["inner_steps"]) for c in rows] == [(counted, 10)]
 
 
 async def _samples(database_url: str, run_id: str) -> list[tuple[int, float]]:

@@ -16,7 +16,7 @@ from diloco.faults import FaultInjector
 from diloco.model.architectures import build_model
 from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Source, robust_aggregate
-from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings, open_round
 from diloco.simulate.versions import Versions
 from diloco.train import parameters_of
 from diloco.wire.codec import Int8Codec, make_codec
@@ -106,11 +106,12 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
         )
 
     history: list[float] = []
+    standings = Standings()
     for index in (1, 2, 3):
         deltas = honest_deltas(params, 3, seed=index)
         if index == 2:  # one upload blown up 10^4 times: finite, taken, and ruinous
             deltas[1] = {k: t * 1e4 for k, t in deltas[1].items()}
-        desk: RoundDesk = open_round(cfg, index)
+        desk: RoundDesk = open_round(cfg, index, standings)
         stored = []
         for i, delta in enumerate(deltas):
             chunks = body(cfg, delta, index)
@@ -175,6 +176,7 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
     shapes = {n: tuple(t.shape) for n, t in params.items()}
     codec = make_codec(cfg.compression.kind, cfg.compression.block_size).describe()
     aggregates, lrs, history = [], [], []
+    standings = Standings()
 
     # Execute: the close, round after round; the in-memory aggregate of the same uploads
     for index in range(1, 6):
@@ -183,7 +185,7 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
             chunks = body(cfg, delta, index)
             path = tmp_path / f"{index}-{i}.bin"
             path.write_bytes(b"".join(chunks))
-            desk = open_round(cfg, index)
+            desk = open_round(cfg, index, standings)
             admitted = desk.admit(str(i), "v", chunks)
             assert hasattr(admitted, "source")
             uploads.append(Upload(str(i), path, admitted.source.weight, admitted.source.norm))

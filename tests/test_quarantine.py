@@ -94,3 +94,18 @@ def test_only_repeated_verification_failures_in_the_latest_window_quarantine() -
     assert quarantine_reason([None] * 5 + ["copy"] * 3) is None
     reason = quarantine_reason(["unaligned", "copy", "unaligned"])
     assert reason is not None and "(copy ×1, unaligned ×2)" in reason
+
+
+def test_an_account_earns_its_weight_by_verified_work_and_loses_it_by_failures() -> None:
+    from diloco.protocol.reputation import EARNED_AT, counted_weight, standing
+
+    new = standing(verified=0, failed=0)
+    assert new == 1 / (EARNED_AT + 1)  # a new account (or a banned one registered again)
+    assert [standing(v, 0) for v in (1, 2, EARNED_AT)] == [2 * new, 3 * new, 1.0]
+    assert standing(10 * EARNED_AT, 0) == 1.0  # never more than the whole
+    assert standing(4, 1) == standing(2, 0)  # a failure takes two shares away
+    assert standing(0, 5) == new  # and never below one
+    # what an upload counts for: its weight, discounted when late, times the standing,
+    # rounded up; a standing of 1 changes nothing
+    assert counted_weight(384, 0, 1.0) == 384 and counted_weight(384, 1, 1.0) == 192
+    assert counted_weight(384, 0, new) == 43 and counted_weight(384, 1, new) == 22

@@ -14,6 +14,7 @@ import torch
 
 from diloco.model.architectures import build_model
 from diloco.protocol.messages import ErrorCode
+from diloco.protocol.reputation import counted_weight, standing
 from diloco.simulate.protocol_mode import Links, Outage, ProtocolOptions
 from diloco.simulate.run import SimOptions, simulate
 from diloco.train import InnerTrainer
@@ -142,7 +143,7 @@ def test_a_late_upload_is_merged_into_the_open_round_with_half_the_weight(corpus
 
     # Assert: round 2's step took its two own contributions and the late one; nothing was
     # refused or abandoned; the late work earned half a fresh contribution's credit
-    # (weight ⌈256 / 2⌉ = 128 tokens: H 2 x batch 4 x block 32 = 256)
+    # (weight ⌈256 / 2⌉ = 128 tokens: H 2 x batch 4 x block 32 = 256), times standing
     first, second = result.rounds
     assert (first.close_code, first.closed_at_s, first.accepted) == ("deadline_quorum", 30.0, 2)
     assert (second.close_code, second.closed_at_s, second.accepted) == (
@@ -155,7 +156,11 @@ def test_a_late_upload_is_merged_into_the_open_round_with_half_the_weight(corpus
     fast, _, slow = totals.volunteers
     assert (slow.accepted, slow.late, fast.late) == (1, 1, 0)
     assert fast.credit_flops > 0
-    assert slow.credit_flops == pytest.approx(fast.credit_flops / 2 / 2)  # 2 rounds, half each
+    # 2 rounds at a new account's standing, then one verified share more; the slow one's
+    # late work at half the weight, at a new account's standing (diloco.protocol.reputation)
+    fast_tokens = counted_weight(256, 0, standing(0, 0)) + counted_weight(256, 0, standing(1, 0))
+    slow_tokens = counted_weight(256, 1, standing(0, 0))
+    assert slow.credit_flops == pytest.approx(fast.credit_flops * slow_tokens / fast_tokens)
     assert totals.wasted_s["refused"] == 0.0
 
 

@@ -241,7 +241,22 @@ export function runPage(main, runId) {
 
   // what the close's checks and scoring measured: the code it failed (or "passed"), and
   // the figures behind it on hover
-  function checksCell(k) {
+  // what it counts for: its claim, at most what its lease allows, divided by 1 + staleness
+// for late work, times its contributor's standing (diloco.protocol.reputation); each
+// reason it counts for less than its tokens is in the cell's title
+function weightCell(c) {
+  const standing = c.standing ?? 1;
+  const why = [];
+  if (c.staleness) why.push(`late by ${c.staleness}: weighed 1/${1 + c.staleness}`);
+  if (standing < 1) why.push(`its contributor's standing: ${Math.round(standing * 100)}% (a new account earns its weight)`);
+  if (c.weight < Math.ceil(Math.ceil(c.tokens / (1 + c.staleness)) * standing)) {
+    why.push("capped at what its lease allows");
+  }
+  return h("td", why.length ? { class: "weighed", text: int(c.weight), title: why.join("; ") }
+    : { text: int(c.weight) });
+}
+
+function checksCell(k) {
     if (!k) return { text: "–", title: "not checked yet: its round has not closed" };
     const figures = [
       `cosine to the others' median ${num(k.median_cosine, 3)}`,
@@ -268,11 +283,7 @@ export function runPage(main, runId) {
             h("td", { class: "name", text: c.staleness
               ? `${c.contributor_name} · late from round ${c.round}` : c.contributor_name }),
             h("td", { text: int(c.tokens) }),
-            // what it counts for: its claim, at most what its lease allows, divided by
-            // 1 + staleness for late work
-            h("td", c.weight < c.tokens ? { class: "clipped", text: int(c.weight), title: c.staleness
-              ? `late by ${c.staleness}: weighed 1/${1 + c.staleness}` : "capped at what its lease allows" }
-              : { text: int(c.weight) }),
+            weightCell(c),
             h("td", { text: String(c.inner_steps) }),
             h("td", { text: num(c.loss) }),
             h("td", { text: num(c.norm, 4) }),

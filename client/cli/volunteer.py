@@ -152,6 +152,12 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
         f"{totals.get('aggregated', 0)} in an outer step; "
         f"{totals.get('tokens', 0):,} tokens; credit {flops(float(totals.get('credit', 0)))}",
     ]
+    earned = p.get("standing")
+    if isinstance(earned, int | float) and earned < 1.0:  # diloco.protocol.reputation
+        out.append(
+            f"standing {earned:.0%}: your uploads count for that share of their tokens, in the "
+            "step and in credit, until verified work earns the rest"
+        )
     if p.get("quarantined_at"):  # diloco.protocol.reputation
         why = p.get("quarantine_reason")
         out.append(escape(f"QUARANTINED since {_when(p['quarantined_at'])}: {why}"))

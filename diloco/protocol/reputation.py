@@ -1,4 +1,12 @@
-"""When a contributor's work keeps failing verification, it is quarantined (issue 26).
+"""A contributor's standing, and quarantine when its work keeps failing verification
+(issue 26).
+
+Standing: what share of its work's weight an account's upload counts for, in the step and
+in credit. A new account's work counts for 1/(EARNED_AT + 1) of its tokens; each of its
+contributions a step took and no verification failed adds a share, each one verification
+failed takes two away, up to the whole (``standing``). So an account earns its weight by
+work that was checked, and a banned volunteer that registers again starts from little.
+Weights are relative within a step: a round of equally new accounts averages as before.
 
 One failed check or score costs that contribution its credit and its weight
 (``diloco.outer.checks``, ``diloco.outer.scoring``); honest work fails one now and then
@@ -12,7 +20,10 @@ failing step, not necessarily a bad one, and a damaged blob is the server's loss
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+from diloco.protocol.late import late_weight
 
 # the exclusion codes that say the work was not there (diloco.outer.checks, .scoring)
 # and an audit that found the work was not what it claims (diloco.protocol.audit)
@@ -20,6 +31,23 @@ VERIFY_CODES = frozenset({"zero_update", "copy", "opposed", "unaligned", "no_gai
 WINDOW = 5
 FAILS = 3
 CODE = "quarantined"  # the exclusion code of a quarantined contributor's work
+EARNED_AT = 8  # verified contributions after which an account's work counts in full
+
+
+def standing(verified: int, failed: int) -> float:
+    """The share of its work's weight an account counts for, from its contributions that a
+    step took and no verification failed (``verified``) and those verification left out
+    (``failed``, codes ``VERIFY_CODES``): (1 + verified − 2·failed) / (1 + EARNED_AT),
+    at least one share, at most 1."""
+    shares = max(1, 1 + verified - 2 * failed)
+    return min(1.0, shares / (1 + EARNED_AT))
+
+
+def counted_weight(weight: int, staleness: int, standing_: float = 1.0) -> int:
+    """What an accepted upload counts for in its step and in credit: its weight when
+    accepted, discounted by its staleness (``late_weight``), times its contributor's
+    standing then, rounded up."""
+    return math.ceil(late_weight(weight, staleness) * standing_)
 
 
 def quarantine_reason(recent: Sequence[str | None]) -> str | None:

@@ -395,7 +395,8 @@ def close_effects(
     step is being published with the contributions ``aggregated``.
 
     - Credit is the training compute that went into the step: tokens × 6 × n_params FLOPs
-      for each aggregated contribution, and nothing for anything else.
+      for each aggregated contribution, times its contributor's standing (rounded up in
+      tokens: ``reputation.counted_weight``), and nothing for anything else.
     - The train loss is the contributors' mean losses weighted by their tokens.
     - The last round (``max_rounds``) completes an active or paused run. A cancelled run
       stays cancelled (a cancel is never overwritten) and opens no further round.
@@ -405,7 +406,9 @@ def close_effects(
     require_aware("now", now)
     tokens, loss = step_totals(aggregated)
     flops_per_token = float(TRAIN_FLOPS_PER_PARAM_TOKEN * n_params)
-    credit = {a.contribution_id: a.tokens * flops_per_token for a in aggregated}
+    credit = {
+        a.contribution_id: math.ceil(a.tokens * a.standing) * flops_per_token for a in aggregated
+    }
     step = f"round {round} closed with {len(aggregated)} contributions ({tokens:,} tokens)"
     if run_status is RunStatus.CANCELLED:
         summary = f"{step}; the run was cancelled meanwhile, so no round follows"

@@ -227,8 +227,9 @@ class Aggregated:
 
     contribution_id: str
     contributor_id: str
-    tokens: int
+    tokens: int  # its weight, discounted by its staleness: what the round's tokens count
     loss: float  # the contributor's mean inner training loss
+    standing: float = 1.0  # its contributor's, when accepted: the share its credit counts
 
 
 # ---------------------------------------------------------------- what the rules decide

@@ -34,7 +34,7 @@ from diloco.simulate.run import (
     SimOptions,
     Trained,
 )
-from diloco.simulate.server import SIM_RUN_ID, RoundDesk, open_round
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings, open_round
 from diloco.simulate.versions import Versions
 from diloco.simulate.work import Upload, train_upload
 from diloco.train import InnerTrainer, load_parameters, parameters_of, train_ahead
@@ -157,8 +157,9 @@ def _rounds(
     recorder = Recorder(cfg, opts, data, device, progress)
     judge = recorder.evaluator(build_model(cfg.model))
     history: list[float] = []  # norms of aggregated contributions: the clipping's reference
+    standings = Standings()  # each worker's standing, as the server keeps it
     for r in range(cfg.rounds.max_rounds):
-        desk = open_round(cfg, r + 1)
+        desk = open_round(cfg, r + 1, standings)
         losses = workers.train(r, versions.theta, desk)
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it

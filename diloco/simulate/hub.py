@@ -78,7 +78,7 @@ from diloco.simulate.dealing import Units
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.rows import Closed, HubLease, HubSettings, RoundLog, Stored
 from diloco.simulate.run import SimOptions
-from diloco.simulate.server import SIM_RUN_ID, RoundDesk
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings
 from diloco.simulate.versions import Versions
 from diloco.simulate.work import Upload
 from diloco.train import load_parameters, parameters_of
@@ -120,6 +120,7 @@ class Hub:
         )
         self.version = 0
         self.history: list[float] = []  # aggregated norms: the clipping's reference
+        self.standings = Standings()  # each volunteer's standing, as the server keeps it
         self.checkpoint_bytes = len(safetensors_save(self.files.theta))
         # delta downloads: what each volunteer holds, and the deltas since
         self.ledger = (
@@ -144,7 +145,7 @@ class Hub:
 
     def _open(self, index: int, opened_at: datetime, deadline: datetime) -> None:
         self.rounds[index] = RoundView(index, opened_at, deadline, RoundState.OPEN)
-        self.logs[index] = RoundLog(RoundDesk(self.cfg, self.rounds[index]))
+        self.logs[index] = RoundLog(RoundDesk(self.cfg, self.rounds[index], self.standings))
         self.current = index
 
     def _current_view(self) -> RoundView | None:
@@ -353,8 +354,8 @@ class Hub:
             del self.versions[old]
         by_id = {a.source.id: a for a in log.desk.admitted}
         aggregated = [
-            Aggregated(cid, by_id[cid].contributor, by_id[cid].tokens, by_id[cid].loss)
-            for cid in in_step
+            Aggregated(cid, a.contributor, a.tokens, a.loss, a.standing)
+            for cid, a in ((cid, by_id[cid]) for cid in in_step)
         ]
         effects = close_effects(
             now,

@@ -35,6 +35,7 @@ from diloco.outer.robust import Share, Source
 from diloco.outer.scoring import Windows
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
+from diloco.protocol.reputation import VERIFY_CODES, counted_weight, standing
 from diloco.protocol.rules import admit_claim, admit_payload, upload_weight
 from diloco.protocol.state import Refusal, RoundState, RoundView, StepVerdict, UploadClaim
 from diloco.simulate.versions import Versions
@@ -50,17 +51,41 @@ class Admitted:
     source: Source
     contributor: str
     loss: float  # the contributor's mean inner loss, as its header says
-    tokens: int  # its weight: what it counts for in the step and in credit
+    tokens: int  # its weight discounted by its staleness: what the round counts for it
     staleness: int = 0  # late work: versions published since its base (0: fresh)
     own: Windows | None = None  # its lease's first windows, for the scoring (None: unscored)
+    standing: float = 1.0  # its contributor's: the share of ``tokens`` step and credit take
+
+
+@dataclass
+class Standings:
+    """Each contributor's record as the server counts it for its standing
+    (``diloco.protocol.reputation``): contributions a step took, and those verification
+    left out. Shared by a run's desks: each close adds to it."""
+
+    verified: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def of(self, contributor: str) -> float:
+        return standing(self.verified.get(contributor, 0), self.failed.get(contributor, 0))
+
+    def record(self, admitted: list[Admitted], stepped: Stepped) -> None:
+        for a in admitted:
+            check = stepped.checks.get(a.source.id)
+            if a.source.id in stepped.shares:
+                self.verified[a.contributor] = self.verified.get(a.contributor, 0) + 1
+            elif check is not None and check.code in VERIFY_CODES:
+                self.failed[a.contributor] = self.failed.get(a.contributor, 0) + 1
 
 
 @dataclass
 class RoundDesk:
-    """One round's uploads, admitted one by one, then closed."""
+    """One round's uploads, admitted one by one, then closed; ``standings``: the run's
+    (each upload weighs by its contributor's, the close records its outcome there)."""
 
     cfg: RunConfig
     round: RoundView
+    standings: Standings = field(default_factory=Standings)
     admitted: list[Admitted] = field(default_factory=list)
     refused: dict[str, int] = field(default_factory=dict)  # by error code
     _payloads: set[str] = field(default_factory=set)
@@ -103,11 +128,12 @@ class RoundDesk:
         if refusal is not None:
             return self._refuse(refusal)
         self._payloads.add(inspector.payload_sha256)
-        weight = late_weight(
-            upload_weight(meta.tokens, self.cfg.lease_tokens_for(inner_steps)), staleness
-        )
-        source = Source(source_id, float(weight), inspector.norm, lambda: chunks)
-        admitted = Admitted(source, contributor, meta.loss, weight, staleness, own)
+        weight = upload_weight(meta.tokens, self.cfg.lease_tokens_for(inner_steps))
+        earned = self.standings.of(contributor)
+        counted = counted_weight(weight, staleness, earned)  # in the step and in credit
+        source = Source(source_id, float(counted), inspector.norm, lambda: chunks)
+        tokens = late_weight(weight, staleness)
+        admitted = Admitted(source, contributor, meta.loss, tokens, staleness, own, earned)
         self.admitted.append(admitted)
         return admitted
 
@@ -169,11 +195,14 @@ class RoundDesk:
         }
         if not closed.committed:  # the server reopens the round; the simulator moves on
             versions.unchanged(index)
-            return Stepped({}, None, None, left_out, closed.checks, rejected=closed.verdict)
-        versions.published(index, closed.judge_loss, closed.change_sample)
-        return Stepped(
-            closed.shares, closed.update_norm, closed.judge_loss, left_out, closed.checks
-        )
+            stepped = Stepped({}, None, None, left_out, closed.checks, rejected=closed.verdict)
+        else:
+            versions.published(index, closed.judge_loss, closed.change_sample)
+            stepped = Stepped(
+                closed.shares, closed.update_norm, closed.judge_loss, left_out, closed.checks
+            )
+        self.standings.record(self.admitted, stepped)
+        return stepped
 
 
 @dataclass
@@ -189,9 +218,9 @@ class Stepped:
     rejected: StepVerdict | None = None
 
 
-def open_round(cfg: RunConfig, index: int) -> RoundDesk:
+def open_round(cfg: RunConfig, index: int, standings: Standings) -> RoundDesk:
     """A desk for round ``index`` of diloco mode (which has no clock: the times are moot)."""
-    return RoundDesk(cfg, RoundView(index, EPOCH, EPOCH, RoundState.OPEN))
+    return RoundDesk(cfg, RoundView(index, EPOCH, EPOCH, RoundState.OPEN), standings)
 
 
 def _model(cfg: RunConfig) -> tuple[dict[str, tuple[int, ...]], dict]:

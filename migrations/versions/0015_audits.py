@@ -1,4 +1,5 @@
-"""audits by replay: each upload's replay record, the audits drawn, and contributor roles
+"""audits by replay: each upload's replay record, the audits drawn, and contributor roles;
+each contribution's standing (the share of its weight its contributor had earned)
 
 Revision ID: 0015
 Revises: 0014
@@ -18,6 +19,7 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("contributions", sa.Column("replay", sa.JSON(), nullable=True))
+    op.add_column("contributions", sa.Column("standing", sa.Float(), nullable=True))
     op.create_table(
         "audits",
         sa.Column("id", sa.String(length=32), nullable=False),
@@ -83,4 +85,5 @@ def downgrade() -> None:
     op.drop_table("contributor_roles")
     op.drop_index(op.f("ix_audits_run_id_status"), table_name="audits")
     op.drop_table("audits")
+    op.drop_column("contributions", "standing")
     op.drop_column("contributions", "replay")

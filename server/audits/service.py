@@ -10,7 +10,6 @@ it counts towards quarantine (``diloco.protocol.reputation``) in the same transa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
@@ -33,11 +32,11 @@ from server.audits.models import Audit
 from server.audits.schemas import AuditResult, AuditView
 from server.http.errors import (
     Forbidden,
+    HubError,
     InvalidData,
     InvalidTransition,
     LengthRequired,
     NotFound,
-    StorageFailed,
     UploadTooLarge,
 )
 from server.http.inputs import declared_length
@@ -46,8 +45,7 @@ from server.rounds.models import Contribution, Round
 from server.runs.models import Run
 from server.storage import keys
 from server.storage.base import Storage
-
-FLUSH_BYTES = 1 << 20
+from server.storage.files import write_checked
 
 
 def view(audit: Audit) -> AuditView:
@@ -179,29 +177,20 @@ async def _store(
 ) -> int:
     """The body into ``key``, committed only if it is at most ``limit`` bytes and its
     SHA-256 is ``sha256``; its size."""
-    digest, got, pending = hashlib.sha256(), 0, bytearray()
-    try:
-        writer = await asyncio.to_thread(storage.writer, key)
-        with writer:
-            async for chunk in stream:
-                got += len(chunk)
-                if got > limit:
-                    raise UploadTooLarge(f"the state is over the {limit}-byte limit")
-                digest.update(chunk)
-                pending += chunk
-                if len(pending) >= FLUSH_BYTES:
-                    await asyncio.to_thread(writer.write, bytes(pending))
-                    pending.clear()
-            if digest.hexdigest() != sha256:
-                raise InvalidData(
-                    "the state's SHA-256 is not the one the upload committed to "
-                    "(its replay record's start); nothing was kept"
-                )
-            await asyncio.to_thread(writer.write, bytes(pending))
-            await asyncio.to_thread(writer.commit)
-    except OSError as err:
-        raise StorageFailed(f"the server could not store the state ({err})") from err
-    return got
+
+    def check(digest: str, got: int) -> None:
+        if digest != sha256:
+            raise InvalidData(
+                "the state's SHA-256 is not the one the upload committed to "
+                "(its replay record's start); nothing was kept"
+            )
+
+    def over() -> HubError:
+        return UploadTooLarge(f"the state is over the {limit}-byte limit")
+
+    return await write_checked(
+        storage, key, stream, limit=limit, too_large=over, check=check, what="the state"
+    )
 
 
 async def expire(session: AsyncSession, run_id: str, now: datetime) -> None:

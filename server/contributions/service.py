@@ -32,6 +32,7 @@ from server.contributors.schemas import (
     Totals,
 )
 from server.rounds import bans as rounds_bans
+from server.rounds import quarantine
 from server.rounds.models import Contribution
 from server.runs import service as runs_service
 from server.runs.models import Run
@@ -127,6 +128,7 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
         runs=run_totals,
         quarantined_at=contributor.quarantined_at,
         quarantine_reason=contributor.quarantine_reason,
+        standing=await quarantine.standing_of(session, contributor.id),
         recent=[
             RecentContribution(
                 run_id=c.run_id,

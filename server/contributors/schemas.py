@@ -95,6 +95,9 @@ class Profile(BaseModel):
     # quarantined: its uploads are stored, never aggregated or credited (why, and since when)
     quarantined_at: datetime | None = None
     quarantine_reason: str | None = None
+    # the share of its work's weight (and credit) its next upload counts for: a new account
+    # little, one more share per verified contribution (diloco.protocol.reputation)
+    standing: float = 1.0
 
 
 class SortKey(StrEnum):

@@ -8,7 +8,6 @@ reports missing, and a dataset already there is never sent twice.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -19,12 +18,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from diloco.data.manifest import Manifest, ManifestError, dataset_id, parse_manifest
 from server.datasets.models import Dataset
 from server.datasets.schemas import DatasetOut, FileState
-from server.http.errors import InvalidData, NotFound, StorageFailed
+from server.http.errors import HubError, InvalidData, NotFound
 from server.http.inputs import declared_length
 from server.storage import keys
 from server.storage.base import BlobMissing, Storage
-
-FLUSH_BYTES = 4 << 20  # request body bytes handed to the storage writer at once (a thread)
+from server.storage.files import write_checked
 
 
 def manifest_of(row: Dataset) -> Manifest:
@@ -121,25 +119,15 @@ async def receive_file(
     key = keys.dataset_file(row.id, name)
     if await asyncio.to_thread(_present, storage, key, nbytes):
         return False
-    digest, got, pending = hashlib.sha256(), 0, bytearray()
-    try:
-        writer = await asyncio.to_thread(storage.writer, key)
-        with writer:
-            async for chunk in stream:
-                got += len(chunk)
-                if got > nbytes:
-                    raise InvalidData(f"{name}: the body is over the manifest's {nbytes} bytes")
-                digest.update(chunk)
-                pending += chunk
-                if len(pending) >= FLUSH_BYTES:
-                    await asyncio.to_thread(writer.write, bytes(pending))
-                    pending.clear()
-            if got != nbytes:
-                raise InvalidData(f"{name}: {got} bytes arrived of the manifest's {nbytes}")
-            if digest.hexdigest() != sha:
-                raise InvalidData(f"{name}: its sha256 is not the manifest's; nothing was kept")
-            await asyncio.to_thread(writer.write, bytes(pending))
-            await asyncio.to_thread(writer.commit)
-    except OSError as err:
-        raise StorageFailed(f"{name}: the server could not store it ({err})") from err
+
+    def check(digest: str, got: int) -> None:
+        if got != nbytes:
+            raise InvalidData(f"{name}: {got} bytes arrived of the manifest's {nbytes}")
+        if digest != sha:
+            raise InvalidData(f"{name}: its sha256 is not the manifest's; nothing was kept")
+
+    def over() -> HubError:
+        return InvalidData(f"{name}: the body is over the manifest's {nbytes} bytes")
+
+    await write_checked(storage, key, stream, limit=nbytes, too_large=over, check=check, what=name)
     return True

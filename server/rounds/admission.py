@@ -15,7 +15,6 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.outer.inspection import UploadInspector
-from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_retry
 from diloco.protocol.state import RoundState, RunStatus, UploadFacts
@@ -35,14 +34,13 @@ class Accepted:
 
 def receipt(row: Contribution) -> Receipt:
     """The receipt of a stored contribution: the same for its first answer and any retry."""
-    weight = row.tokens if row.weight is None else row.weight
     return Receipt(
         contribution_id=row.id,
         round=row.round_index,
         sha256=row.sha256,
         merged_into_round=row.merged_into_round,
         staleness=row.staleness,
-        weight=late_weight(weight, row.staleness),
+        weight=row.counted_weight,
     )
 
 
@@ -57,7 +55,7 @@ def retry_answer(existing: Contribution, sha: str) -> Accepted:
     return Accepted(False, receipt(existing))
 
 
-async def standing(session: AsyncSession, contributor_id: str) -> str | None:
+async def admit_contributor(session: AsyncSession, contributor_id: str) -> str | None:
     """Refuse a contributor banned since its token was checked; hold its row until commit.
     Its quarantine's reason, when it is quarantined (its upload is taken, and excluded)."""
     row = (

@@ -35,9 +35,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config import RunConfig
 from diloco.outer.inspection import UploadInspector
-from diloco.protocol.late import late_weight
 from diloco.protocol.messages import Receipt
 from diloco.protocol.reputation import CODE as QUARANTINED
+from diloco.protocol.reputation import counted_weight
 from diloco.protocol.rules import admit_claim, admit_payload, admit_upload, upload_weight
 from diloco.protocol.state import LateGrant, Refusal, UploadClaim
 from diloco.wire.contribution import (
@@ -62,13 +62,14 @@ from server.http.errors import (
 )
 from server.http.inputs import declared_length
 from server.rounds import notify, sizing
+from server.rounds import quarantine as quarantined
 from server.rounds import service as rounds_service
 from server.rounds.admission import (
     Accepted,
+    admit_contributor,
     lock_rounds,
     replayed,
     retry_answer,
-    standing,
     upload_facts,
 )
 from server.rounds.models import Contribution
@@ -298,7 +299,8 @@ async def _record(
     async with sessions() as session, session.begin():
         locked = await runs_service.get(session=session, run_id=run_id, lock="share")
         await lock_rounds(session, run_id, index)
-        quarantine = await standing(session, contributor_id)
+        quarantine = await admit_contributor(session, contributor_id)
+        earned = await quarantined.standing_of(session, contributor_id)
         facts, raced, lease_id = await upload_facts(
             session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness
         )
@@ -340,6 +342,7 @@ async def _record(
                 excluded_code=None if quarantine is None else QUARANTINED,
                 excluded_reason=quarantine,
                 replay=None if body.meta.replay is None else asdict(body.meta.replay),
+                standing=earned,
             )
             .on_conflict_do_nothing()
             .returning(Contribution.id)
@@ -359,7 +362,7 @@ async def _record(
         sha256=body.sha,
         merged_into_round=step,
         staleness=staleness,
-        weight=late_weight(weight, staleness),
+        weight=counted_weight(weight, staleness, earned),
         audit=audit,
     )
     return Accepted(True, out)

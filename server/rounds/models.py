@@ -22,6 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from diloco.protocol.late import late_weight
+from diloco.protocol.reputation import counted_weight
 from server.db import Base
 
 
@@ -164,12 +165,14 @@ class Contribution(Base):
     # a contribution whose round never closes keeps None and earns no credit
     aggregated_at: Mapped[datetime | None] = mapped_column(default=None)
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # FLOPs
-    # left out of its round's step (e.g. its stored blob could not be read): earns nothing
+    # left out of its round's step (e.g. its stored blob could not be read), or found by an
+    # audit, after its step took it, not to be the work it claims (code "replay"): earns
+    # nothing
     excluded_code: Mapped[str | None] = mapped_column(String(32), default=None)
     excluded_reason: Mapped[str | None] = mapped_column(Text, default=None)
     # measured by the server when it was accepted (diloco.outer.inspection.UploadInspector)
     # tokens it was worth when accepted (its claim, at most its lease's); what it counts for
-    # in its step and in credit is late_weight(weight, staleness)
+    # in its step and in credit is counted_weight: discounted by staleness, times standing
     weight: Mapped[int | None] = mapped_column(BigInteger, default=None)
     norm: Mapped[float | None] = mapped_column(Float, default=None)  # ‖Δ‖ as decoded
     payload_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
@@ -182,6 +185,9 @@ class Contribution(Base):
     # how it was trained beyond its lease (diloco.wire.header.ReplayRecord: the digest of
     # the AdamW state it began from, precision, micro-batch): what an audit replays
     replay: Mapped[dict | None] = mapped_column(JSON, default=None)
+    # its contributor's standing when it was accepted (diloco.protocol.reputation): the
+    # share of its weight it counts for. None: a row from before standings (all of it)
+    standing: Mapped[float | None] = mapped_column(Float, default=None)
     # retention (server.upkeep.retention) deleted the blob once its round was closed and the run's
     # grace had passed; the row (sha256, nbytes, norm, payload_sha256) stays. Set before
     # the blob goes
@@ -195,10 +201,22 @@ class Contribution(Base):
         )
 
     @property
-    def counted_weight(self) -> int:
-        """The tokens it counts for in its step and in credit: its weight when accepted
-        (rows from before weights were measured: their claim), discounted by its staleness."""
+    def discounted_weight(self) -> int:
+        """Its weight when accepted (rows from before weights were measured: their claim),
+        discounted by its staleness: the tokens its round counts for it."""
         return late_weight(self.tokens if self.weight is None else self.weight, self.staleness)
+
+    @property
+    def earned(self) -> float:
+        """Its contributor's standing when it was accepted (rows from before: 1)."""
+        return 1.0 if self.standing is None else self.standing
+
+    @property
+    def counted_weight(self) -> int:
+        """The tokens it counts for in its step and in credit: ``discounted_weight`` times
+        its contributor's standing then, rounded up (``reputation.counted_weight``)."""
+        weight = self.tokens if self.weight is None else self.weight
+        return counted_weight(weight, self.staleness, self.earned)
 
 
 class UploadRejection(Base):

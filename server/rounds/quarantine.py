@@ -14,14 +14,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from diloco.protocol.reputation import CODE, VERIFY_CODES, WINDOW, quarantine_reason
+from diloco.protocol.reputation import CODE, VERIFY_CODES, WINDOW, quarantine_reason, standing
 from server.contributors.models import Contributor
 from server.http.errors import NotFound
 from server.rounds import bans, notify
 from server.rounds.models import Contribution
+
+
+async def standing_of(session: AsyncSession, contributor_id: str) -> float:
+    """The contributor's standing now (``reputation.standing``): from its contributions a
+    step took and no verification failed, and those verification left out."""
+    c = Contribution
+    row = (
+        await session.execute(
+            select(
+                func.count().filter(c.aggregated_at.is_not(None), c.excluded_code.is_(None)),
+                func.count().filter(c.excluded_code.in_(VERIFY_CODES)),
+            ).where(c.contributor_id == contributor_id)
+        )
+    ).one()
+    return standing(int(row[0]), int(row[1]))
 
 
 async def review(session: AsyncSession, contributor_ids: Iterable[str], now: datetime) -> None:

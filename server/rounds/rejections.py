@@ -118,6 +118,7 @@ async def round_contributions(
                 credit=c.credit,
                 excluded=c.excluded,
                 weight=c.counted_weight,
+                standing=c.earned,
                 round=c.round_index,
                 merged_into_round=c.merged_into_round,
                 staleness=c.staleness,

@@ -88,8 +88,10 @@ class RoundContribution(BaseModel):
     credit: float  # FLOPs; 0 until aggregated
     excluded: str | None  # why it was left out of the step (e.g. blob_unreadable: ...)
     # the tokens it counts for in its step and credit: its claim, at most what a lease
-    # allows, divided by 1 + staleness (rounded up) for late work (diloco.protocol.late)
+    # allows, divided by 1 + staleness (rounded up) for late work (diloco.protocol.late),
+    # times its contributor's standing (diloco.protocol.reputation)
     weight: int
+    standing: float  # the share of its weight its contributor had earned when it was accepted
     round: int  # the round it was trained for (its lease's)
     merged_into_round: int  # the round whose step takes it: `round` unless late
     staleness: int  # versions published since its base: 0 unless late

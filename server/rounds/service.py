@@ -277,7 +277,7 @@ NO_STEP = StepSoFar(0, 0, 0, None)
 
 def aggregated(c: Contribution) -> Aggregated:
     """The contribution as a close's effects (and a round's figures so far) take it."""
-    return Aggregated(c.id, c.contributor_id, c.counted_weight, c.loss)
+    return Aggregated(c.id, c.contributor_id, c.discounted_weight, c.loss, c.earned)
 
 
 def in_step(run_id: str) -> list[ColumnElement[bool]]:

@@ -10,19 +10,23 @@ Every chunk the server has handed on is counted in ``diloco_served_bytes_total{k
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from fastapi import Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from diloco.protocol.messages import ErrorCode
-from server.http.errors import HubError
+from server.http.errors import HubError, StorageFailed
 from server.metrics import REDIRECTS, SERVED_BYTES, ServedKind
 from server.settings import Settings
 from server.storage.base import Storage
+
+FLUSH_BYTES = 4 << 20  # request body bytes handed to the storage writer at once (a thread)
 
 CHUNK = 1 << 20
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -137,3 +141,37 @@ def serve_blob(
     REDIRECTS.labels(kind).inc()
     url = read_url(request.app.state.settings, storage, key, str(request.url))
     return RedirectResponse(url, status_code=307, headers={"ETag": f'"{etag}"', **headers})
+
+
+async def write_checked(
+    storage: Storage,
+    key: str,
+    stream: AsyncIterator[bytes],
+    *,
+    limit: int,
+    too_large: Callable[[], HubError],
+    check: Callable[[str, int], None],
+    what: str,
+) -> int:
+    """A request body into blob ``key``, hashed as it arrives; committed only if it stays
+    within ``limit`` bytes (else ``too_large()`` is raised) and ``check(sha256, nbytes)``
+    raises nothing once it has all arrived. Nothing of a refused body stays. Its size."""
+    digest, got, pending = hashlib.sha256(), 0, bytearray()
+    try:
+        writer = await asyncio.to_thread(storage.writer, key)
+        with writer:
+            async for chunk in stream:
+                got += len(chunk)
+                if got > limit:
+                    raise too_large()
+                digest.update(chunk)
+                pending += chunk
+                if len(pending) >= FLUSH_BYTES:
+                    await asyncio.to_thread(writer.write, bytes(pending))
+                    pending.clear()
+            check(digest.hexdigest(), got)
+            await asyncio.to_thread(writer.write, bytes(pending))
+            await asyncio.to_thread(writer.commit)
+    except OSError as err:
+        raise StorageFailed(f"{what}: the server could not store it ({err})") from err
+    return got

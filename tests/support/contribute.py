@@ -24,7 +24,7 @@ from diloco.model.gpt import GPT
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.outer.robust import Source, robust_aggregate
-from diloco.protocol.late import late_weight
+from diloco.protocol.reputation import counted_weight, standing
 from diloco.protocol.rules import upload_weight
 from diloco.train import InnerTrainer, load_parameters, snapshot
 from diloco.wire.codec import EncodedTensor
@@ -175,18 +175,21 @@ def reference_step(
     state: Reference | None = None,
     *,
     staleness: Sequence[int] = (),
+    standings: Sequence[float] = (),
     round: int | None = None,
     history: Sequence[float] = (),
 ) -> Reference:
     """What the server must compute for a round from these uploads (in the order they were
     accepted): ``reference_close`` of their bodies, each weighted by the tokens it counts
-    for (late work: discounted by its ``staleness``, one per work, 0 when not given).
+    for (late work: discounted by its ``staleness``, one per work, 0 when not given; times
+    its contributor's standing then, one per work, a new account's when not given).
     ``round``: the round whose step it is (default: the first work's)."""
     cfg = parse_config(run["config"])
     stale = list(staleness) or [0] * len(works)
+    earned = list(standings) or [standing(0, 0)] * len(works)
     bodies = [
-        (work.body(), late_weight(upload_weight(work.meta.tokens, cfg.lease_tokens), s))
-        for work, s in zip(works, stale, strict=True)
+        (work.body(), counted_weight(upload_weight(work.meta.tokens, cfg.lease_tokens), s, e))
+        for work, s, e in zip(works, stale, earned, strict=True)
     ]
     return reference_close(
         cfg, base, bodies, round=round or works[0].lease["round"], state=state, history=history
