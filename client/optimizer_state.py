@@ -5,11 +5,13 @@ Format: safetensors (never pickle). Tensors are the optimizer's per-parameter st
 ``state.<index>.<key>`` (``step``, ``exp_avg``, ``exp_avg_sq``), and the upload codec's
 error-feedback residual under ``error.<parameter name>`` when the run's codec keeps one
 (int4, int2, sparse: a volunteer that returns goes on from it; one without it, or a new
-volunteer, starts from zero); the metadata holds the
-format version, the run, the run-config key the state belongs to, the parameter names and
-shapes in optimizer order, the param groups (JSON), and ``steps``: inner steps taken with
-this state. Written atomically (temp file, fsync, rename): a crash leaves the old file or
-the new one. A file for another config or model is refused with a reason, never half-loaded.
+volunteer, starts from zero); the metadata holds the format version, the run, the
+run-config key the state belongs to, the parameter names and shapes in optimizer order,
+the param groups (JSON), ``steps``: inner steps taken with this state, and
+``first_moment``: ``zero`` when ``exp_avg`` was left out (a run whose leases zero it
+anyway), restored as zeros. Written atomically (temp file, fsync, rename): a crash leaves
+the old file or the new one. A file for another config or model is refused with a reason,
+never half-loaded.
 """
 
 from __future__ import annotations
@@ -60,15 +62,19 @@ def save_state(
     steps: int,
     round: int,
     error: dict[str, torch.Tensor] | None = None,
+    first_moment: bool = True,
 ) -> Path:
     """Write ``optimizer``'s state for ``model`` (and the codec's residual ``error``) to
-    ``path`` (atomically)."""
+    ``path`` (atomically). ``first_moment`` False leaves AdamW's ``exp_avg`` out (a run
+    with ``[inner] reset_momentum`` zeroes it when a lease starts: kept, it would only
+    double the file, and what an audited volunteer sends); ``load_state`` restores it
+    as zeros."""
     sd = optimizer.state_dict()
     tensors = {
         f"state.{index}.{key}": value.detach().to("cpu", copy=True).contiguous()
         for index, per_param in sd["state"].items()
         for key, value in per_param.items()
-        if isinstance(value, torch.Tensor)
+        if isinstance(value, torch.Tensor) and (first_moment or key != "exp_avg")
     }
     for name, residual in (error or {}).items():
         tensors[f"error.{name}"] = residual.detach().to("cpu", torch.float32).contiguous()
@@ -82,6 +88,7 @@ def save_state(
         "round": str(round),
         "params": json.dumps([[n, list(params[n].shape)] for n in names]),
         "param_groups": json.dumps(sd["param_groups"]),
+        "first_moment": "kept" if first_moment else "zero",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
@@ -157,6 +164,10 @@ def load_state(
             continue
         _, position, name = key.split(".", 2)
         state.setdefault(int(position), {})[name] = value
+    if meta.get("first_moment") == "zero":  # left out as zeros (save_state)
+        for per_param in state.values():
+            if "exp_avg_sq" in per_param and "exp_avg" not in per_param:
+                per_param["exp_avg"] = torch.zeros_like(per_param["exp_avg_sq"])
     for index, per_param in state.items():
         shape = current[index][1] if 0 <= index < len(current) else None
         if any(k != "step" and tuple(v.shape) != shape for k, v in per_param.items()):

@@ -206,7 +206,7 @@ class LocalTrainer:
     def save_state(self, path: Path, *, run_id: str, round: int) -> Path:
         """Write the AdamW state to ``path`` (atomically) for a restart to resume from, and
         for an audit of the next lease to replay from (its digest is that lease's start)."""
-        if self.trainer is None:
+        if self.trainer is None or self.cfg is None:
             raise RuntimeError("LocalTrainer.prepare must run before save_state")
         saved = save_state(
             path,
@@ -217,6 +217,7 @@ class LocalTrainer:
             steps=self.steps_taken,
             round=round,
             error=self.trainer.error_feedback,
+            first_moment=not self.cfg.inner.reset_momentum,
         )
         self.state_digest = file_sha256(saved)
         return saved

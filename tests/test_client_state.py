@@ -63,6 +63,32 @@ def test_a_restart_from_the_saved_state_continues_bit_for_bit(tmp_path):
         assert torch.equal(got[name], expected[name]), name
 
 
+@pytest.mark.parametrize("reset", [True, False])
+def test_the_first_moment_is_saved_only_where_a_lease_does_not_zero_it(tmp_path, reset):
+    path, config = tmp_path / "adamw.safetensors", copy.deepcopy(TINY)
+    config["inner"] = {**config.get("inner", {}), "reset_momentum": reset}
+    torch.manual_seed(0)
+    steady = LocalTrainer(torch.device("cpu"))
+    steady.prepare(config)
+    _round(steady, 1, 0)
+    steady.save_state(path, run_id=RUN, round=1)
+    expected = _round(steady, 2, 2)
+
+    torch.manual_seed(123)
+    restarted = LocalTrainer(torch.device("cpu"))
+    restarted.prepare(copy.deepcopy(config))
+    restarted.restore_state(path, run_id=RUN)
+    got = _round(restarted, 2, 2)
+
+    # the file: no exp_avg where every lease zeroes it (half the moments' bytes), else all
+    names = set(load_file(str(path)))
+    assert any(n.endswith(".exp_avg_sq") for n in names)
+    assert any(n.endswith(".exp_avg") for n in names) is (not reset)
+    assert _metadata(path)["first_moment"] == ("zero" if reset else "kept")
+    for name in expected:  # the restart continues bit for bit either way
+        assert torch.equal(got[name], expected[name]), name
+
+
 def test_without_the_saved_state_the_next_round_differs(tmp_path):
     """The check above can fail: a fresh AdamW does not reproduce the steady trainer."""
     steady = LocalTrainer(torch.device("cpu"))
@@ -130,7 +156,7 @@ def test_a_damaged_or_reshaped_state_file_is_refused_with_a_reason(saved):
 def test_a_state_tensor_of_the_wrong_shape_is_refused(saved):
     meta = _metadata(saved)
     tensors = load_file(str(saved))
-    key = next(k for k in tensors if k.endswith("exp_avg"))
+    key = next(k for k in tensors if k.endswith("exp_avg_sq"))
     tensors[key] = torch.zeros(3)
     save_file(tensors, str(saved), metadata=meta)
     with pytest.raises(OptimizerStateError, match="wrong shape"):
