@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from diloco.config import parse_config
@@ -241,3 +242,20 @@ def test_an_audited_blob_outlives_retention(database_url, tmp_path):
 
     # Assert: the unaudited run's blobs went, the audited run's stayed
     assert audited == [True, True]
+
+
+def test_a_new_account_is_drawn_far_more_often_than_a_trusted_one():
+    from diloco.protocol.audit import audit_share, drawn
+    from diloco.protocol.reputation import standing
+
+    new = standing(verified=0, failed=0)
+    assert audit_share(0.05, new, newcomers=True) == pytest.approx(8 / 9)
+    assert audit_share(0.05, standing(4, 0), newcomers=True) == pytest.approx(4 / 9)
+    assert audit_share(0.05, 1.0, newcomers=True) == 0.05  # trusted: the run's fraction
+    assert audit_share(0.05, new, newcomers=False) == 0.05
+    assert audit_share(0.0, new, newcomers=True) == 0.0  # fraction 0: no audits at all
+    # the draw is uniform: over many contributors, each share is hit about as often
+    for share in (0.05, 8 / 9):
+        hits = sum(drawn(12345, f"ctr_{i:012x}", share) for i in range(4000)) / 4000
+        assert abs(hits - share) < 0.02, (share, hits)
+    assert not any(drawn(1, f"ctr_{i}", 0.0) for i in range(100))

@@ -382,6 +382,11 @@ class AuditSection(_Section):
     # volunteer cannot know beforehand); its blob and its revealed starting state are kept
     # past retention. 0: none
     fraction: float = Field(0.05, ge=0.0, le=1.0)
+    # an account that has not yet earned its full weight (diloco.protocol.reputation) is
+    # audited with a probability of at least 1 - its standing: 8 in 9 for a new account's
+    # uploads, falling as its verified work grows, so that a freeloader's account is
+    # replayed in its first rounds. Ignored with fraction 0 (no audits at all)
+    newcomers: bool = True
     # how long an audited volunteer has to send the AdamW state its lease began from;
     # an audit still waiting then fails
     reveal_s: float = Field(3600.0, ge=10.0, le=7 * 24 * 3600.0)

@@ -39,13 +39,22 @@ class AuditStatus(StrEnum):
 DECIDED = frozenset({AuditStatus.PASSED, AuditStatus.FAILED})
 
 
-def drawn(check_seed: int, contributor_id: str, fraction: float) -> bool:
-    """Whether this contributor's upload to the round with this secret is audited: a
-    uniform draw from the secret and the contributor, below ``fraction``."""
+def audit_share(fraction: float, standing: float, *, newcomers: bool) -> float:
+    """The probability that an upload is audited: the run's ``fraction`` (0: never), or,
+    with ``newcomers``, at least 1 − its contributor's standing (``reputation.standing``):
+    a new account's uploads are replayed far more often than a trusted one's."""
     if fraction <= 0.0:
+        return 0.0
+    return max(fraction, 1.0 - standing) if newcomers else fraction
+
+
+def drawn(check_seed: int, contributor_id: str, share: float) -> bool:
+    """Whether this contributor's upload to the round with this secret is audited: a
+    uniform draw from the secret and the contributor, below ``share``."""
+    if share <= 0.0:
         return False
     digest = hashlib.sha256(f"audit:{check_seed}:{contributor_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
 def reveal_deadline(now: datetime, reveal_s: float) -> datetime:

@@ -23,6 +23,7 @@ from diloco.protocol.audit import (
     CODE,
     AuditStatus,
     Verdict,
+    audit_share,
     drawn,
     max_state_bytes,
     reveal_deadline,
@@ -76,17 +77,20 @@ async def draw(
     contribution_id: str,
     contributor_id: str,
     replay: ReplayRecord | None,
+    standing: float,
     now: datetime,
 ) -> str | None:
-    """In the upload's transaction: audit this contribution if the round's secret draws it.
-    The audit's id when the volunteer must now reveal its starting state, else None (not
-    drawn, not replayable, or begun fresh: nothing to reveal)."""
-    if replay is None or cfg.audit.fraction <= 0.0:
+    """In the upload's transaction: audit this contribution if the round's secret draws it
+    (``audit_share`` of its contributor's ``standing``). The audit's id when the volunteer
+    must now reveal its starting state, else None (not drawn, not replayable, or begun
+    fresh: nothing to reveal)."""
+    share = audit_share(cfg.audit.fraction, standing, newcomers=cfg.audit.newcomers)
+    if replay is None or share <= 0.0:
         return None
     seed = await session.scalar(
         select(Round.check_seed).where(Round.run_id == run_id, Round.index == index)
     )
-    if seed is None or not drawn(seed, contributor_id, cfg.audit.fraction):
+    if seed is None or not drawn(seed, contributor_id, share):
         return None
     revealing = replay.start != FRESH
     audit_id = f"aud_{secrets.token_hex(8)}"

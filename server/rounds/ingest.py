@@ -351,7 +351,8 @@ async def _record(
             return await _not_inserted(session, storage, run_id, index, step, contributor_id, body)
         audit = await audits.draw(
             session, cfg, run_id=run_id, index=index, contribution_id=row_id,
-            contributor_id=contributor_id, replay=body.meta.replay, now=datetime.now(UTC),
+            contributor_id=contributor_id, replay=body.meta.replay, standing=earned,
+            now=datetime.now(UTC),
         )  # fmt: skip
         # what it trained on is covered (a dataset run's unit; nothing for a text run)
         await coverage.record(session, lease_id=lease_id, tokens=weight)
