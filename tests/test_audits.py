@@ -87,6 +87,11 @@ def test_honest_leases_replay_and_a_forged_upload_fails(server, tmp_path):
     finally:
         volunteer.stop()
     joined = volunteer.output()
+    wait_for(  # the volunteer's last upload closes round 2: round 3 opens for the forger
+        lambda: http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == 2,
+        timeout=120,
+        what="round 2 to close",
+    )
     forger = register(http, "forger")
     _forge(http, forger, run_id)
     wait_for(
