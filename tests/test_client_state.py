@@ -42,31 +42,10 @@ def _round(local: LocalTrainer, round_: int, start_step: int) -> dict[str, torch
     return {n: p.detach().clone() for n, p in local.trainer.model.named_parameters()}  # type: ignore[union-attr]
 
 
-def test_a_restart_from_the_saved_state_continues_bit_for_bit(tmp_path):
-    path = tmp_path / "adamw.safetensors"
-    torch.manual_seed(0)
-    steady = LocalTrainer(torch.device("cpu"))
-    steady.prepare(TINY)
-    _round(steady, 1, 0)
-    steady.save_state(path, run_id=RUN, round=1)
-    expected = _round(steady, 2, 2)
-
-    torch.manual_seed(123)  # another process: other initial weights, fresh AdamW
-    restarted = LocalTrainer(torch.device("cpu"))
-    restarted.prepare(copy.deepcopy(TINY))
-    saved = restarted.restore_state(path, run_id=RUN)
-    got = _round(restarted, 2, 2)
-
-    assert (saved.steps, saved.round) == (2, 1)
-    assert restarted.steps_taken == steady.steps_taken == 4
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-
-
-@pytest.mark.parametrize("reset", [True, False])
-def test_the_first_moment_is_saved_only_where_a_lease_does_not_zero_it(tmp_path, reset):
+@pytest.mark.parametrize("reset", [True, False])  # [inner] reset_momentum
+def test_a_restart_from_the_saved_state_continues_bit_for_bit(tmp_path, reset):
     path, config = tmp_path / "adamw.safetensors", copy.deepcopy(TINY)
-    config["inner"] = {**config.get("inner", {}), "reset_momentum": reset}
+    config["inner"] = {**config["inner"], "reset_momentum": reset}
     torch.manual_seed(0)
     steady = LocalTrainer(torch.device("cpu"))
     steady.prepare(config)
@@ -74,19 +53,21 @@ def test_the_first_moment_is_saved_only_where_a_lease_does_not_zero_it(tmp_path,
     steady.save_state(path, run_id=RUN, round=1)
     expected = _round(steady, 2, 2)
 
-    torch.manual_seed(123)
+    torch.manual_seed(123)  # another process: other initial weights, fresh AdamW
     restarted = LocalTrainer(torch.device("cpu"))
     restarted.prepare(copy.deepcopy(config))
-    restarted.restore_state(path, run_id=RUN)
+    saved = restarted.restore_state(path, run_id=RUN)
     got = _round(restarted, 2, 2)
 
+    assert (saved.steps, saved.round) == (2, 1)
+    assert restarted.steps_taken == steady.steps_taken == 4
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
     # the file: no exp_avg where every lease zeroes it (half the moments' bytes), else all
     names = set(load_file(str(path)))
     assert any(n.endswith(".exp_avg_sq") for n in names)
     assert any(n.endswith(".exp_avg") for n in names) is (not reset)
     assert _metadata(path)["first_moment"] == ("zero" if reset else "kept")
-    for name in expected:  # the restart continues bit for bit either way
-        assert torch.equal(got[name], expected[name]), name
 
 
 def test_without_the_saved_state_the_next_round_differs(tmp_path):
