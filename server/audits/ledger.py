@@ -58,4 +58,5 @@ async def issued(
         unit = None
         if row["unit"] is not None:
             unit = await conn.fetchrow(coverage.UNIT_OF, run_id, row["unit"])
-    return leases.lease_answer(settings, storage, run_id, view, row, row, unit, now)
+    lease = leases.lease_answer(settings, storage, run_id, view, row, row, unit, now)
+    return lease.model_copy(update={"upload": None})  # nothing to upload: no signed PUT
