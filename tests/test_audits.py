@@ -217,7 +217,7 @@ def test_an_upload_without_a_replay_record_is_refused_where_audits_need_one(serv
     assert http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"] == []
 
 
-def test_an_audited_blob_outlives_retention(database_url, tmp_path):
+def test_an_audited_blob_outlives_retention_until_its_audit_passes(database_url, tmp_path):
     # Prepare: one server whose janitor passes often; two runs whose blobs go at once
     server = ServerProcess(
         data_dir=tmp_path / "srv", database_url=database_url, janitor_interval_s=0.3
@@ -234,19 +234,32 @@ def test_an_audited_blob_outlives_retention(database_url, tmp_path):
                 close_rounds(http, register(http, f"steady-{fraction}"), runs[fraction], 2)
 
             def blobs(run_id: str) -> list[bool]:
-                listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()
-                again = http.get(f"{API}/runs/{run_id}/rounds/2/contributions").json()
                 return [
-                    c["blob_retained"] for c in listed["contributions"] + again["contributions"]
+                    c["blob_retained"]
+                    for i in (1, 2)
+                    for c in http.get(f"{API}/runs/{run_id}/rounds/{i}/contributions").json()[
+                        "contributions"
+                    ]
                 ]
 
             wait_for(lambda: blobs(runs[0.0]) == [False, False], timeout=60, what="retention")
-            audited = blobs(runs[1.0])
+            undecided = blobs(runs[1.0])
+            # then round 1's audit passes and round 2's fails
+            by_round = {a["round"]: a for a in _audits(http, runs[1.0])}
+            passed = {"cosine": 1.0, "rel_error": 0.0, "norm_ratio": 1.0}
+            for index, finding in ((1, passed), (2, {"failure": "its state does not load"})):
+                audit = by_round[index]["id"]
+                r = http.post(
+                    f"{API}/runs/{runs[1.0]}/audits/{audit}", json=finding, headers=admin_headers()
+                )
+                assert r.status_code == 200, r.text
+            wait_for(lambda: blobs(runs[1.0]) == [False, True], timeout=60, what="retention")
     finally:
         server.stop()
 
-    # Assert: the unaudited run's blobs went, the audited run's stayed
-    assert audited == [True, True]
+    # Assert: the unaudited run's blobs went; the audited run's stayed while undecided, and
+    # the failed one's stays (the evidence)
+    assert undecided == [True, True]
 
 
 def test_a_new_account_is_drawn_far_more_often_than_a_trusted_one():

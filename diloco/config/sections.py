@@ -379,8 +379,8 @@ class AuditSection(_Section):
     verifier from the same base, data, seeds and starting AdamW state."""
 
     # the share of uploads audited, drawn with the round's secret after each upload (a
-    # volunteer cannot know beforehand); its blob and its revealed starting state are kept
-    # past retention. 0: none
+    # volunteer cannot know beforehand); its blob is kept past retention until the audit is
+    # decided (for good if it failed), its revealed starting state for good. 0: none
     fraction: float = Field(0.05, ge=0.0, le=1.0)
     # an account that has not yet earned its full weight (diloco.protocol.reputation) is
     # audited with a probability of at least 1 - its standing: 8 in 9 for a new account's

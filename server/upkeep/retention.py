@@ -10,8 +10,9 @@
 - A contribution's blob goes once its round is closed and ``contribution_grace_s`` has
   passed since; its row (sha256, nbytes, norm, payload_sha256...) stays with
   ``blob_deleted_at`` set, so the ledger can still be checked against what was recorded.
-  An audited contribution's blob (``server.audits``) is kept for good, and so is the base
-  version of an audit not yet decided.
+  An audited contribution's blob (``server.audits``) is kept while its audit is undecided,
+  and for good once it failed (the evidence); once it passed it goes as any other. The base
+  version of an audit not yet decided is kept.
 
 The decision is the pure ``plan(now=..., ...)``; the janitor (``server.upkeep.janitor``) calls
 ``apply`` on each pass with the blobs it listed.
@@ -45,7 +46,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
 from diloco.config import RetentionSection
-from diloco.protocol.audit import DECIDED
+from diloco.protocol.audit import DECIDED, AuditStatus
 from server.audits.models import Audit
 from server.checkpoints.models import Checkpoint
 from server.metrics import JANITOR_ERRORS, JANITOR_REMOVED
@@ -256,7 +257,8 @@ async def _blobs(
         .join(Round, and_(Round.run_id == c.run_id, Round.index == c.merged_into_round))
         .where(c.run_id == run_id)
         .where(c.blob_deleted_at.is_(None) | c.blob_key.in_(list(present)))
-        .where(~exists().where(Audit.contribution_id == c.id))  # audited: kept for good
+        # an audit not yet decided replays it; a failed one keeps it as the evidence
+        .where(~exists().where(Audit.contribution_id == c.id, Audit.status != AuditStatus.PASSED))
     )
     return [
         Blob(cid, key, closed_at if state == "closed" else None, retired=deleted is not None)
