@@ -101,8 +101,8 @@ async def replay(
         return Unverifiable("the upload's blob is no longer kept (the run's retention)")
     if record["start"] != FRESH and state is None:
         return Unverifiable(
-            "the lease began from an AdamW state its volunteer has not revealed (only "
-            "audited uploads are asked for theirs)"
+            "the lease began from an AdamW state the server does not hold (only audited "
+            "uploads reveal theirs, and a passed audit's is deleted)"
         )
     lease = parse_lease(entry["lease"])
     cfg = parse_config(dict(lease.config))

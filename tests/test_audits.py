@@ -147,6 +147,13 @@ def test_honest_leases_replay_and_a_forged_upload_fails(server, tmp_path):
     assert decided[3]["cosine"] < 0.5, decided[3]
     assert "does not reproduce the upload: cosine" in decided[3]["detail"]
     assert all(decided[i]["claimed_by"] == me for i in (1, 2, 3))
+    # the passed audit's revealed state is deleted: nothing to replay it from any more
+    state = http.get(
+        f"{API}/runs/{run_id}/audits/{decided[2]['id']}/state", headers=admin_headers()
+    )
+    assert state.status_code == 404, state.text
+    again = http.get(f"{API}/runs/{run_id}/rounds/2/ledger/{alice}", headers=admin_headers())
+    assert again.json()["state"] is None
     forged = http.get(f"{API}/runs/{run_id}/rounds/3/contributions").json()["contributions"]
     assert forged[0]["excluded"].startswith(f"replay: audit {decided[3]['id']}: the replay")
     profile = http.get(f"{API}/contributors/me", headers=auth(forger)).json()

@@ -380,7 +380,7 @@ class AuditSection(_Section):
 
     # the share of uploads audited, drawn with the round's secret after each upload (a
     # volunteer cannot know beforehand); its blob is kept past retention until the audit is
-    # decided (for good if it failed), its revealed starting state for good. 0: none
+    # decided (for good if it failed), and so is its revealed starting state. 0: none
     fraction: float = Field(0.05, ge=0.0, le=1.0)
     # an account that has not yet earned its full weight (diloco.protocol.reputation) is
     # audited with a probability of at least 1 - its standing: 8 in 9 for a new account's

@@ -4,6 +4,7 @@ claim audits and decide them; the admin grants the verifier role."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -94,12 +95,22 @@ async def claim(
 
 @router.post("/audits/{audit_id}")
 async def decide(
-    run_id: RunId, audit_id: AuditId, body: AuditResult, verifier: VerifierAuth, session: SessionDep
+    run_id: RunId,
+    audit_id: AuditId,
+    body: AuditResult,
+    request: Request,
+    verifier: VerifierAuth,
+    session: SessionDep,
 ) -> AuditView:
     """A verifier's finding on a pending audit; a failed one costs the contribution its
-    credit (``replay``) and counts towards its contributor's quarantine."""
-    decided = await service.decide(session, run_id, audit_id, verifier, body, datetime.now(UTC))
+    credit (``replay``) and counts towards its contributor's quarantine; a passed one's
+    revealed state is deleted (a failed one's is kept: the evidence)."""
+    decided, released = await service.decide(
+        session, run_id, audit_id, verifier, body, datetime.now(UTC)
+    )
     await session.commit()
+    if released is not None:  # a passed audit's state is not needed any more
+        await asyncio.to_thread(request.app.state.storage.delete, released)
     return decided
 
 

@@ -261,9 +261,11 @@ async def decide(
     verifier: str,
     result: AuditResult,
     now: datetime,
-) -> AuditView:
+) -> tuple[AuditView, str | None]:
     """Record a verifier's finding on a pending audit: passed or failed by the figures
-    (``Verdict``), or failed with the verifier's sentence."""
+    (``Verdict``), or failed with the verifier's sentence. With it, the key of a passed
+    audit's revealed state, no longer named by the audit, for the caller to delete once
+    this commits (a failed one's stays: the evidence)."""
     audit = await get(session, run_id, audit_id, lock=True)
     if audit.status != AuditStatus.PENDING:
         raise InvalidTransition(
@@ -287,7 +289,10 @@ async def decide(
         else:
             await _fail(session, audit, verdict.sentence(), now)
     audit.claimed_by = verifier
-    return view(audit)
+    released = None
+    if audit.status == AuditStatus.PASSED and audit.state_key is not None:
+        released, audit.state_key = audit.state_key, None
+    return view(audit), released
 
 
 async def _fail(session: AsyncSession, audit: Audit, detail: str, now: datetime) -> None:
