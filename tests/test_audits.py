@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import sys
 from pathlib import Path
 
@@ -76,7 +77,24 @@ def _forge(http: httpx.Client, token: str, run_id: str) -> None:
     assert r.status_code == 201, r.text
 
 
-def test_honest_leases_replay_and_a_forged_upload_fails(server, tmp_path):
+@pytest.fixture(params=["local", "s3"])
+def audit_server(request, database_url, tmp_path):  # type: ignore[no-untyped-def]
+    """A server on disk, or on the bucket (signed URLs for every file a verifier reads)."""
+    settings: dict[str, object] = {}
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        bucket = request.getfixturevalue("s3_server").bucket
+        settings["storage"] = f"s3://{bucket}/audits-{secrets.token_hex(4)}"
+        settings["scratch_dir"] = tmp_path / "scratch"  # not the system's temp dir
+    proc = ServerProcess(data_dir=tmp_path / "srv", database_url=database_url, **settings)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_honest_leases_replay_and_a_forged_upload_fails(audit_server, tmp_path):
+    server = audit_server
     http = server.client()
     run_id = create_run(http, _config(3))["id"]
 
