@@ -100,10 +100,6 @@ def test_a_restarted_volunteer_resumes_without_downloading_again(server, databas
             "heartbeat_interval_s": 1,
         },
     )
-    # the round's one upload is what this test follows: the scoring, which can leave an
-    # honest round-2 upload out (docs/benchmarks.md, false positives) and reopen a round of
-    # quorum 1, is another test's subject
-    config["aggregation"] = {"score_windows": 0}
     http = httpx.Client(base_url=server.url, timeout=30)
     run_id = create_run(http, config)["id"]
     home, env, args = volunteer(tmp_path / "alice", server, run_id)
