@@ -121,7 +121,10 @@ async def audit_state(
     """The revealed state of an audit (safetensors)."""
     audit = await service.get(session, run_id, audit_id)
     if audit.state_key is None:
-        raise NotFound(f"audit {audit_id} has no revealed state (it began fresh, or none came)")
+        raise NotFound(
+            f"audit {audit_id} holds no revealed state (it began fresh, none came, or it "
+            "passed and its state was deleted)"
+        )
     return serve_blob(
         request,
         audit.state_key,

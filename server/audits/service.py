@@ -112,12 +112,11 @@ async def draw(
 async def revealing(session: AsyncSession, contribution_id: str) -> str | None:
     """The id of the contribution's audit while it waits for the volunteer's state (an
     identical retry of the upload is told again), else None."""
-    found = await session.scalar(
+    return await session.scalar(
         select(Audit.id).where(
             Audit.contribution_id == contribution_id, Audit.status == AuditStatus.REVEALING
         )
     )
-    return found
 
 
 async def get(session: AsyncSession, run_id: str, audit_id: str, *, lock: bool = False) -> Audit:
