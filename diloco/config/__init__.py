@@ -4,7 +4,8 @@ Every section forbids unknown keys, and every error names the key it is about
 (``inner.lr: ...``), so a typo in a config file is caught before a run starts
 instead of being silently ignored for a hundred rounds.
 
-The sections are ``diloco.config.sections``; this module assembles them.
+The sections are ``diloco.config.sections`` (what is trained and sent) and
+``diloco.config.rounds`` (how the hub runs the rounds); this module assembles them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
+from diloco.config.rounds import (
+    AggregationSection,
+    AuditSection,
+    EvalSection,
+    RetentionSection,
+    RoundsSection,
+)
 from diloco.config.sections import (
     BYTE_VOCAB,
     DOWNLOAD_FOR,
@@ -25,16 +33,11 @@ from diloco.config.sections import (
     MIN_TIMEOUT_S,
     NO_CONTROL_CHARS,
     SPARSE_OUTER,
-    AggregationSection,
-    AuditSection,
     CompressionSection,
     DataSection,
-    EvalSection,
     InnerSection,
     ModelSection,
     OuterSection,
-    RetentionSection,
-    RoundsSection,
     _Section,
 )
 
