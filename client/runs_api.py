@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -17,7 +18,7 @@ from client.session import ApiSession
 
 
 class RunsAPI(ApiSession):
-    # ---------------------------------------------------------------- runs (admin for writes)
+    # ------------------------------------------------ runs (the admin or a run owner for writes)
 
     async def create_run(
         self, config: Mapping[str, Any], data_path: Path | None, init_path: Path | None = None
@@ -74,9 +75,10 @@ class RunsAPI(ApiSession):
         status, _ = await self._put_file(where, path, f"upload of {name}", on_bytes)
         return status == 201
 
-    async def list_runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first."""
-        return require(await self._json("GET", "/runs"), "runs", list, "the run list")
+    async def list_runs(self, owner: str | None = None) -> list[dict[str, Any]]:
+        """Every run, newest first; only ``owner``'s (a run owner's account id) when given."""
+        path = "/runs" if owner is None else f"/runs?{urlencode({'owner': owner})}"
+        return require(await self._json("GET", path), "runs", list, "the run list")
 
     async def get_run(self, run_id: str) -> dict[str, Any]:
         return await self._json("GET", f"/runs/{run_id}")
@@ -91,6 +93,19 @@ class RunsAPI(ApiSession):
         """Make the run private with a new invite code (admin); the code."""
         data = await self._json("POST", f"/runs/{run_id}/invite", idempotent=False)
         return require(data, "invite", str, "the invite answer")
+
+    async def ban_from_run(self, run_id: str, contributor_id: str, reason: str) -> dict[str, Any]:
+        """Ban a contributor from one run (its owner or the admin); the ban."""
+        body = {"contributor_id": contributor_id, "reason": reason}
+        return await self._json("POST", f"/runs/{run_id}/bans", body=body)
+
+    async def lift_run_ban(self, run_id: str, contributor_id: str) -> None:
+        await self._json("DELETE", f"/runs/{run_id}/bans/{contributor_id}")
+
+    async def run_bans(self, run_id: str) -> list[dict[str, Any]]:
+        """Who is banned from the run, newest first (its owner or the admin)."""
+        data = await self._json("GET", f"/runs/{run_id}/bans")
+        return require(data, "bans", list, "the run's bans")
 
     async def become_member(self, run_id: str, invite: str) -> dict[str, Any]:
         """Join a private run's members with its invite code (a public run: nothing to do)."""

@@ -101,6 +101,8 @@ class ApiSession:
             ) as resp:
                 if resp.status >= 400:
                     raise await error_from(resp)
+                if resp.status == 204:  # done, nothing to say (a DELETE)
+                    return {}
                 return await json_object(resp)
 
         return await self._with_retries(

@@ -378,6 +378,8 @@ async def run_worker(opts: WorkerOptions) -> WorkerSummary:
     except ApiError as err:
         if err.code == ErrorCode.BANNED:  # every request would be refused: stop for good
             worker.summary.stopped_because = "stopped: the hub's admin banned this contributor"
+        elif err.code == ErrorCode.BANNED_FROM_RUN:
+            worker.summary.stopped_because = "stopped: the run's owner banned us from this run"
         else:
             worker.summary.stopped_because = f"stopped by an error ({type(err).__name__})"
         raise

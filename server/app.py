@@ -16,7 +16,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from diloco.faults import FaultInjector
-from server.audits.router import roles_router
+from server.accounts.router import hub_router as accounts_hub_router
+from server.accounts.router import router as accounts_router
 from server.audits.router import router as audits_router
 from server.checkpoints.router import router as checkpoints_router
 from server.contributions.router import router as contributions_router
@@ -36,6 +37,7 @@ from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
 from server.rounds.slots import UploadSlots
 from server.rounds.sweeper import Sweeper
+from server.runs.config_router import router as config_router
 from server.runs.router import router as runs_router
 from server.settings import Role, Settings
 from server.speedtest import router as speedtest_router
@@ -116,13 +118,15 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     routers = (
         lifecycle_router,
         runs_router,
+        config_router,
         rounds_router,
         checkpoints_router,
         contributors_router,
         contributions_router,
         datasets_router,
         audits_router,
-        roles_router,
+        accounts_router,
+        accounts_hub_router,
         speedtest_router,
         downloads_router,
         web.router,

@@ -14,6 +14,10 @@ alone.
 A banned contributor (``banned_at`` set by an admin) is refused on every path with ``403
 banned`` and the admin's reason, from the moment the ban commits: each request reads the
 row afresh, nothing is cached.
+
+Who manages runs (``Manager``): the admin, every run; an account the admin made a run
+``owner`` (``server.accounts``), the runs it created. Roles are read afresh on each request
+too: a revoked owner gets 403 on its own runs from the moment the revocation commits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -29,7 +34,16 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server.contributors.models import Contributor, ContributorRole
-from server.http.errors import Banned, Forbidden, Unauthorized
+from server.http.errors import (
+    Banned,
+    BannedFromRun,
+    Forbidden,
+    NotRunOwner,
+    RunNotFound,
+    Unauthorized,
+)
+from server.http.inputs import RunId
+from server.runs.models import Run
 
 
 def new_token(prefix: str) -> str:
@@ -61,6 +75,11 @@ UNKNOWN_TOKEN = "unknown contributor token; register with POST /api/v1/contribut
 def banned(reason: str | None) -> Banned:
     """The answer to a banned contributor's request."""
     return Banned(f"this contributor is banned by the hub's admin: {reason or 'no reason given'}")
+
+
+def banned_from_run(run_id: str, reason: str) -> BannedFromRun:
+    """The answer to a contributor banned from one run, on that run."""
+    return BannedFromRun(f"you are banned from run {run_id} by its owner: {reason}")
 
 
 async def _find_contributor(request: Request, *, touch: bool) -> Contributor:
@@ -102,21 +121,25 @@ def is_admin(request: Request) -> bool:
     return hmac.compare_digest(hash_token(token), hash_token(expected))
 
 
+async def has_role(request: Request, contributor_id: str, role: str) -> bool:
+    """Whether the admin granted the account ``role`` (read afresh)."""
+    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    async with sessions() as session:
+        found = await session.scalar(
+            select(ContributorRole.role).where(
+                ContributorRole.contributor_id == contributor_id, ContributorRole.role == role
+            )
+        )
+    return found is not None
+
+
 async def require_verifier(request: Request) -> str:
     """The admin token, or a contributor the admin made a ``verifier``: who it is ("admin"
     or the contributor's id)."""
     if is_admin(request):
         return "admin"
     contributor = await read_contributor(request)
-    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
-    async with sessions() as session:
-        role = await session.scalar(
-            select(ContributorRole.role).where(
-                ContributorRole.contributor_id == contributor.id,
-                ContributorRole.role == "verifier",
-            )
-        )
-    if role is None:
+    if not await has_role(request, contributor.id, "verifier"):
         raise Forbidden(
             "this needs the admin token or a verifier's (the admin grants the role: "
             f"POST /api/v1/contributors/{contributor.id}/roles)"
@@ -124,7 +147,59 @@ async def require_verifier(request: Request) -> str:
     return contributor.id
 
 
+@dataclass(frozen=True)
+class Manager:
+    """Who manages runs: the admin (``id`` None) or a run owner (its contributor id)."""
+
+    id: str | None
+    name: str
+
+    @property
+    def admin(self) -> bool:
+        return self.id is None
+
+    @property
+    def who(self) -> str:
+        """As the hub records who did something: "admin" or the owner's id."""
+        return self.id or "admin"
+
+
+ADMIN = Manager(None, "admin")
+
+
+async def require_manager(request: Request) -> Manager:
+    """The admin, or a contributor the admin made a run ``owner``."""
+    if is_admin(request):
+        return ADMIN
+    contributor = await read_contributor(request)
+    if not await has_role(request, contributor.id, "owner"):
+        raise Forbidden(
+            "this needs the admin token or a run owner's (the admin grants the role: "
+            f'POST /api/v1/contributors/{contributor.id}/roles with {{"role": "owner"}})'
+        )
+    return Manager(contributor.id, contributor.name)
+
+
+async def require_run_manager(run_id: RunId, request: Request) -> Manager:
+    """The admin, or the owner of run ``run_id`` (404 for a run that does not exist, to
+    anyone who may manage runs at all)."""
+    manager = await require_manager(request)
+    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    async with sessions() as session:
+        owner = await session.execute(select(Run.owner_id).where(Run.id == run_id))
+        row = owner.one_or_none()
+    if row is None:
+        raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+    if not manager.admin and row.owner_id != manager.id:
+        raise NotRunOwner(
+            f"run {run_id} is not yours to manage: only its owner and the hub's admin may"
+        )
+    return manager
+
+
 AdminAuth = Annotated[None, Depends(require_admin)]
 VerifierAuth = Annotated[str, Depends(require_verifier)]
+ManagerAuth = Annotated[Manager, Depends(require_manager)]
+RunManagerAuth = Annotated[Manager, Depends(require_run_manager)]
 ContributorAuth = Annotated[Contributor, Depends(require_contributor)]
 ContributorReadAuth = Annotated[Contributor, Depends(read_contributor)]

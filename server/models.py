@@ -2,10 +2,10 @@
 
 from server.audits.models import Audit
 from server.checkpoints.models import Checkpoint
-from server.contributors.models import Contributor, ContributorRole
+from server.contributors.models import Contributor, ContributorRole, OwnerQuota
 from server.datasets.models import Dataset, DataUnit
 from server.rounds.models import Contribution, Lease, Round, UploadRejection
-from server.runs.models import Run, RunMember
+from server.runs.models import Run, RunBan, RunMember
 
 __all__ = [
     "Audit",
@@ -16,8 +16,10 @@ __all__ = [
     "DataUnit",
     "Dataset",
     "Lease",
+    "OwnerQuota",
     "Round",
     "Run",
+    "RunBan",
     "RunMember",
     "UploadRejection",
 ]

@@ -83,6 +83,13 @@ class Settings(BaseSettings):
     # data and uploads
     n_shards: int = Field(8, ge=1, le=4096)  # training shards a run's data is split into
     max_data_bytes: int = Field(1 << 30, gt=0)  # the data file uploaded with a run
+    # what one run owner's runs may cost where the admin set it no quota of its own (PUT
+    # /api/v1/contributors/{id}/quota; server.accounts.quotas): runs not ended at once, a
+    # run's model parameters, a run's training data in bytes. The admin's own runs are
+    # bounded by the hub's limits alone
+    owner_runs: int = Field(2, ge=0, le=10_000)
+    owner_params: int = Field(100_000_000, ge=0)
+    owner_data_bytes: int = Field(256 << 20, ge=0)
     # starting weights uploaded with a run (model.init): at most this, and at most the
     # run's own model in fp32 (plus a header); 16 GiB is a 4B-parameter model
     max_init_bytes: int = Field(16 << 30, gt=0)

@@ -223,7 +223,7 @@ def test_every_audit_route_refuses_what_it_should(server, tmp_path):
                   headers=admin_headers())  # fmt: skip
     assert r.status_code == 404, r.text
     me = http.get(f"{API}/contributors/me", headers=auth(bob)).json()["id"]
-    r = http.post(f"{API}/contributors/{me}/roles", json={"role": "owner"}, headers=admin_headers())
+    r = http.post(f"{API}/contributors/{me}/roles", json={"role": "king"}, headers=admin_headers())
     assert r.status_code == 422, r.text
     r = http.post(f"{API}/contributors/{me}/roles", json={"role": "verifier"}, headers=auth(bob))
     assert r.status_code == 403, r.text

@@ -1,4 +1,5 @@
-"""``diloco run ...``: create and manage runs on a server (writes need the admin token).
+"""``diloco run ...``: create and manage runs on a server (writes need the admin token, or
+a run owner's token for its own runs).
 
 Exit codes are those of ``client.cli.support.ExitStatus``.
 """
@@ -21,7 +22,8 @@ from client.cli.support import ExitStatus, fail, run_api
 from diloco.config import ConfigError, RunConfig, load_config
 
 run_app = typer.Typer(
-    help="Create and manage training runs on a server (writes need the admin token).",
+    help="Create and manage training runs on a server (writes need the admin token, or a "
+    "run owner's for its own runs).",
     no_args_is_help=True,
 )
 
@@ -34,9 +36,11 @@ Server = Annotated[
 AdminToken = Annotated[
     str | None,
     typer.Option(
+        "--token",
         "--admin-token",
-        help="Admin token (printed by `diloco serve` on first start).",
-        envvar="DILOCO_ADMIN_TOKEN",
+        help="The admin token (printed by `diloco serve` on first start), or a run owner's "
+        "token (its contributor token, once the admin made it a run owner).",
+        envvar=["DILOCO_TOKEN", "DILOCO_ADMIN_TOKEN"],
     ),
 ]
 AsJson = Annotated[
@@ -174,9 +178,16 @@ def _starting_weights(cfg: RunConfig, dataset: Path | None, scratch: Path) -> Pa
 
 
 @run_app.command("list")
-def list_runs(server: Server, admin_token: AdminToken = None, as_json: AsJson = False) -> None:
+def list_runs(
+    server: Server,
+    admin_token: AdminToken = None,
+    as_json: AsJson = False,
+    owner: Annotated[
+        str | None, typer.Option("--owner", help="Only the runs this account (ctr_…) owns.")
+    ] = None,
+) -> None:
     """List the runs, newest first."""
-    runs = run_api(server, admin_token, lambda api: api.list_runs())
+    runs = run_api(server, admin_token, lambda api: api.list_runs(owner))
     if as_json:
         _print_json(runs)
         return
@@ -249,6 +260,44 @@ def invite(run_id: RunId, server: Server, admin_token: AdminToken = None) -> Non
     admitting); volunteers then join with `diloco join --invite CODE`."""
     code = run_api(server, admin_token, lambda api: api.new_invite(run_id))
     typer.echo(code)
+
+
+@run_app.command("ban")
+def ban(
+    run_id: RunId,
+    contributor: Annotated[str, typer.Argument(help="The contributor's id (ctr_…).")],
+    server: Server,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Told to it on every refusal (to ban).")
+    ] = None,
+    admin_token: AdminToken = None,
+    lift: Annotated[bool, typer.Option("--lift", help="Lift the ban instead.")] = False,
+) -> None:
+    """Ban a contributor from one run (its joins and uploads there are refused; its work
+    in rounds not yet closed is left out), or lift that ban with --lift."""
+    if lift:
+        run_api(server, admin_token, lambda api: api.lift_run_ban(run_id, contributor))
+        typer.echo(f"{contributor} may join {run_id} again")
+        return
+    if reason is None:
+        fail("--reason: a ban needs a reason (the contributor is told it)", ExitStatus.USAGE)
+    done = run_api(server, admin_token, lambda api: api.ban_from_run(run_id, contributor, reason))
+    typer.echo(
+        f"{contributor} banned from {run_id}: {done.get('excluded')} contributions left out, "
+        f"{done.get('released')} leases released"
+    )
+
+
+@run_app.command("bans")
+def bans(run_id: RunId, server: Server, admin_token: AdminToken = None) -> None:
+    """Who is banned from a run, newest first, with the reasons."""
+    items = run_api(server, admin_token, lambda api: api.run_bans(run_id))
+    rows = [
+        [str(b.get("contributor_id")), str(b.get("contributor_name")), str(b.get("banned_by")),
+         str(b.get("banned_at", ""))[:16].replace("T", " "), str(b.get("reason"))]
+        for b in items
+    ]  # fmt: skip
+    _table(["CONTRIBUTOR", "NAME", "BY", "SINCE", "REASON"], rows)
 
 
 @run_app.command("rounds")

@@ -8,6 +8,7 @@ cross-entropy), ``tie_weights()`` (again after ``to_empty``), ``num_parameters()
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -62,6 +63,11 @@ def parameter_shapes(section: ModelSection) -> dict[str, tuple[int, ...]]:
     """The model's parameter names and shapes, in order (built on the meta device: no
     memory), e.g. what an upload's tensors must be."""
     return dict(_shapes(section))
+
+
+def parameter_count(section: ModelSection) -> int:
+    """The model's number of parameters, from its shapes (nothing allocated)."""
+    return sum(math.prod(shape) for _, shape in _shapes(section))
 
 
 def mlp_width(section: ModelSection) -> int:

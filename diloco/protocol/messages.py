@@ -41,6 +41,9 @@ class ErrorCode(StrEnum):
     BANNED = "banned"  # 403: an admin banned this contributor; the detail names the reason
     NOT_INVITED = "not_invited"  # 403: joining a private run needs its invite code first
     INVALID_INVITE = "invalid_invite"  # 403: not the private run's current invite code
+    BANNED_FROM_RUN = "banned_from_run"  # 403: the run's owner banned this contributor from it
+    NOT_RUN_OWNER = "not_run_owner"  # 403: managing a run needs its owner's or the admin token
+    QUOTA_EXCEEDED = "quota_exceeded"  # 403: past the run owner's quota; the detail names it
     # what you named (404, 405)
     NOT_FOUND = "not_found"
     RUN_NOT_FOUND = "run_not_found"

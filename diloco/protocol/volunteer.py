@@ -95,6 +95,7 @@ FATAL_CODES = frozenset(
         ErrorCode.UNAUTHORIZED,
         ErrorCode.FORBIDDEN,
         ErrorCode.BANNED,
+        ErrorCode.BANNED_FROM_RUN,
         ErrorCode.NOT_INVITED,
         ErrorCode.INVALID_INVITE,
     }

@@ -9,8 +9,7 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from sqlalchemy import delete, select
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import select
 
 from diloco.protocol.audit import AuditStatus
 from server.audits import ledger, service
@@ -22,11 +21,8 @@ from server.audits.schemas import (
     BlobRef,
     LedgerEntry,
     ReplayView,
-    RoleIn,
-    Roles,
 )
-from server.auth import AdminAuth, ContributorAuth, VerifierAuth
-from server.contributors.models import Contributor, ContributorRole
+from server.auth import ContributorAuth, VerifierAuth
 from server.db import SessionDep
 from server.http.errors import NotFound
 from server.http.inputs import ContributorId, RoundIndex, RunId
@@ -36,7 +32,6 @@ from server.storage.files import read_url, serve_blob
 
 API = "/api/v1"
 router = APIRouter(prefix=f"{API}/runs/{{run_id}}", tags=["audits"])
-roles_router = APIRouter(prefix=f"{API}/contributors", tags=["contributors"])
 
 AuditId = Annotated[
     str,
@@ -216,50 +211,3 @@ async def ledger_entry(
         state=state,
         audit=None if audit is None else service.view(audit),
     )
-
-
-@roles_router.post("/{contributor_id}/roles")
-async def grant_role(
-    contributor_id: ContributorId, body: RoleIn, _: AdminAuth, session: SessionDep
-) -> Roles:
-    """Give an account a role (admin token): ``verifier`` claims and decides audits."""
-    await _account(session, contributor_id)
-    await session.execute(
-        insert(ContributorRole)
-        .values(contributor_id=contributor_id, role=body.role, granted_at=datetime.now(UTC))
-        .on_conflict_do_nothing()
-    )
-    await session.commit()
-    return await _roles(session, contributor_id)
-
-
-@roles_router.delete("/{contributor_id}/roles/{role}")
-async def revoke_role(
-    contributor_id: ContributorId,
-    role: Annotated[str, Path(pattern=r"^verifier$", description="a role: verifier")],
-    _: AdminAuth,
-    session: SessionDep,
-) -> Roles:
-    """Take a role back (admin token); revoking one it does not hold changes nothing."""
-    await _account(session, contributor_id)
-    await session.execute(
-        delete(ContributorRole).where(
-            ContributorRole.contributor_id == contributor_id, ContributorRole.role == role
-        )
-    )
-    await session.commit()
-    return await _roles(session, contributor_id)
-
-
-async def _account(session: SessionDep, contributor_id: str) -> None:
-    if await session.get(Contributor, contributor_id) is None:
-        raise NotFound(f"no contributor {contributor_id!r}; GET /api/v1/contributors lists them")
-
-
-async def _roles(session: SessionDep, contributor_id: str) -> Roles:
-    held = await session.scalars(
-        select(ContributorRole.role)
-        .where(ContributorRole.contributor_id == contributor_id)
-        .order_by(ContributorRole.role)
-    )
-    return Roles(id=contributor_id, roles=list(held))

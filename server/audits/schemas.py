@@ -78,14 +78,3 @@ class AuditResult(BaseModel):
         if self.failure is not None and any(f is not None for f in figures):
             raise ValueError("send either the figures or a failure sentence, not both")
         return self
-
-
-class RoleIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["verifier"]
-
-
-class Roles(BaseModel):
-    id: str
-    roles: list[str]

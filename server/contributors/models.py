@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CheckConstraint, ForeignKey, String, Text, func
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -34,14 +34,36 @@ class Contributor(Base):
 
 
 class ContributorRole(Base):
-    """A role the admin granted an account (``POST /contributors/{id}/roles``): ``verifier``
-    may claim and decide audits (``server.audits``)."""
+    """A role the admin granted an account (``POST /contributors/{id}/roles``, the roles of
+    ``diloco.protocol.roles``): ``verifier`` may claim and decide audits (``server.audits``);
+    ``owner`` may create runs and manage its own (``server.accounts``)."""
 
     __tablename__ = "contributor_roles"
-    __table_args__ = (CheckConstraint("role IN ('verifier')", name="role_valid"),)
+    __table_args__ = (CheckConstraint("role IN ('verifier', 'owner')", name="role_valid"),)
 
     contributor_id: Mapped[str] = mapped_column(
         String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True
     )
     role: Mapped[str] = mapped_column(String(16), primary_key=True)
     granted_at: Mapped[datetime] = mapped_column()
+
+
+class OwnerQuota(Base):
+    """What the admin lets one run owner's runs cost the hub (``PUT
+    /contributors/{id}/quota``); a None field takes the hub's default
+    (``server.settings``: ``DILOCO_OWNER_RUNS``, ``_PARAMS``, ``_DATA_BYTES``)."""
+
+    __tablename__ = "owner_quotas"
+    __table_args__ = (
+        CheckConstraint("runs >= 0", name="runs_non_negative"),
+        CheckConstraint("params >= 0", name="params_non_negative"),
+        CheckConstraint("data_bytes >= 0", name="data_bytes_non_negative"),
+    )
+
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True
+    )
+    runs: Mapped[int | None] = mapped_column(Integer, default=None)  # not ended, at once
+    params: Mapped[int | None] = mapped_column(BigInteger, default=None)  # per run's model
+    data_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)  # per run's data
+    set_at: Mapped[datetime] = mapped_column()

@@ -80,6 +80,18 @@ class InvalidInvite(Forbidden):
     code = ErrorCode.INVALID_INVITE
 
 
+class BannedFromRun(Forbidden):
+    code = ErrorCode.BANNED_FROM_RUN
+
+
+class NotRunOwner(Forbidden):
+    code = ErrorCode.NOT_RUN_OWNER
+
+
+class QuotaExceeded(Forbidden):
+    code = ErrorCode.QUOTA_EXCEEDED
+
+
 class NotFound(HubError):
     status = 404
     code = ErrorCode.NOT_FOUND

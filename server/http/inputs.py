@@ -53,6 +53,15 @@ RunFilter = Annotated[
         description="a run id: only that run's contributors and figures",
     ),
 ]
+OwnerFilter = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=RUN_ID_CHARS,
+        pattern=NO_CONTROL_CHARS,
+        description="a contributor id: only the runs that run owner created",
+    ),
+]
 RoundIndex = Annotated[int, Path(ge=1, le=INT32_MAX, description="a round index, counted from 1")]
 ShardIndex = Annotated[int, Path(ge=0, le=INT32_MAX, description="a shard index, from 0")]
 CheckpointVersion = Annotated[

@@ -28,6 +28,9 @@ CONTRIBUTOR: Errors = {401: ("unauthorized",), 403: ("banned",)}
 LIMITED: Errors = {429: ("rate_limited",)}  # server.http.ratelimit: with Retry-After
 RUN: Errors = {404: ("run_not_found",)}
 VERIFIER: Errors = {401: ("unauthorized",), 403: ("forbidden", "banned")}  # or the admin
+# the admin, or a run owner (server.auth.require_manager); on a run: that run's owner
+MANAGER: Errors = {401: ("unauthorized",), 403: ("forbidden", "banned")}
+RUN_MANAGER: Errors = {401: ("unauthorized",), 403: ("forbidden", "banned", "not_run_owner")}
 FILE: Errors = {404: ("run_not_found", "not_found"), 416: ("range_not_satisfiable",)}
 VERSION_FILE: Errors = {**FILE, 410: ("gone",)}  # retention deleted the version's files
 UPLOAD: Errors = {
@@ -49,7 +52,8 @@ UPLOAD: Errors = {
 
 ERRORS: dict[str, Errors] = {
     "POST /api/v1/runs": {
-        **ADMIN,
+        **MANAGER,
+        403: ("forbidden", "banned", "quota_exceeded"),
         404: ("not_found",),  # data.dataset names no registered dataset
         413: ("upload_too_large",),
         422: ("invalid_config", "invalid_data", "model_too_large"),
@@ -70,13 +74,19 @@ ERRORS: dict[str, Errors] = {
         404: ("not_found",),
         416: ("range_not_satisfiable",),
     },
-    "POST /api/v1/runs/{run_id}/pause": {**ADMIN, **RUN, 409: ("invalid_transition",)},
-    "POST /api/v1/runs/{run_id}/resume": {**ADMIN, **RUN, 409: ("invalid_transition",)},
-    "POST /api/v1/runs/{run_id}/cancel": {**ADMIN, **RUN, 409: ("invalid_transition",)},
+    "POST /api/v1/runs/{run_id}/pause": {**RUN_MANAGER, **RUN, 409: ("invalid_transition",)},
+    "POST /api/v1/runs/{run_id}/resume": {**RUN_MANAGER, **RUN, 409: ("invalid_transition",)},
+    "POST /api/v1/runs/{run_id}/cancel": {**RUN_MANAGER, **RUN, 409: ("invalid_transition",)},
+    "GET /api/v1/runs/{run_id}/bans": {**RUN_MANAGER, **RUN},
+    "POST /api/v1/runs/{run_id}/bans": {**RUN_MANAGER, 404: ("run_not_found", "not_found")},
+    "DELETE /api/v1/runs/{run_id}/bans/{contributor_id}": {
+        **RUN_MANAGER,
+        404: ("run_not_found", "not_found"),
+    },
     "GET /api/v1/runs/{run_id}/rounds": RUN,
     "GET /api/v1/runs/{run_id}/rounds/{index}/contributions": {404: ("run_not_found", "not_found")},
-    "POST /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
-    "DELETE /api/v1/runs/{run_id}/invite": {**ADMIN, **RUN},
+    "POST /api/v1/runs/{run_id}/invite": {**RUN_MANAGER, **RUN},
+    "DELETE /api/v1/runs/{run_id}/invite": {**RUN_MANAGER, **RUN},
     "POST /api/v1/runs/{run_id}/members": {
         **CONTRIBUTOR,
         403: ("banned", "invalid_invite"),
@@ -84,7 +94,7 @@ ERRORS: dict[str, Errors] = {
     },
     "POST /api/v1/runs/{run_id}/join": {
         **CONTRIBUTOR,
-        403: ("banned", "not_invited"),
+        403: ("banned", "banned_from_run", "not_invited"),
         **RUN,
         409: ("run_not_active", "already_contributed", "round_closing"),
     },
@@ -123,6 +133,16 @@ ERRORS: dict[str, Errors] = {
     "POST /api/v1/contributors/{contributor_id}/unquarantine": {**ADMIN, 404: ("not_found",)},
     "POST /api/v1/contributors/{contributor_id}/roles": {**ADMIN, 404: ("not_found",)},
     "DELETE /api/v1/contributors/{contributor_id}/roles/{role}": {**ADMIN, 404: ("not_found",)},
+    "GET /api/v1/contributors/{contributor_id}/quota": {
+        401: ("unauthorized",),
+        403: ("forbidden", "banned"),  # another account's quota
+        404: ("not_found",),
+    },
+    "PUT /api/v1/contributors/{contributor_id}/quota": {**ADMIN, 404: ("not_found",)},
+    "GET /api/v1/accounts": ADMIN,
+    "GET /api/v1/whoami": CONTRIBUTOR,
+    "GET /api/v1/config/schema": {},
+    "POST /api/v1/config/check": {422: ("invalid_config",)},
     "PUT /api/v1/runs/{run_id}/audits/{audit_id}/state": {
         **CONTRIBUTOR,
         403: ("banned", "forbidden"),  # another contributor's audit
@@ -296,8 +316,19 @@ def _fix_success(key: str, op: dict[str, Any]) -> None:
     if key in BODIES:
         op["requestBody"] = BODIES[key]
     retried = key.startswith("PUT ") or key.endswith("/commit")
-    if retried and "200" in responses:  # an identical retry: the same body
+    if retried and "200" in responses and "201" in responses:  # an identical retry
         responses["200"]["content"] = responses["201"]["content"]
+
+
+def _security(forbidden: tuple[str, ...]) -> list[dict[str, list[str]]]:
+    """Which tokens an operation takes, from its 403 codes: ``forbidden`` alone, the admin
+    token only; ``forbidden`` and ``banned``, the admin's or an account's with a role (a
+    run owner, a verifier); no ``forbidden``, a contributor's."""
+    if "forbidden" not in forbidden:
+        return [{"contributorToken": []}]
+    if "banned" in forbidden:
+        return [{"adminToken": []}, {"contributorToken": []}]
+    return [{"adminToken": []}]
 
 
 def document(schema: dict[str, Any]) -> dict[str, Any]:
@@ -313,9 +344,8 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
             for status, codes in _errors_of(key, op).items():
                 op["responses"][str(status)] = _error_response(codes)
             op["responses"] = dict(sorted(op["responses"].items()))
-            if 401 in ERRORS[key]:  # 403 forbidden is only ever "this needs the admin token"
-                admin = "forbidden" in ERRORS[key].get(403, ())
-                op["security"] = [{"adminToken" if admin else "contributorToken": []}]
+            if 401 in ERRORS[key]:
+                op["security"] = _security(ERRORS[key].get(403, ()))
     if listed:
         raise KeyError(
             f"server.http.openapi.ERRORS lists operations the app lacks: {sorted(listed)}"

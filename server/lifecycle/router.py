@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import tempfile
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -19,17 +18,29 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from diloco.config import ConfigError, RunConfig, parse_config
-from diloco.model.architectures import parameter_shapes
-from server.auth import AdminAuth
+from diloco.model.architectures import parameter_count
+from server.accounts import service as accounts
+from server.auth import Manager, ManagerAuth, RunManagerAuth
+from server.contributors.models import Contributor
 from server.db import SessionDep
-from server.http.errors import InvalidConfig, InvalidRequest, UploadTooLarge
-from server.http.inputs import RunId, check_text, declared_length
+from server.http.errors import InvalidConfig, InvalidRequest, NotFound, UploadTooLarge
+from server.http.inputs import ContributorId, OwnerFilter, RunId, check_text, declared_length
 from server.lifecycle import service
+from server.rounds import bans
 from server.runs import service as runs_service
 from server.runs import usage
 from server.runs.limits import check_limits
-from server.runs.models import Run
-from server.runs.schemas import Coverage, KindUsage, RunList, RunOut, StorageUsage
+from server.runs.models import Run, RunBan
+from server.runs.schemas import (
+    Coverage,
+    KindUsage,
+    RunBanIn,
+    RunBanList,
+    RunBanOut,
+    RunList,
+    RunOut,
+    StorageUsage,
+)
 from server.settings import Settings
 from server.upkeep import retention
 
@@ -55,9 +66,11 @@ CREATE_BODY = {
 
 
 @router.post("", status_code=201, openapi_extra=CREATE_BODY)
-async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def create_run(request: Request, session: SessionDep, manager: ManagerAuth) -> RunOut:
     """Create a run from a config (JSON) and its data: a text file (multipart ``data``), or
-    a prepared dataset already uploaded (``data.dataset`` = its id, no file part)."""
+    a prepared dataset already uploaded (``data.dataset`` = its id, no file part). The admin
+    token, or a run owner's: the run is then the owner's, within its quota (403
+    ``quota_exceeded`` names the quota: runs not ended, parameters, data bytes)."""
     settings = request.app.state.settings
     declared_length(
         request.headers.get("content-length"),
@@ -70,6 +83,11 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
         if not isinstance(raw, str):
             raise InvalidRequest("config: a multipart field with the run config as JSON is needed")
         cfg = _parse_config(raw)
+        if not manager.admin:  # before any file is written: runs at once, the model's size
+            assert manager.id is not None
+            known = cfg.data.path is not None or cfg.model.vocab_size is not None
+            params = parameter_count(cfg.model) if known else None
+            await accounts.check_run(session, settings, manager.id, params=params)
         async with _init_file(cfg, init, settings) as init_file:
             if init_file is not None:  # the config records the name the weights came under
                 assert isinstance(init, UploadFile)
@@ -78,7 +96,7 @@ async def create_run(request: Request, session: SessionDep, _: AdminAuth) -> Run
                 )
                 model = cfg.model.model_copy(update={"init": name})
                 cfg = cfg.model_copy(update={"model": model})
-            run = await _create(request, session, cfg, data, init_file)
+            run = await _create(request, session, manager, cfg, data, init_file)
     return await service.view(session=session, settings=settings, run=run, now=datetime.now(UTC))
 
 
@@ -114,8 +132,7 @@ async def _init_file(
     tmp_dir.mkdir(parents=True, exist_ok=True)
     limit = settings.max_init_bytes
     if cfg.data.path is not None or cfg.model.vocab_size is not None:  # the shapes are known
-        params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
-        limit = min(limit, 4 * params + INIT_HEADER_BYTES)
+        limit = min(limit, 4 * parameter_count(cfg.model) + INIT_HEADER_BYTES)
     with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".safetensors") as tmp:
         too_large = f"init: over {limit} bytes, more than this run's model in fp32 needs"
         await asyncio.to_thread(_spool, init.file, tmp, limit=limit, too_large=too_large)
@@ -123,7 +140,12 @@ async def _init_file(
 
 
 async def _create(
-    request: Request, session: SessionDep, cfg: RunConfig, data: object, init: Path | None
+    request: Request,
+    session: SessionDep,
+    manager: Manager,
+    cfg: RunConfig,
+    data: object,
+    init: Path | None,
 ) -> Run:
     settings = request.app.state.settings
     storage = request.app.state.storage
@@ -134,10 +156,21 @@ async def _create(
         plan = await runs_service.plan_on_dataset(
             session=session, storage=storage, settings=settings, cfg=cfg
         )
+        if manager.id is not None:
+            data_bytes = sum(s.nbytes for s in plan.manifest.shards)
+            await accounts.check_run(
+                session,
+                settings,
+                manager.id,
+                params=parameter_count(plan.cfg.model),
+                data_bytes=data_bytes,
+            )
         # claim, compute, publish: no pooled connection waits while version 0 is written
         await session.commit()
+        if manager.id is not None:  # held until the run's rows commit
+            await accounts.hold_runs(session, settings, manager.id)
         return await service.create_on_dataset(
-            session=session, storage=storage, plan=plan, init_file=init
+            session=session, storage=storage, plan=plan, init_file=init, owner_id=manager.id
         )
     if not isinstance(data, UploadFile):
         raise InvalidRequest("data: a multipart file part with the training text is needed")
@@ -151,6 +184,10 @@ async def _create(
         limit = settings.max_data_bytes
         too_large = f"the data file is over the {limit}-byte limit"
         await asyncio.to_thread(_spool, data.file, tmp, limit=limit, too_large=too_large)
+        if manager.id is not None:  # held until the run's rows commit
+            data_bytes = Path(tmp.name).stat().st_size
+            await accounts.check_run(session, settings, manager.id, data_bytes=data_bytes)
+            await accounts.hold_runs(session, settings, manager.id)
         return await service.create(
             session=session,
             storage=storage,
@@ -161,6 +198,7 @@ async def _create(
                 Path(data.filename or "data.txt").name, what="data (file name)", max_length=255
             ),
             init_file=init,
+            owner_id=manager.id,
         )
 
 
@@ -186,9 +224,10 @@ async def run_coverage(run_id: RunId, session: SessionDep) -> Coverage:
 
 
 @router.get("")
-async def list_runs(request: Request, session: SessionDep) -> RunList:
+async def list_runs(request: Request, session: SessionDep, owner: OwnerFilter = None) -> RunList:
+    """Every run, newest first; ``owner``: only the runs that account owns."""
     settings, now = request.app.state.settings, datetime.now(UTC)
-    runs = await runs_service.list_all(session=session)
+    runs = await runs_service.list_all(session=session, owner_id=owner)
     return RunList(
         runs=[await service.view(session=session, settings=settings, run=r, now=now) for r in runs]
     )
@@ -236,18 +275,75 @@ async def _transition(run_id: RunId, action: str, request: Request, session: Ses
 
 
 @router.post("/{run_id}/pause")
-async def pause(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def pause(run_id: RunId, request: Request, session: SessionDep, _: RunManagerAuth) -> RunOut:
     """No new leases; the open round stops closing until resumed."""
     return await _transition(run_id, "pause", request, session)
 
 
 @router.post("/{run_id}/resume")
-async def resume(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def resume(run_id: RunId, request: Request, session: SessionDep, _: RunManagerAuth) -> RunOut:
     """Back to active; the open round gets a fresh deadline."""
     return await _transition(run_id, "resume", request, session)
 
 
 @router.post("/{run_id}/cancel")
-async def cancel(run_id: RunId, request: Request, session: SessionDep, _: AdminAuth) -> RunOut:
+async def cancel(run_id: RunId, request: Request, session: SessionDep, _: RunManagerAuth) -> RunOut:
     """Stop the run for good; its checkpoints stay downloadable."""
     return await _transition(run_id, "cancel", request, session)
+
+
+# ---------------------------------------------------------------- bans from one run
+
+
+def _ban_out(
+    ban: RunBan, name: str, *, excluded: int | None = None, released: int | None = None
+) -> RunBanOut:
+    return RunBanOut(
+        run_id=ban.run_id,
+        contributor_id=ban.contributor_id,
+        contributor_name=name,
+        reason=ban.reason,
+        banned_by=ban.banned_by,
+        banned_at=ban.banned_at,
+        excluded=excluded,
+        released=released,
+    )
+
+
+@router.get("/{run_id}/bans")
+async def list_run_bans(run_id: RunId, session: SessionDep, _: RunManagerAuth) -> RunBanList:
+    """Who is banned from the run, newest first, with reasons (its owner or the admin)."""
+    rows = await bans.run_bans(session, run_id)
+    return RunBanList(run_id=run_id, bans=[_ban_out(ban, name) for ban, name in rows])
+
+
+@router.post("/{run_id}/bans")
+async def ban_from_run(
+    run_id: RunId, body: RunBanIn, session: SessionDep, manager: RunManagerAuth
+) -> RunBanOut:
+    """Ban a contributor from this run (its owner or the admin): its joins and uploads here
+    are refused with 403 ``banned_from_run`` and the reason, its work in the run's rounds
+    not yet closed is left out (no credit), its leases here released. The rest of the hub
+    still takes it (a hub-wide ban is the admin's: ``POST /contributors/{id}/ban``)."""
+    account = await session.get(Contributor, body.contributor_id)
+    if account is None:
+        raise NotFound(f"no contributor {body.contributor_id!r}")
+    ban, excluded, released = await bans.ban_from_run(
+        session=session,
+        run_id=run_id,
+        contributor_id=account.id,
+        reason=check_text(body.reason, what="reason", max_length=500),
+        by=manager.who,
+        now=datetime.now(UTC),
+    )
+    return _ban_out(ban, account.name, excluded=excluded, released=released)
+
+
+@router.delete("/{run_id}/bans/{contributor_id}", status_code=204)
+async def lift_run_ban(
+    run_id: RunId, contributor_id: ContributorId, session: SessionDep, _: RunManagerAuth
+) -> None:
+    """Lift a ban from this run (its owner or the admin); 404 when there is none. Work it
+    left out stays left out."""
+    if not await bans.lift_run_ban(session=session, run_id=run_id, contributor_id=contributor_id):
+        raise NotFound(f"{contributor_id!r} is not banned from run {run_id}")

@@ -24,6 +24,7 @@ from diloco.model.architectures import build_model
 from diloco.model.hf import HFError, load_initial
 from diloco.train import parameters_of
 from server.checkpoints import service as checkpoints_service
+from server.contributors.models import Contributor
 from server.http.errors import InvalidConfig, StorageFailed
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution
@@ -31,7 +32,7 @@ from server.runs import coverage
 from server.runs import data as run_data
 from server.runs import service as runs_service
 from server.runs.models import Run, RunStatus
-from server.runs.schemas import Coverage, DataInfo, LatestMetrics, RunOut
+from server.runs.schemas import Coverage, DataInfo, LatestMetrics, RunOut, RunOwner
 from server.settings import Settings
 from server.storage import keys
 from server.storage.base import Storage
@@ -106,6 +107,7 @@ async def create(
     data_file: Path,
     data_name: str,
     init_file: Path | None = None,
+    owner_id: str | None = None,
 ) -> Run:
     """Write the run's files, then its rows. On any error what was written under
     ``runs/<id>/`` is removed before the error answer goes out (a commit that fails after
@@ -134,6 +136,7 @@ async def create(
             n_params=n_params,
             checkpoint_version=0,
             created_at=datetime.now(UTC),
+            owner_id=owner_id,
             **data,
         )
         await _add_rows(session, run, files)
@@ -169,6 +172,7 @@ async def create_on_dataset(
     storage: Storage,
     plan: runs_service.DatasetPlan,
     init_file: Path | None = None,
+    owner_id: str | None = None,
 ) -> Run:
     """Write version 0 of a planned dataset run (in a worker thread, before the session
     is used: the caller holds no transaction while it is written), then its rows: the
@@ -199,6 +203,7 @@ async def create_on_dataset(
             ],
             dataset_id=plan.dataset_id,
             token_dtype=manifest.dtype,
+            owner_id=owner_id,
         )
         await _add_rows(session, run, files, units=plan.units, unit_tokens=plan.unit_tokens)
     except BaseException:
@@ -252,10 +257,12 @@ async def view(*, session: AsyncSession, settings: Settings, run: Run, now: date
         if last is None
         else LatestMetrics(round=last.index, eval_loss=last.eval_loss, train_loss=last.train_loss)
     )
+    owner = None if run.owner_id is None else await session.get(Contributor, run.owner_id)
     return RunOut(
         id=run.id,
         name=run.name,
         status=run.status,
+        owner=None if owner is None else RunOwner(id=owner.id, name=owner.name),
         created_at=run.created_at,
         config=run.config,
         n_params=run.n_params,

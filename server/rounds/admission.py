@@ -18,9 +18,10 @@ from diloco.outer.inspection import UploadInspector
 from diloco.protocol.messages import Receipt
 from diloco.protocol.rules import admit_retry
 from diloco.protocol.state import RoundState, RunStatus, UploadFacts
-from server.auth import banned
+from server.auth import banned, banned_from_run
 from server.contributors.models import Contributor
 from server.http.errors import refused
+from server.rounds import bans
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, Lease, Round
 from server.runs.models import Run
@@ -55,9 +56,10 @@ def retry_answer(existing: Contribution, sha: str) -> Accepted:
     return Accepted(False, receipt(existing))
 
 
-async def admit_contributor(session: AsyncSession, contributor_id: str) -> str | None:
-    """Refuse a contributor banned since its token was checked; hold its row until commit.
-    Its quarantine's reason, when it is quarantined (its upload is taken, and excluded)."""
+async def admit_contributor(session: AsyncSession, contributor_id: str, run_id: str) -> str | None:
+    """Refuse a contributor banned since its token was checked, from the hub or from run
+    ``run_id``; hold its row until commit (a ban takes it ``FOR UPDATE``). Its quarantine's
+    reason, when it is quarantined (its upload is taken, and excluded)."""
     row = (
         await session.execute(
             select(Contributor.banned_at, Contributor.ban_reason, Contributor.quarantine_reason)
@@ -67,6 +69,9 @@ async def admit_contributor(session: AsyncSession, contributor_id: str) -> str |
     ).one_or_none()
     if row is not None and row.banned_at is not None:
         raise banned(row.ban_reason)
+    from_run = await bans.run_ban_reason(session, run_id, contributor_id)
+    if from_run is not None:
+        raise banned_from_run(run_id, from_run)
     return None if row is None else row.quarantine_reason
 
 

@@ -299,7 +299,7 @@ async def _record(
     async with sessions() as session, session.begin():
         locked = await runs_service.get(session=session, run_id=run_id, lock="share")
         await lock_rounds(session, run_id, index)
-        quarantine = await admit_contributor(session, contributor_id)
+        quarantine = await admit_contributor(session, contributor_id, run_id)
         earned = await quarantined.standing_of(session, contributor_id)
         facts, raced, lease_id = await upload_facts(
             session, locked, index, contributor_id, max_staleness=cfg.rounds.max_staleness

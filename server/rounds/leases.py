@@ -37,7 +37,7 @@ from diloco.protocol.state import (
     RoundView,
     RunStatus,
 )
-from server.auth import UNKNOWN_TOKEN, banned, hash_token
+from server.auth import UNKNOWN_TOKEN, banned, banned_from_run, hash_token
 from server.http.errors import (
     HubError,
     Internal,
@@ -97,6 +97,8 @@ SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, 
        c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
        EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
                AND m.contributor_id = me.id) AS member,
+       (SELECT b.reason FROM run_bans b WHERE b.run_id = $3
+               AND b.contributor_id = me.id) AS run_ban,
        EXISTS (SELECT 1 FROM contributions x WHERE x.run_id = $3
                AND x.round_index = r.index AND x.contributor_id = me.id) AS contributed
 FROM me
@@ -171,6 +173,8 @@ async def join(
             raise await _no_one(conn, token_hash)
         if row["run_status"] is None:
             raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+        if row["run_ban"] is not None:
+            raise banned_from_run(run_id, row["run_ban"])
         if row["private"] and not row["member"]:
             raise NotInvited(
                 f"run {run_id} is private: join it with the invite code its owner gave you "

@@ -3,14 +3,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, func, text
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Integer, String, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from diloco.protocol.state import RunStatus
 from server.db import Base
 
-__all__ = ["Run", "RunMember", "RunStatus"]
+__all__ = ["Run", "RunBan", "RunMember", "RunStatus"]
 
 
 class Run(Base):
@@ -47,6 +47,11 @@ class Run(Base):
     token_dtype: Mapped[str] = mapped_column(
         String(8), default="uint8", server_default=text("'uint8'")
     )
+    # the run owner who created it (server.accounts); None: the admin did, or the owner's
+    # account is gone. Owners manage their own runs; the admin manages every run
+    owner_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="SET NULL"), default=None, index=True
+    )
 
 
 class RunMember(Base):
@@ -62,3 +67,20 @@ class RunMember(Base):
         String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True, index=True
     )
     joined_at: Mapped[datetime] = mapped_column()
+
+
+class RunBan(Base):
+    """A contributor its owner (or the admin) banned from one run: its joins and uploads on
+    the run are refused (403 ``banned_from_run``); the rest of the hub still takes it."""
+
+    __tablename__ = "run_bans"
+
+    run_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    contributor_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("contributors.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    reason: Mapped[str] = mapped_column(Text)
+    banned_by: Mapped[str] = mapped_column(String(32))  # "admin" or the owner's id
+    banned_at: Mapped[datetime] = mapped_column()

@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter
 
-from server.auth import AdminAuth, ContributorAuth
+from server.auth import ContributorAuth, RunManagerAuth
 from server.db import SessionDep
 from server.http.inputs import RunId
 from server.runs import service
@@ -18,15 +18,15 @@ router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 
 @router.post("/{run_id}/invite")
-async def invite(run_id: RunId, session: SessionDep, _: AdminAuth) -> Invite:
-    """Make the run private with a new invite code, shown only this once (admin token). An
-    older code stops admitting; whoever it admitted stays a member."""
+async def invite(run_id: RunId, session: SessionDep, _: RunManagerAuth) -> Invite:
+    """Make the run private with a new invite code, shown only this once (its owner's or the
+    admin token). An older code stops admitting; whoever it admitted stays a member."""
     return Invite(run_id=run_id, invite=await service.new_invite(session=session, run_id=run_id))
 
 
 @router.delete("/{run_id}/invite", status_code=204)
-async def drop_invite(run_id: RunId, session: SessionDep, _: AdminAuth) -> None:
-    """Make the run public again: anyone may join (admin token)."""
+async def drop_invite(run_id: RunId, session: SessionDep, _: RunManagerAuth) -> None:
+    """Make the run public again: anyone may join (its owner's or the admin token)."""
     await service.make_public(session=session, run_id=run_id)
 
 

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.contributors.schemas import BanIn
+
 
 class CloseError(BaseModel):
     """The latest failed attempt to close a round; kept after a later attempt succeeds."""
@@ -91,10 +93,17 @@ class Coverage(BaseModel):
     shards: list[ShardCoverage] = Field(default_factory=list)
 
 
+class RunOwner(BaseModel):
+    id: str
+    name: str
+
+
 class RunOut(BaseModel):
     id: str
     name: str
     status: str
+    # the run owner who created it; None: the hub's admin did (or the account is gone)
+    owner: RunOwner | None = None
     created_at: datetime
     config: dict[str, Any]
     n_params: int
@@ -144,3 +153,26 @@ class StorageUsage(BaseModel):
     versions_retired: int  # versions whose files retention deleted (their rows stay)
     contributions_kept: int  # contributions whose blob is kept
     contributions_retired: int  # contributions whose blob retention deleted
+
+
+class RunBanIn(BanIn):
+    """A ban from one run: whom, and the reason told to it on every refused request there
+    (and shown to the run's owner)."""
+
+    contributor_id: str = Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$")
+
+
+class RunBanOut(BaseModel):
+    run_id: str
+    contributor_id: str
+    contributor_name: str
+    reason: str
+    banned_by: str  # "admin" or the owner's contributor id
+    banned_at: datetime
+    excluded: int | None = None  # a new ban: its work in unfinished rounds now left out
+    released: int | None = None  # a new ban: its live leases on the run released
+
+
+class RunBanList(BaseModel):
+    run_id: str
+    bans: list[RunBanOut]

@@ -6,7 +6,6 @@ current round compose several domains: they live in ``server.lifecycle``."""
 from __future__ import annotations
 
 import hmac
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -18,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from diloco.config import RunConfig, parse_config
 from diloco.data.manifest import Manifest
 from diloco.data.units import plan_units
-from diloco.model.architectures import parameter_shapes
+from diloco.model.architectures import parameter_count
 from diloco.outer.memory import close_memory_bytes
 from server.auth import hash_token, new_token
 from server.datasets import service as datasets_service
@@ -53,7 +52,7 @@ def check_memory(cfg: RunConfig, *, settings: Settings, val_bytes: int) -> None:
     need = close_memory_bytes(cfg, val_bytes=val_bytes)
     share = settings.close_memory_share
     if need > share:
-        n_params = sum(math.prod(s) for s in parameter_shapes(cfg.model).values())
+        n_params = parameter_count(cfg.model)
         raise ModelTooLarge(
             f"model: a round close of this model ({n_params:,} parameters) needs about "
             f"{need / GIB:.1f} GiB, over the {share / GIB:.1f} GiB one close may use on this "
@@ -141,8 +140,12 @@ def run_config(run: Run) -> RunConfig:
     return parse_config(run.config)
 
 
-async def list_all(*, session: AsyncSession) -> list[Run]:
-    return list(await session.scalars(select(Run).order_by(Run.created_at.desc())))
+async def list_all(*, session: AsyncSession, owner_id: str | None = None) -> list[Run]:
+    """Every run, newest first; only ``owner_id``'s when given."""
+    query = select(Run).order_by(Run.created_at.desc())
+    if owner_id is not None:
+        query = query.where(Run.owner_id == owner_id)
+    return list(await session.scalars(query))
 
 
 async def transition(*, session: AsyncSession, run_id: str, action: str) -> Run:
