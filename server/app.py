@@ -46,6 +46,8 @@ from server.storage.staging import sweep_stale
 from server.upkeep import memory
 from server.upkeep.janitor import Janitor
 from server.web import router as web
+from server.webhooks.delivery import Deliverer
+from server.webhooks.router import router as webhooks_router
 
 log = logging.getLogger("diloco.server")
 
@@ -82,6 +84,8 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
             listener = Listener(settings.database_url, app.state.sweeper.wake)
             tasks.append(asyncio.create_task(app.state.sweeper.run(), name="round-sweeper"))
             tasks.append(asyncio.create_task(listener.run(), name="round-notifications"))
+            deliverer = Deliverer(app.state.sessions, settings)
+            tasks.append(asyncio.create_task(deliverer.run(), name="webhooks"))
         memory.settle()
         try:
             yield
@@ -125,6 +129,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         contributions_router,
         datasets_router,
         audits_router,
+        webhooks_router,
         accounts_router,
         accounts_hub_router,
         speedtest_router,

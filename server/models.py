@@ -6,6 +6,7 @@ from server.contributors.models import Contributor, ContributorRole, OwnerQuota
 from server.datasets.models import Dataset, DataUnit
 from server.rounds.models import Contribution, Lease, Round, UploadRejection
 from server.runs.models import Run, RunBan, RunMember
+from server.webhooks.models import Webhook, WebhookDelivery
 
 __all__ = [
     "Audit",
@@ -22,4 +23,6 @@ __all__ = [
     "RunBan",
     "RunMember",
     "UploadRejection",
+    "Webhook",
+    "WebhookDelivery",
 ]

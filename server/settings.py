@@ -90,6 +90,18 @@ class Settings(BaseSettings):
     owner_runs: int = Field(2, ge=0, le=10_000)
     owner_params: int = Field(100_000_000, ge=0)
     owner_data_bytes: int = Field(256 << 20, ge=0)
+
+    # webhooks (server.webhooks): networks a webhook may reach besides public addresses
+    # ("127.0.0.0/8,10.0.0.0/8"; empty: none: loopback, private, link-local and metadata
+    # addresses are refused when a webhook is set and at each delivery)
+    webhook_allow_networks: str = ""
+    webhook_timeout_s: float = Field(10.0, gt=0, le=300)  # one POST, answer included
+    # a failed delivery is tried again after base x 2^(n-1) s (at most an hour), n times
+    webhook_retry_base_s: float = Field(5.0, gt=0, le=3600)
+    webhook_max_attempts: int = Field(8, ge=1, le=100)
+    webhook_poll_s: float = Field(1.0, gt=0, le=3600)  # how often due deliveries are looked for
+    # round.close_failing is sent when a round's failed close attempts reach this
+    webhook_close_failures: int = Field(3, ge=1, le=1000)
     # starting weights uploaded with a run (model.init): at most this, and at most the
     # run's own model in fp32 (plus a header); 16 GiB is a 4B-parameter model
     max_init_bytes: int = Field(16 << 30, gt=0)

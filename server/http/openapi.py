@@ -141,6 +141,16 @@ ERRORS: dict[str, Errors] = {
     "PUT /api/v1/contributors/{contributor_id}/quota": {**ADMIN, 404: ("not_found",)},
     "GET /api/v1/accounts": ADMIN,
     "GET /api/v1/whoami": CONTRIBUTOR,
+    "POST /api/v1/runs/{run_id}/webhooks": {**RUN_MANAGER, **RUN, 422: ()},
+    "GET /api/v1/runs/{run_id}/webhooks": {**RUN_MANAGER, **RUN},
+    "DELETE /api/v1/runs/{run_id}/webhooks/{webhook_id}": {
+        **RUN_MANAGER,
+        404: ("run_not_found", "not_found"),
+        422: (),
+    },
+    "POST /api/v1/webhooks": {**ADMIN, 422: ()},
+    "GET /api/v1/webhooks": ADMIN,
+    "DELETE /api/v1/webhooks/{webhook_id}": {**ADMIN, 404: ("not_found",), 422: ()},
     "GET /api/v1/config/schema": {},
     "POST /api/v1/config/check": {422: ("invalid_config",)},
     "PUT /api/v1/runs/{run_id}/audits/{audit_id}/state": {

@@ -36,6 +36,7 @@ from server.runs.schemas import Coverage, DataInfo, LatestMetrics, RunOut, RunOw
 from server.settings import Settings
 from server.storage import keys
 from server.storage.base import Storage
+from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.server.runs")
 
@@ -227,6 +228,8 @@ def _discard_files(storage: Storage, run_id: str) -> None:
 async def transition(*, session: AsyncSession, run_id: str, action: str, now: datetime) -> Run:
     """``server.runs.service.transition``; resuming gives the paused round its full time."""
     run = await runs_service.transition(session=session, run_id=run_id, action=action)
+    if action == "cancel":
+        await webhooks.emit(session, run_id=run_id, event="run.cancelled", data={}, now=now)
     if action == "resume":
         await rounds_service.restart_deadline(session=session, run=run, now=now)
         await session.flush()

@@ -24,6 +24,7 @@ from diloco.protocol.state import RetryPolicy, RoundState
 from server.metrics import CLOSE_FAILURES
 from server.rounds.models import Round
 from server.settings import Settings
+from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.rounds")
 
@@ -121,6 +122,14 @@ async def record_failure(
                 retry_at=retry_at,
             )
         )
+        if claim.attempt == settings.webhook_close_failures:
+            await webhooks.emit(
+                session,
+                run_id=claim.run_id,
+                event="round.close_failing",
+                data={"round": claim.index, "attempts": claim.attempt, "error": detail},
+                now=now,
+            )
     log.warning(
         "run %s round %d: %s; retrying at %s",
         claim.run_id,

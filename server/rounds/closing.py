@@ -54,6 +54,7 @@ from server.rounds.outer_step import (
 from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage.base import Storage
+from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.rounds")
 
@@ -208,6 +209,14 @@ async def _publish(
             )
             .values(change_sample=None)
         )
+        if effects.run_status == RunStatus.COMPLETED and run.status != RunStatus.COMPLETED:
+            await webhooks.emit(
+                session,
+                run_id=claim.run_id,
+                event="run.completed",
+                data={"round": claim.index, "version": claim.index},
+                now=now,
+            )
         run.status = effects.run_status
         run.checkpoint_version = claim.index
         if effects.next_round is not None:

@@ -39,6 +39,7 @@ from server.runs.models import Run, RunStatus
 from server.settings import Settings
 from server.storage.base import Storage
 from server.upkeep import memory
+from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.rounds")
 
@@ -176,7 +177,7 @@ class Sweeper:
                     reason=decision.reason,
                 )
             elif decision.action is Action.EXTEND and decision.new_deadline is not None:
-                await session.execute(
+                extended = await session.scalar(
                     update(Round)
                     .where(
                         Round.run_id == run_id,
@@ -190,6 +191,21 @@ class Sweeper:
                         close_code=decision.code,
                         close_reason=decision.reason,
                     )
+                    .returning(Round.extensions)
+                )
+                if extended is None:
+                    return  # another worker extended it first
+                await webhooks.emit(
+                    session,
+                    run_id=run_id,
+                    event="round.stalled",
+                    data={
+                        "round": index,
+                        "reason": decision.reason,
+                        "extensions": extended,
+                        "deadline": decision.new_deadline.isoformat(),
+                    },
+                    now=now,
                 )
                 log.info("run %s round %d: %s", run_id, index, decision.reason)
 

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Executor
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
@@ -30,6 +30,7 @@ from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage.base import Storage
 from server.storage.staging import Stage
+from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.evals")
 EVAL_CLAIM_S = 600.0
@@ -125,4 +126,20 @@ async def record(
         log.warning("run %s version %d: the eval loss is not finite", run_id, version)
     async with sessions() as session, session.begin():
         await fill_in(session, run_id=run_id, version=version, loss=loss)
+        best = await session.scalar(
+            select(func.min(Checkpoint.eval_loss)).where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.version < version,
+                Checkpoint.eval_loss < float("inf"),  # not NaN nor inf (Postgres sorts NaN last)
+            )
+        )
+        if best is not None and best > 0 and math.isfinite(loss):
+            await webhooks.emit(
+                session,
+                run_id=run_id,
+                event="eval.rising",
+                data={"version": version, "eval_loss": loss, "best": best, "ratio": loss / best},
+                now=datetime.now(UTC),
+                ratio=loss / best,
+            )
     log.info("run %s version %d: eval loss %.4f", run_id, version, loss)
