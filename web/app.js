@@ -1,12 +1,19 @@
-// The dashboard: a hash router over four pages, each polling the JSON API while visible.
-//   #/runs            every run: status, round, contributors, last eval loss, sparkline
-//   #/runs/<id>       one run: controls, the live round, charts, rounds, contributions
+// The dashboard: a hash router over its pages, each polling the JSON API while visible.
+//   #/runs            every run: status, owner, round, contributors, last eval loss, sparkline
+//   #/runs/<id>       one run: its owner's controls, the live round, charts, rounds, contributions
+//   #/new             create a run (a run owner or the admin)
 //   #/contributors    the leaderboard
 //   #/join            the install command for this server
+//   #/account         sign in with a token (kept in this tab only), sign out
+//   #/admin           accounts, roles, quotas, hub bans (the admin)
 
 import { ago, api, h, int, num, replace, si } from "./dom.js";
 import { sparkline } from "./chart.js";
+import { accountPage } from "./account.js";
+import { adminPage } from "./admin.js";
+import { newRunPage } from "./new.js";
 import { runPage } from "./run.js";
+import { label, me, onChange, refreshMe } from "./session.js";
 import { poll, ready, showNotice, statusBadge, table } from "./ui.js";
 
 const main = document.getElementById("app");
@@ -21,7 +28,8 @@ function runsPage() {
     const recent = runs.slice(0, 20);
     const rounds = await Promise.all(recent.map((r) => api(`/runs/${encodeURIComponent(r.id)}/rounds`)));
     if (runs.length === 0) {
-      replace(list, h("p", { class: "muted" }, "No runs yet. Create one with ",
+      replace(list, h("p", { class: "muted" }, "No runs yet. Create one ",
+        h("a", { href: "#/new", text: "here" }), " or with ",
         h("code", { text: "diloco run create CONFIG.toml --server URL" }), "."));
     } else {
       replace(list, table(
@@ -33,7 +41,7 @@ function runsPage() {
             .filter((r) => r.state === "closed" && r.eval_loss !== null).map((r) => r.eval_loss);
           return h("tr", {},
             h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(run.id)}`, text: run.name }),
-              h("div", { class: "muted small", text: run.id })),
+              h("div", { class: "muted small", text: run.owner ? `${run.id} · ${run.owner.name}'s` : run.id })),
             h("td", {}, statusBadge(run.status)),
             // fresh work of quorum (late merges count in accepted, never towards quorum)
             h("td", { text: cur ? `${cur.index} (${cur.accepted - (cur.late || 0)}/${cur.quorum}${cur.late ? ` + ${cur.late} late` : ""})` : "–" }),
@@ -116,11 +124,25 @@ function joinPage() {
 const ROUTES = [
   [/^#\/runs\/([A-Za-z0-9_-]{1,32})$/, (m) => runPage(main, m[1])],
   [/^#\/runs$/, runsPage],
+  [/^#\/new$/, () => newRunPage(main)],
   [/^#\/contributors$/, contributorsPage],
   [/^#\/join$/, joinPage],
+  [/^#\/account$/, () => accountPage(main, previous)],
+  [/^#\/admin$/, () => adminPage(main)],
 ];
 
 let stopPage = null;
+let previous = null; // the page before this one: the account page links back to it
+let current = null;
+
+// the header names who is signed in; the admin's page is in the menu for the admin only
+function renderIdentity() {
+  const who = me();
+  const link = document.getElementById("whoami");
+  link.textContent = who ? label(who) : who === null ? "Sign in" : "…";
+  link.title = who && !who.error ? "your account; sign out there" : "sign in with a token";
+  document.getElementById("nav-admin").hidden = !(who && who.kind === "admin");
+}
 
 function route() {
   if (stopPage) stopPage();
@@ -128,7 +150,9 @@ function route() {
   delete document.body.dataset.ready;
   showNotice(null);
   const hash = location.hash || "#/runs";
-  for (const link of document.querySelectorAll("nav a")) {
+  if (hash !== current) [previous, current] = [current, hash];
+  if (hash !== "#/account") refreshMe(); // a role may have been granted or revoked meanwhile
+  for (const link of document.querySelectorAll("header a[href^='#/']:not(.brand)")) {
     const here = hash === link.getAttribute("href") || hash.startsWith(`${link.getAttribute("href")}/`);
     if (here) link.setAttribute("aria-current", "page");
     else link.removeAttribute("aria-current");
@@ -145,5 +169,7 @@ function route() {
   ready();
 }
 
+onChange(renderIdentity);
+renderIdentity();
 window.addEventListener("hashchange", route);
 route();

@@ -94,22 +94,29 @@ export class ApiError extends Error {
   }
 }
 
-/** GET (or another method) /api/v1<path>; returns the JSON, throws ApiError with detail. */
-export async function api(path, { method = "GET", token = null } = {}) {
+/** GET (or another method) /api/v1<path>; returns the JSON (null for an empty answer),
+ * throws ApiError with detail. ``body``: a FormData as multipart, anything else as JSON. */
+export async function api(path, { method = "GET", token = null, body = undefined } = {}) {
   const headers = { Accept: "application/json" };
   if (token) headers.Authorization = `Bearer ${token}`;
+  const init = { method, headers, cache: "no-store" };
+  if (body instanceof FormData) init.body = body;
+  else if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
   let response;
   try {
-    response = await fetch(`/api/v1${path}`, { method, headers, cache: "no-store" });
+    response = await fetch(`/api/v1${path}`, init);
   } catch (err) {
     throw new ApiError(0, "network", `the server is unreachable (${err.message})`);
   }
   const date = Date.parse(response.headers.get("Date") || "");
   if (Number.isFinite(date)) clockOffsetMs = date - Date.now();
-  const body = await response.json().catch(() => null);
+  const answer = await response.json().catch(() => null);
   if (!response.ok) {
-    const detail = body && body.detail ? body.detail : `HTTP ${response.status}`;
-    throw new ApiError(response.status, body && body.error, detail);
+    const detail = answer && answer.detail ? answer.detail : `HTTP ${response.status}`;
+    throw new ApiError(response.status, answer && answer.error, detail);
   }
-  return body;
+  return answer;
 }

@@ -2,15 +2,8 @@
 
 import { ago, api, duration, h, int, num, replace, serverNow, si, when } from "./dom.js";
 import { lineChart } from "./chart.js";
+import { runControls } from "./run_controls.js";
 import { poll, statusBadge, table } from "./ui.js";
-
-const TOKEN_KEY = "diloco.adminToken"; // sessionStorage: gone when the tab closes
-// action, button text, the statuses it applies to
-const ACTIONS = [
-  ["pause", "Pause", ["active"]],
-  ["resume", "Resume", ["paused"]],
-  ["cancel", "Cancel run", ["active", "paused"]],
-];
 
 function section(title, ...children) {
   return h("section", { "aria-label": title }, h("h2", { text: title }), ...children);
@@ -36,14 +29,7 @@ export function runPage(main, runId) {
   // ------------------------------------------------------------ skeleton
   const title = h("h1", { text: runId });
   const meta = h("p", { class: "muted" });
-  const tokenInput = h("input", { id: "admin-token", type: "password", autocomplete: "off", spellcheck: "false" });
-  const controlMsg = h("p", { class: "control-msg", role: "status", "aria-live": "polite" });
-  const buttons = ACTIONS.map(([action, text]) =>
-    h("button", { type: "button", class: `action ${action}`, text, onclick: () => act(action) }));
-  const tokenForm = h("form", { class: "token", onsubmit: (e) => { e.preventDefault(); saveToken(); } },
-    h("label", { for: "admin-token", text: "Admin token" }), tokenInput,
-    h("button", { type: "submit", text: "Use token" }),
-    h("button", { type: "button", text: "Forget token", onclick: () => { sessionStorage.removeItem(TOKEN_KEY); tokenInput.value = ""; renderControls(); } }));
+  const controls = runControls(runId, { onRun: (run) => { state.run = run; renderRun(); } });
   const roundBox = h("div", { class: "round" });
   const stats = h("dl", { class: "stats" });
   const axisButtons = [["round", "By round"], ["tokens", "By tokens"]].map(([axis, text]) =>
@@ -56,7 +42,7 @@ export function runPage(main, runId) {
 
   replace(main,
     h("div", { class: "run-head" }, title, h("span", { id: "run-status" })), meta,
-    section("Controls", tokenForm, h("div", { class: "actions" }, buttons), controlMsg),
+    section("Controls", controls.el),
     section("Current round", roundBox),
     section("Throughput", stats),
     section("Loss", h("div", { class: "toolbar", role: "group", "aria-label": "x axis" }, axisButtons),
@@ -65,39 +51,8 @@ export function runPage(main, runId) {
         h("span", { class: "key train" }), "mean train loss of its contributions")),
     section("Rounds", roundsBox),
     h("section", { "aria-label": "Contributions" }, contribTitle, contribBox),
+    section("Export", controls.exportEl),
     h("section", { "aria-label": "Run config" }, h("details", {}, h("summary", { text: "Run config" }), configBox)));
-
-  // ------------------------------------------------------------ controls
-  function token() {
-    return sessionStorage.getItem(TOKEN_KEY) || "";
-  }
-  function saveToken() {
-    const value = tokenInput.value.trim();
-    if (value) sessionStorage.setItem(TOKEN_KEY, value);
-    tokenInput.value = "";
-    controlMsg.textContent = value ? "Token kept for this tab." : "Enter the admin token first.";
-    renderControls();
-  }
-  function renderControls() {
-    const status = state.run ? state.run.status : null;
-    const have = token() !== "";
-    tokenInput.placeholder = have ? "token set for this tab" : "adm_…";
-    ACTIONS.forEach(([, , allowed], i) => {
-      buttons[i].disabled = !have || !allowed.includes(status);
-      buttons[i].title = have ? "" : "enter the admin token to use this";
-    });
-  }
-  async function act(action) {
-    if (action === "cancel" && !window.confirm("Cancel this run for good?")) return;
-    controlMsg.textContent = `${action}…`;
-    try {
-      state.run = await api(`${path}/${action}`, { method: "POST", token: token() });
-      controlMsg.textContent = `Run is ${state.run.status}.`;
-      renderRun();
-    } catch (err) {
-      controlMsg.textContent = `${action} failed: ${err.message}`;
-    }
-  }
 
   // ------------------------------------------------------------ the run and its round
   function renderRun() {
@@ -112,10 +67,11 @@ export function runPage(main, runId) {
       meta.textContent = `${run.id} · created ${when(run.created_at)} · ${si(run.n_params)} parameters · ` +
         `checkpoint version ${run.checkpoint_version} · ${si(data.train_tokens)} training tokens (${source}) · ` +
         `${si(data.tokens_trained)} tokens trained, ${data.epochs.toFixed(2)} epochs`;
-      renderControls();
     }
+    if (changed("controls", [run.status, run.private, run.owner, run.checkpoint_version])) controls.update(run);
     if (changed("config", run.config)) configBox.textContent = JSON.stringify(run.config, null, 2);
     const cur = run.current_round;
+    for (const l of cur ? cur.leases : []) controls.seen(l.contributor_id, l.contributor_name);
     if (!changed("round", [cur, run.status])) return;
     if (!cur) {
       replace(roundBox, h("p", { class: "muted", text: `No round in progress: the run is ${run.status}.` }));
@@ -274,6 +230,7 @@ function checksCell(k) {
     if (!force && round && round.state === "closed" && last.has(`contrib:${state.selected}`)) return;
     const data = await api(`${path}/rounds/${state.selected}/contributions`);
     if (data.round !== state.selected || !changed(`contrib:${data.round}`, data)) return;
+    for (const c of [...data.contributions, ...data.rejections]) controls.seen(c.contributor_id, c.contributor_name);
     contribTitle.textContent = `Contributions to round ${data.round} (${data.state})`;
     replace(contribBox,
       data.contributions.length
@@ -333,8 +290,7 @@ function checksCell(k) {
     }
   }
 
-  renderControls();
   const ticker = setInterval(tick, 1000);
   const stop = poll(refresh);
-  return () => { stop(); clearInterval(ticker); };
+  return () => { stop(); clearInterval(ticker); controls.stop(); };
 }
