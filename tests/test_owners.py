@@ -6,10 +6,7 @@ dashboard's form uses."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +15,7 @@ import pytest
 from tests.conftest import make_corpus, server_run_config
 from tests.support.contribute import API, auth, create_run, register
 from tests.support.live import admin_headers
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.test_cli import diloco
 
 
 def account(http: httpx.Client, name: str) -> tuple[str, str]:
@@ -293,16 +289,6 @@ def test_the_config_schema_and_check_are_the_servers_own(http):
     assert both.status_code == 422
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-
-
 def test_an_owner_creates_lists_and_bans_from_the_cli_with_its_own_token(server, http, tmp_path):
     cid, token = owner(http, "cli-lab")
     vol, _ = account(http, "cli-volunteer")
@@ -314,14 +300,14 @@ def test_an_owner_creates_lists_and_bans_from_the_cli_with_its_own_token(server,
     )
     who = ["--server", server.url, "--token", token]
 
-    created = cli("run", "create", str(config), *who, "--json")
+    created = diloco("run", "create", str(config), *who, "--json")
     assert created.returncode == 0, created.stderr
     run_id = json.loads(created.stdout)["id"]
-    listed = cli("run", "list", "--owner", cid, *who, "--json")
-    banned = cli("run", "ban", run_id, vol, "--reason", "off-topic data", *who)
-    shown = cli("run", "bans", run_id, *who)
-    lifted = cli("run", "ban", run_id, vol, "--lift", *who)
-    no_reason = cli("run", "ban", run_id, vol, *who)
+    listed = diloco("run", "list", "--owner", cid, *who, "--json")
+    banned = diloco("run", "ban", run_id, vol, "--reason", "off-topic data", *who)
+    shown = diloco("run", "bans", run_id, *who)
+    lifted = diloco("run", "ban", run_id, vol, "--lift", *who)
+    no_reason = diloco("run", "ban", run_id, vol, *who)
 
     assert [r["id"] for r in json.loads(listed.stdout)] == [run_id], listed.stderr
     assert http.get(f"{API}/runs/{run_id}").json()["owner"]["id"] == cid
