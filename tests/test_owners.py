@@ -193,6 +193,12 @@ def test_a_ban_from_one_run_refuses_its_joins_there_only_and_releases_its_lease(
     assert http.post(f"{API}/runs/{run_id}/join", headers=auth(vol_token)).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def admins_run(server) -> dict[str, Any]:
+    with server.client() as http:
+        return create_run(http, server_run_config())
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status"),
     [
@@ -212,10 +218,10 @@ def test_a_ban_from_one_run_refuses_its_joins_there_only_and_releases_its_lease(
     ],
 )
 def test_bad_management_requests_get_a_4xx_with_a_reason_and_change_nothing(
-    http, method, path, body, status
+    http, admins_run, method, path, body, status
 ):
     cid, _ = account(http, "target")
-    run = create_run(http, server_run_config())
+    run = admins_run
     url = API + path.replace("{cid}", cid).replace("{run}", run["id"])
     if body is not None:
         body = json.loads(json.dumps(body).replace("{cid}", cid))

@@ -161,6 +161,13 @@ def test_close_failures_and_completion_are_signed_retried_and_never_wait_on_a_hu
     assert set(verify(made["slack"]["secret"], hung.got[0])) == {"text"}
 
 
+@pytest.fixture(scope="module")
+def plain_run(server) -> str:
+    """A run on the module's server (no webhook allowance), and a token without a role."""
+    with server.client() as http:
+        return str(create_run(http, server_run_config())["id"])
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -180,9 +187,9 @@ def test_close_failures_and_completion_are_signed_retried_and_never_wait_on_a_hu
         "http://no-such-host.invalid/hook",
     ],
 )
-def test_without_the_operators_allowance_internal_and_bad_urls_are_refused(http, url):
+def test_without_the_operators_allowance_internal_and_bad_urls_are_refused(http, plain_run, url):
     owner_token = register(http, "hook-owner")
-    run_id = create_run(http, server_run_config())["id"]
+    run_id = plain_run
 
     r = http.post(f"{API}/runs/{run_id}/webhooks", json={"url": url}, headers=admin_headers())
 
