@@ -17,13 +17,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
+from server.db import make_engine, make_sessionmaker
+from server.rounds import version_eval
 from server.webhooks import addresses
 from server.webhooks.delivery import send, signature
 from tests.conftest import server_run_config
-from tests.support.contribute import API, auth, create_run, register, train, upload
+from tests.support.contribute import (
+    API,
+    auth,
+    close_rounds,
+    create_run,
+    register,
+    train,
+    upload,
+)
 from tests.support.live import ServerProcess, admin_headers, wait_for
 
 
@@ -282,3 +293,57 @@ def test_a_round_stalled_below_quorum_is_told_once_per_extension(hooked_server, 
     assert body["event"] == "round.stalled" and body["data"]["round"] == 1
     assert body["data"]["extensions"] == 1 and "quorum" in body["data"]["reason"]
     assert http.get(f"{API}/runs/{run_id}").json()["current_round"]["index"] == 1
+
+
+def test_a_version_whose_eval_rises_past_the_bound_is_told(hooked_server, receivers, database_url):
+    # Prepare: a run whose round 1 closed (version 1); a webhook for eval.rising at 1.5x
+    hook = Receiver()
+    receivers.append(hook)
+    http = httpx.Client(base_url=hooked_server.url, timeout=30)
+    run_id = create_run(http, server_run_config(rounds={"quorum": 1}))["id"]
+    r = http.post(
+        f"{API}/runs/{run_id}/webhooks",
+        json={"url": hook.url, "events": ["eval.rising"], "eval_rise": 1.5},
+        headers=admin_headers(),
+    )
+    assert r.status_code == 201, r.text
+    close_rounds(http, register(http, "riser"), run_id, 1)
+
+    def version_zero_eval() -> float | None:
+        return asyncio.run(_scalar(database_url, EVAL_OF_V0, run_id))
+
+    wait_for(lambda: version_zero_eval() is not None, timeout=60, what="version 0's eval")
+    best = version_zero_eval()
+    assert best is not None
+
+    # Execute: version 1's eval is recorded at 1.4x, then at 2x the best before it, as the
+    # eval worker records a measured loss
+    async def record(loss: float) -> None:
+        engine = make_engine(database_url)
+        try:
+            await version_eval.record(
+                make_sessionmaker(engine), run_id=run_id, version=1, loss=loss
+            )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(record(1.4 * best))
+    asyncio.run(record(2.0 * best))
+    wait_for(lambda: len(hook.got) >= 1, timeout=60, what="the rise to be told")
+
+    # Assert: told once, for the 2x, not for the 1.4x
+    body = verify(r.json()["secret"], hook.got[0])
+    assert body["event"] == "eval.rising" and len(hook.got) == 1
+    assert body["data"]["version"] == 1 and body["data"]["best"] == pytest.approx(best)
+    assert body["data"]["ratio"] == pytest.approx(2.0)
+
+
+EVAL_OF_V0 = "SELECT eval_loss FROM checkpoints WHERE run_id = $1 AND version = 0"
+
+
+async def _scalar(database_url: str, query: str, *args: Any) -> Any:
+    conn = await asyncpg.connect(database_url.replace("+asyncpg", ""))
+    try:
+        return await conn.fetchval(query, *args)
+    finally:
+        await conn.close()
