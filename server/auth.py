@@ -38,12 +38,8 @@ from server.http.errors import (
     Banned,
     BannedFromRun,
     Forbidden,
-    NotRunOwner,
-    RunNotFound,
     Unauthorized,
 )
-from server.http.inputs import RunId
-from server.runs.models import Run
 
 
 def new_token(prefix: str) -> str:
@@ -180,26 +176,8 @@ async def require_manager(request: Request) -> Manager:
     return Manager(contributor.id, contributor.name)
 
 
-async def require_run_manager(run_id: RunId, request: Request) -> Manager:
-    """The admin, or the owner of run ``run_id`` (404 for a run that does not exist, to
-    anyone who may manage runs at all)."""
-    manager = await require_manager(request)
-    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
-    async with sessions() as session:
-        owner = await session.execute(select(Run.owner_id).where(Run.id == run_id))
-        row = owner.one_or_none()
-    if row is None:
-        raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-    if not manager.admin and row.owner_id != manager.id:
-        raise NotRunOwner(
-            f"run {run_id} is not yours to manage: only its owner and the hub's admin may"
-        )
-    return manager
-
-
 AdminAuth = Annotated[None, Depends(require_admin)]
 VerifierAuth = Annotated[str, Depends(require_verifier)]
 ManagerAuth = Annotated[Manager, Depends(require_manager)]
-RunManagerAuth = Annotated[Manager, Depends(require_run_manager)]
 ContributorAuth = Annotated[Contributor, Depends(require_contributor)]
 ContributorReadAuth = Annotated[Contributor, Depends(read_contributor)]

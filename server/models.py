@@ -1,10 +1,9 @@
 """Every table, imported in one place so that Alembic and the app see the whole schema."""
 
-from server.audits.models import Audit
 from server.checkpoints.models import Checkpoint
 from server.contributors.models import Contributor, ContributorRole, OwnerQuota
 from server.datasets.models import Dataset, DataUnit
-from server.rounds.models import Contribution, Lease, Round, UploadRejection
+from server.rounds.models import Audit, Contribution, Lease, Round, UploadRejection
 from server.runs.models import Run, RunBan, RunMember
 from server.webhooks.models import Webhook, WebhookDelivery
 

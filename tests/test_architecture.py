@@ -21,6 +21,9 @@ DOMAINS = (
     "contributions",
     "downloads",
     "web",
+    "accounts",
+    "audits",
+    "webhooks",
 )
 
 

@@ -13,7 +13,6 @@ from sqlalchemy import select
 
 from diloco.protocol.audit import AuditStatus
 from server.audits import ledger, service
-from server.audits.models import Audit
 from server.audits.schemas import (
     AuditList,
     AuditResult,
@@ -26,7 +25,7 @@ from server.auth import ContributorAuth, VerifierAuth
 from server.db import SessionDep
 from server.http.errors import NotFound
 from server.http.inputs import ContributorId, RoundIndex, RunId
-from server.rounds.models import Contribution
+from server.rounds.models import Audit, Contribution
 from server.runs import service as runs_service
 from server.storage.files import read_url, serve_blob
 

@@ -10,26 +10,19 @@ it counts towards quarantine (``diloco.protocol.reputation``) in the same transa
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from diloco.config import RunConfig
 from diloco.protocol.audit import (
     CLAIM_S,
     CODE,
     AuditStatus,
     Verdict,
-    audit_share,
-    drawn,
     max_state_bytes,
-    reveal_deadline,
 )
-from diloco.wire.header import FRESH, ReplayRecord
-from server.audits.models import Audit
 from server.audits.schemas import AuditResult, AuditView
 from server.http.errors import (
     Forbidden,
@@ -42,7 +35,7 @@ from server.http.errors import (
 )
 from server.http.inputs import declared_length
 from server.rounds import notify, quarantine
-from server.rounds.models import Contribution, Round
+from server.rounds.models import Audit, Contribution
 from server.runs.models import Run
 from server.storage import keys
 from server.storage.base import Storage
@@ -65,57 +58,6 @@ def view(audit: Audit) -> AuditView:
         detail=audit.detail,
         created_at=audit.created_at,
         decided_at=audit.decided_at,
-    )
-
-
-async def draw(
-    session: AsyncSession,
-    cfg: RunConfig,
-    *,
-    run_id: str,
-    index: int,
-    contribution_id: str,
-    contributor_id: str,
-    replay: ReplayRecord | None,
-    standing: float,
-    now: datetime,
-) -> str | None:
-    """In the upload's transaction: audit this contribution if the round's secret draws it
-    (``audit_share`` of its contributor's ``standing``). The audit's id when the volunteer
-    must now reveal its starting state, else None (not drawn, not replayable, or begun
-    fresh: nothing to reveal)."""
-    share = audit_share(cfg.audit.fraction, standing, newcomers=cfg.audit.newcomers)
-    if replay is None or share <= 0.0:
-        return None
-    seed = await session.scalar(
-        select(Round.check_seed).where(Round.run_id == run_id, Round.index == index)
-    )
-    if seed is None or not drawn(seed, contributor_id, share):
-        return None
-    revealing = replay.start != FRESH
-    audit_id = f"aud_{secrets.token_hex(8)}"
-    session.add(
-        Audit(
-            id=audit_id,
-            run_id=run_id,
-            round_index=index,
-            contribution_id=contribution_id,
-            contributor_id=contributor_id,
-            status=AuditStatus.REVEALING if revealing else AuditStatus.PENDING,
-            reveal_by=reveal_deadline(now, cfg.audit.reveal_s),
-            created_at=now,
-        )
-    )
-    return audit_id if revealing else None
-
-
-async def revealing(session: AsyncSession, contribution_id: str) -> str | None:
-    """The id of the contribution's audit while it waits for the volunteer's state (an
-    identical retry of the upload is told again), else None."""
-    return await session.scalar(
-        select(Audit.id).where(
-            Audit.contribution_id == contribution_id, Audit.status == AuditStatus.REVEALING
-        )
     )
 
 

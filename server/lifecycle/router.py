@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.model.architectures import parameter_count
 from server.accounts import service as accounts
-from server.auth import Manager, ManagerAuth, RunManagerAuth
+from server.auth import Manager, ManagerAuth
 from server.contributors.models import Contributor
 from server.db import SessionDep
 from server.http.errors import InvalidConfig, InvalidRequest, NotFound, UploadTooLarge
@@ -29,6 +29,7 @@ from server.lifecycle import service
 from server.rounds import bans
 from server.runs import service as runs_service
 from server.runs import usage
+from server.runs.access import RunManagerAuth
 from server.runs.limits import check_limits
 from server.runs.models import Run, RunBan
 from server.runs.schemas import (

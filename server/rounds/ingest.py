@@ -49,7 +49,6 @@ from diloco.wire.contribution import (
 )
 from diloco.wire.exchange import codec_for
 from diloco.wire.header import dtype_name
-from server.audits import service as audits
 from server.http.errors import (
     DuplicateContribution,
     LengthRequired,
@@ -61,6 +60,7 @@ from server.http.errors import (
     refused,
 )
 from server.http.inputs import declared_length
+from server.rounds import audit_draw as audits
 from server.rounds import notify, sizing
 from server.rounds import quarantine as quarantined
 from server.rounds import service as rounds_service

@@ -4,10 +4,11 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter
 
-from server.auth import ContributorAuth, RunManagerAuth
+from server.auth import ContributorAuth
 from server.db import SessionDep
 from server.http.inputs import RunId
 from server.runs import service
+from server.runs.access import RunManagerAuth
 from server.runs.schemas import (
     Invite,
     Member,

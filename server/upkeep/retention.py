@@ -47,11 +47,10 @@ from sqlalchemy.orm import aliased
 
 from diloco.config import RetentionSection
 from diloco.protocol.audit import DECIDED, AuditStatus
-from server.audits.models import Audit
 from server.checkpoints.models import Checkpoint
 from server.metrics import JANITOR_ERRORS, JANITOR_REMOVED
 from server.rounds import service as rounds_service
-from server.rounds.models import Contribution, Round
+from server.rounds.models import Audit, Contribution, Round
 from server.runs.models import Run
 from server.storage import keys
 from server.storage.base import Storage

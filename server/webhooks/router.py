@@ -10,10 +10,11 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from sqlalchemy import func, select
 
-from server.auth import AdminAuth, RunManagerAuth
+from server.auth import AdminAuth
 from server.db import SessionDep
 from server.http.errors import InvalidRequest, NotFound
 from server.http.inputs import RunId
+from server.runs.access import RunManagerAuth
 from server.webhooks import addresses
 from server.webhooks.models import Webhook, WebhookDelivery
 from server.webhooks.schemas import LastDelivery, WebhookIn, WebhookList, WebhookOut
