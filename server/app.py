@@ -32,7 +32,7 @@ from server.http.handlers import error_response
 from server.http.ratelimit import RateLimits
 from server.http.request_id import RequestId
 from server.lifecycle.router import router as lifecycle_router
-from server.metrics import RequestMetrics, watch_loop_lag
+from server.metrics import RUN_GAUGES, RequestMetrics, watch_loop_lag
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
 from server.rounds.slots import UploadSlots
@@ -152,7 +152,8 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         )
 
     @app.get("/metrics", tags=["service"])
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        await RUN_GAUGES.refresh(request.app.state.sessions)  # the per-run gauges, if stale
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     if serves_api:

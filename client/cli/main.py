@@ -23,6 +23,7 @@ from client.cli import export as export_cli
 from client.cli import sample as sample_cli
 from client.cli import serve as serve_cli
 from client.cli import simulate as simulate_cli
+from client.cli import track as track_cli
 from client.cli import verify as verify_cli
 from client.cli import volunteer as volunteer_cli
 from client.cli.account import (
@@ -42,6 +43,7 @@ app = typer.Typer(
     add_completion=False,
 )
 run_app.command("export")(export_cli.export)
+run_app.command("track")(track_cli.track)
 app.add_typer(run_app, name="run")
 app.add_typer(data_app, name="data")
 app.command()(account_cli.register)
