@@ -154,25 +154,7 @@ async def _create(
     if cfg.data.dataset is not None:
         if data is not None:
             raise InvalidRequest("data: a run on a dataset (data.dataset) takes no data file")
-        plan = await runs_service.plan_on_dataset(
-            session=session, storage=storage, settings=settings, cfg=cfg
-        )
-        if manager.id is not None:
-            data_bytes = sum(s.nbytes for s in plan.manifest.shards)
-            await accounts.check_run(
-                session,
-                settings,
-                manager.id,
-                params=parameter_count(plan.cfg.model),
-                data_bytes=data_bytes,
-            )
-        # claim, compute, publish: no pooled connection waits while version 0 is written
-        await session.commit()
-        if manager.id is not None:  # held until the run's rows commit
-            await accounts.hold_runs(session, settings, manager.id)
-        return await service.create_on_dataset(
-            session=session, storage=storage, plan=plan, init_file=init, owner_id=manager.id
-        )
+        return await _create_on_dataset(request, session, manager, cfg, init)
     if not isinstance(data, UploadFile):
         raise InvalidRequest("data: a multipart file part with the training text is needed")
     # before anything of the model's size exists: can this server close its rounds?
@@ -203,6 +185,28 @@ async def _create(
             init_file=init,
             owner_id=manager.id,
         )
+
+
+async def _create_on_dataset(
+    request: Request, session: SessionDep, manager: Manager, cfg: RunConfig, init: Path | None
+) -> Run:
+    settings, storage = request.app.state.settings, request.app.state.storage
+    plan = await runs_service.plan_on_dataset(
+        session=session, storage=storage, settings=settings, cfg=cfg
+    )
+    if manager.id is not None:
+        data_bytes = sum(s.nbytes for s in plan.manifest.shards)
+        params = parameter_count(plan.cfg.model)
+        await accounts.check_run(
+            session, settings, manager.id, params=params, data_bytes=data_bytes
+        )
+    # claim, compute, publish: no pooled connection waits while version 0 is written
+    await session.commit()
+    if manager.id is not None:  # held until the run's rows commit
+        await accounts.hold_runs(session, settings, manager.id)
+    return await service.create_on_dataset(
+        session=session, storage=storage, plan=plan, init_file=init, owner_id=manager.id
+    )
 
 
 def _parse_config(raw: str) -> RunConfig:
