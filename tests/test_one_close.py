@@ -197,7 +197,7 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
                 sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=history
             ).delta
         )
-        lrs.append(cfg.outer.lr_at(index))
+        lrs.append(cfg.outer.lr_at(index, cfg.rounds.max_rounds))
         inputs = CloseInputs(
             RUN, index, cfg, versions.latest.params, versions.latest.state, uploads,
             list(history), 1, versions.paths(index),

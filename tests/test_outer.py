@@ -1,5 +1,8 @@
 """Pseudo-gradient sign, aggregation and the Nesterov outer step, against hand computation."""
 
+import itertools
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -78,12 +81,29 @@ def test_the_outer_lr_schedule_of_a_runs_first_rounds():
     avg = OuterSection()  # the default start: round 1 is the plain average
     sgd = OuterSection(first_round="average", nesterov=False)
 
-    assert [plain.lr_at(t) for t in (1, 2, 50)] == [0.7, 0.7, 0.7]
-    assert [round(warm.lr_at(t), 6) for t in (1, 2, 4, 5)] == [0.175, 0.35, 0.7, 0.7]
-    assert avg.lr_at(1) == pytest.approx(1 / 1.9) and avg.lr_at(2) == 0.7
-    assert sgd.lr_at(1) == 1.0
+    assert [plain.lr_at(t, 100) for t in (1, 2, 50)] == [0.7, 0.7, 0.7]
+    assert [round(warm.lr_at(t, 100), 6) for t in (1, 2, 4, 5)] == [0.175, 0.35, 0.7, 0.7]
+    assert avg.lr_at(1, 100) == pytest.approx(1 / 1.9) and avg.lr_at(2, 100) == 0.7
+    assert sgd.lr_at(1, 100) == 1.0
     with pytest.raises(ValueError, match="numbered from 1"):
-        plain.lr_at(0)
+        plain.lr_at(0, 100)
+
+
+def test_a_rising_outer_lr_goes_from_lr_to_lr_x_rise_along_a_half_cosine():
+    from diloco.config import OuterSection
+
+    rise = OuterSection(lr_rise=2.0)  # round 1 stays the plain average
+    lrs = [rise.lr_at(t, 41) for t in range(1, 46)]
+
+    assert lrs[0] == pytest.approx(1 / 1.9)
+    assert lrs[1] == pytest.approx(0.7 * (1 + (1 - math.cos(math.pi / 40)) / 2))
+    assert lrs[20] == pytest.approx(0.7 * 1.5)  # halfway: round 21 of 41
+    assert lrs[40] == pytest.approx(1.4) and lrs[44] == pytest.approx(1.4)  # past the end
+    assert all(a < b for a, b in itertools.pairwise(lrs[1:41]))
+    warm = OuterSection(lr_rise=3.0, warmup_rounds=4, first_round="nesterov")
+    assert warm.lr_at(2, 3) == pytest.approx(0.7 * 2.0 * 2 / 4)  # the warmup scales the rise
+    with pytest.raises(ValueError):
+        OuterSection(lr_rise=0.5)  # a decay: measured far worse (docs/tuning-notes.md)
 
 
 def test_an_average_first_round_moves_the_model_by_exactly_the_averaged_update():
@@ -95,9 +115,9 @@ def test_an_average_first_round_moves_the_model_by_exactly_the_averaged_update()
     cfg = OuterSection(first_round="average")
     outer = OuterOptimizer(theta, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
-    outer.step(delta, lr=cfg.lr_at(1))
+    outer.step(delta, lr=cfg.lr_at(1, 100))
     first = {n: p.clone() for n, p in outer.params.items()}
-    outer.step(delta, lr=cfg.lr_at(2))
+    outer.step(delta, lr=cfg.lr_at(2, 100))
 
     for n in theta:  # round 1: θ₀ − Δ (up to float rounding); round 2: Nesterov at lr 0.7
         assert torch.allclose(first[n], theta[n] - delta[n], atol=1e-6)

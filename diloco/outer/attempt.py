@@ -129,7 +129,11 @@ def open_base(inputs: CloseInputs) -> Base:
         {n: params.entries[n].shape for n in names},
         codec_for(cfg.compression).describe(),
         delta_codec_for(cfg.compression),
-        Hyper(cfg.outer.lr_at(inputs.version), cfg.outer.momentum, cfg.outer.nesterov),
+        Hyper(
+            cfg.outer.lr_at(inputs.version, cfg.rounds.max_rounds),
+            cfg.outer.momentum,
+            cfg.outer.nesterov,
+        ),
     )
 
 

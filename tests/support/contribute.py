@@ -228,7 +228,11 @@ def reference_close(
         base,
         aggregate.delta,
         # the round's outer lr, as the server takes it (OuterSection.lr_at)
-        hyper=(cfg.outer.lr_at(round), cfg.outer.momentum, cfg.outer.nesterov),
+        hyper=(
+            cfg.outer.lr_at(round, cfg.rounds.max_rounds),
+            cfg.outer.momentum,
+            cfg.outer.nesterov,
+        ),
         codec=delta_codec_for(cfg.compression),
         state=state,
     )
