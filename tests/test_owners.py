@@ -314,6 +314,7 @@ def test_an_owner_creates_lists_and_bans_from_the_cli_with_its_own_token(server,
     shown = diloco("run", "bans", run_id, *who)
     lifted = diloco("run", "ban", run_id, vol, "--lift", *who)
     no_reason = diloco("run", "ban", run_id, vol, *who)
+    described = diloco("run", "show", run_id, "--server", server.url)
 
     assert [r["id"] for r in json.loads(listed.stdout)] == [run_id], listed.stderr
     assert http.get(f"{API}/runs/{run_id}").json()["owner"]["id"] == cid
@@ -322,3 +323,4 @@ def test_an_owner_creates_lists_and_bans_from_the_cli_with_its_own_token(server,
     assert lifted.returncode == 0 and f"{vol} may join {run_id} again" in lifted.stdout
     assert http.get(f"{API}/runs/{run_id}/bans", headers=auth(token)).json()["bans"] == []
     assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
+    assert f"owner               cli-lab ({cid})" in described.stdout, described.stdout

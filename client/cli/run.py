@@ -68,11 +68,17 @@ def _round_line(cur: dict[str, Any] | None) -> str:
     return f"{line}\n{'':20}{cur['reason']}" if cur.get("reason") else line
 
 
+def _owner(run: dict[str, Any]) -> str:
+    owner = run.get("owner")
+    return "the hub's admin" if not owner else f"{owner.get('name')} ({owner.get('id')})"
+
+
 def show_run(run: dict[str, Any]) -> None:
     """Key lines of a run for a person."""
     latest, data = run.get("latest") or {}, run.get("data") or {}
     rows = [
         ("run", f"{run.get('id')}  {run.get('name')}"),
+        ("owner", _owner(run)),
         ("status", str(run.get("status"))),
         ("checkpoint version", str(run.get("checkpoint_version"))),
         (
@@ -200,6 +206,7 @@ def list_runs(
             [
                 str(r.get("id")),
                 str(r.get("name")),
+                str((r.get("owner") or {}).get("name", "admin")),
                 str(r.get("status")),
                 str(r.get("checkpoint_version")),
                 rnd,
@@ -208,7 +215,9 @@ def list_runs(
                 str(r.get("created_at", ""))[:16].replace("T", " "),
             ]
         )
-    _table(["ID", "NAME", "STATUS", "VERSION", "ROUND", "ACCEPTED", "EVAL", "CREATED"], rows)
+    _table(
+        ["ID", "NAME", "OWNER", "STATUS", "VERSION", "ROUND", "ACCEPTED", "EVAL", "CREATED"], rows
+    )
 
 
 @run_app.command("show")
