@@ -200,7 +200,7 @@ export function runControls(runId, { onRun }) {
   const unsubscribe = onChange(() => render());
   if (!hubInfo) api("/hub").then((hub) => { hubInfo = hub; renderExport(); }, () => {});
   renderExport();
-  return {
+  const controls = {
     el,
     exportEl: exportBox,
     update(next) {
@@ -217,4 +217,9 @@ export function runControls(runId, { onRun }) {
     },
     stop: unsubscribe,
   };
+  // everyone the run ever took work from (the leaderboard of this run), besides the leases
+  // and contributions the page shows
+  api(`/contributors?run=${encodeURIComponent(runId)}&limit=1000`).then(
+    (board) => { for (const c of board.contributors) controls.seen(c.id, c.name); }, () => {});
+  return controls;
 }
