@@ -33,7 +33,7 @@ import yaml
 
 from tests.conftest import server_run_config
 from tests.support.contribute import API, create_run
-from tests.support.live import ADMIN_TOKEN, CLI, Proc, wait_for
+from tests.support.live import ADMIN_TOKEN, CLI, Proc, wait_for, wait_healthy
 from tests.support.pg import fresh_database
 from tests.support.s3 import GRPC_OFFSET, _port_pair, weed_binary
 from tests.test_deploy_files import dockerfile_instructions
@@ -388,15 +388,7 @@ def test_the_compose_stack_trains_two_rounds_through_its_s3_store(
         stack.callback(hub.stop)
         url = f"http://127.0.0.1:{tr.port('server', cport)}"
 
-        def server_up() -> bool:
-            if not hub.alive():
-                raise AssertionError(f"server exited early:\n{hub.output()[-3000:]}")
-            try:
-                return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(server_up, timeout=120, what=f"{url}/healthz")
+        wait_healthy(hub, url)
         http = stack.enter_context(httpx.Client(base_url=url, timeout=60))
         config = server_run_config(rounds={"quorum": 1, "target": 1, "max_rounds": 2})
         run_id = str(create_run(http, config)["id"])

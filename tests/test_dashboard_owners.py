@@ -7,7 +7,6 @@ through the API."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API, auth, register
+from tests.support.contribute import API, auth, create_run, owner, register
 from tests.support.live import ADMIN_TOKEN, admin_headers
 from tests.test_dashboard import Console, chromium, desktop_page, expect, open_page, sign_in
 
@@ -34,28 +33,9 @@ def page(server, browser) -> Iterator[tuple[Any, Console]]:
         yield pg, console
 
 
-def owner(http: httpx.Client, name: str) -> tuple[str, str]:
-    """A new account the admin made a run owner: (its id, its token)."""
-    r = http.post(f"{API}/contributors", json={"name": name})
-    assert r.status_code == 201, r.text
-    account = r.json()
-    granted = http.post(
-        f"{API}/contributors/{account['id']}/roles", json={"role": "owner"}, headers=admin_headers()
-    )
-    assert granted.status_code == 200 and "owner" in granted.json()["roles"], granted.text
-    return str(account["id"]), str(account["token"])
-
-
 def create_owned_run(http: httpx.Client, token: str, **sections: dict) -> dict[str, Any]:
     """``POST /runs`` with a run owner's token: the run is the owner's."""
-    r = http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(server_run_config(**sections))},
-        files={"data": ("corpus.txt", make_corpus(120_000).encode(), "text/plain")},
-        headers=auth(token),
-    )
-    assert r.status_code == 201, r.text
-    return dict(r.json())
+    return create_run(http, server_run_config(**sections), token=token)
 
 
 def contributor_id(http: httpx.Client, token: str) -> str:

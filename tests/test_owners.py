@@ -13,36 +13,13 @@ import httpx
 import pytest
 
 from tests.conftest import make_corpus, server_run_config
-from tests.support.contribute import API, auth, create_run, register
+from tests.support.contribute import API, account, auth, create_run, owner, post_run, register
 from tests.support.live import admin_headers
 from tests.test_cli import diloco
 
 
-def account(http: httpx.Client, name: str) -> tuple[str, str]:
-    """A new account: (id, token)."""
-    r = http.post(f"{API}/contributors", json={"name": name})
-    assert r.status_code == 201, r.text
-    return r.json()["id"], r.json()["token"]
-
-
-def owner(http: httpx.Client, name: str) -> tuple[str, str]:
-    """A new account the admin made a run owner."""
-    cid, token = account(http, name)
-    r = http.post(
-        f"{API}/contributors/{cid}/roles", json={"role": "owner"}, headers=admin_headers()
-    )
-    assert r.status_code == 200 and "owner" in r.json()["roles"], r.text
-    return cid, token
-
-
 def create(http: httpx.Client, token: str, *, data: bytes | None = None, **sections: Any):
-    config = server_run_config(**sections)
-    return http.post(
-        f"{API}/runs",
-        data={"config": json.dumps(config)},
-        files={"data": ("corpus.txt", data or make_corpus(60_000).encode(), "text/plain")},
-        headers=auth(token),
-    )
+    return post_run(http, server_run_config(**sections), data, token=token)
 
 
 def run_ids(http: httpx.Client) -> set[str]:

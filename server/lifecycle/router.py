@@ -161,8 +161,6 @@ async def _create(
     runs_service.check_memory(
         cfg, settings=settings, val_bytes=int((data.size or 0) * cfg.data.val_fraction)
     )
-    if manager.id is not None and data.size is not None:  # before the file is copied
-        await accounts.check_run(session, settings, manager.id, data_bytes=data.size)
     tmp_dir = Path(settings.data_dir) / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".txt") as tmp:

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 from sqlalchemy import func, select
+from sqlalchemy.sql.elements import ColumnElement
 
 from server.auth import AdminAuth
 from server.db import SessionDep
@@ -26,6 +27,11 @@ MAX_PER_RUN = 10  # a run's webhooks (and the hub's), each an event's worth of P
 WebhookId = Annotated[str, Path(pattern=r"^whk_[0-9a-f]{16}$", description="whk_<16 hex>")]
 
 
+def _scope(run_id: str | None) -> ColumnElement[bool]:
+    """The webhooks of run ``run_id``, or the hub's (None)."""
+    return Webhook.run_id == run_id if run_id is not None else Webhook.run_id.is_(None)
+
+
 async def _create(
     session: SessionDep, request: Request, body: WebhookIn, run_id: str | None, by: str
 ) -> WebhookOut:
@@ -36,11 +42,7 @@ async def _create(
         )
     except addresses.UnsafeAddress as err:
         raise InvalidRequest(f"url: {err}") from None
-    held = await session.scalar(
-        select(func.count(Webhook.id)).where(
-            Webhook.run_id == run_id if run_id is not None else Webhook.run_id.is_(None)
-        )
-    )
+    held = await session.scalar(select(func.count(Webhook.id)).where(_scope(run_id)))
     if (held or 0) >= MAX_PER_RUN:
         raise InvalidRequest(f"url: at most {MAX_PER_RUN} webhooks here; delete one first")
     hook = Webhook(
@@ -84,8 +86,9 @@ def _out(hook: Webhook, last: WebhookDelivery | None) -> WebhookOut:
 
 
 async def _list(session: SessionDep, run_id: str | None) -> WebhookList:
-    where = Webhook.run_id == run_id if run_id is not None else Webhook.run_id.is_(None)
-    hooks = list(await session.scalars(select(Webhook).where(where).order_by(Webhook.created_at)))
+    hooks = list(
+        await session.scalars(select(Webhook).where(_scope(run_id)).order_by(Webhook.created_at))
+    )
     out = []
     for hook in hooks:
         last = await session.scalar(

@@ -42,22 +42,56 @@ def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def create_run(
-    http: httpx.Client, config: Mapping[str, Any], data: bytes | None = None
-) -> dict[str, Any]:
-    """``POST /runs`` as the admin, with a generated corpus unless ``data`` is given; the
-    created run (the 201 is asserted)."""
+def post_run(
+    http: httpx.Client,
+    config: Mapping[str, Any],
+    data: bytes | None = None,
+    *,
+    token: str | None = None,
+) -> httpx.Response:
+    """``POST /runs`` with a generated corpus unless ``data`` is given, as the admin or, with
+    ``token``, as that run owner; the answer, whatever it is."""
     from tests.conftest import make_corpus
     from tests.support.live import admin_headers
 
-    r = http.post(
+    return http.post(
         f"{API}/runs",
         data={"config": json.dumps(dict(config))},
         files={"data": ("corpus.txt", data or make_corpus(120_000).encode(), "text/plain")},
-        headers=admin_headers(),
+        headers=admin_headers() if token is None else auth(token),
     )
+
+
+def create_run(
+    http: httpx.Client,
+    config: Mapping[str, Any],
+    data: bytes | None = None,
+    *,
+    token: str | None = None,
+) -> dict[str, Any]:
+    """``post_run``'s created run (the 201 is asserted)."""
+    r = post_run(http, config, data, token=token)
     assert r.status_code == 201, r.text
     return dict(r.json())
+
+
+def account(http: httpx.Client, name: str) -> tuple[str, str]:
+    """A new account: (its id, its token)."""
+    r = http.post(f"{API}/contributors", json={"name": name})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"]), str(r.json()["token"])
+
+
+def owner(http: httpx.Client, name: str) -> tuple[str, str]:
+    """A new account the admin made a run owner: (its id, its token)."""
+    from tests.support.live import admin_headers
+
+    cid, token = account(http, name)
+    r = http.post(
+        f"{API}/contributors/{cid}/roles", json={"role": "owner"}, headers=admin_headers()
+    )
+    assert r.status_code == 200 and "owner" in r.json()["roles"], r.text
+    return cid, token
 
 
 def register(http: httpx.Client, name: str) -> str:

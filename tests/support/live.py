@@ -108,6 +108,21 @@ class Proc:
         return int(self.popen.returncode)
 
 
+def wait_healthy(proc: Proc, url: str, *, timeout: float = 120) -> None:
+    """Wait until the server ``proc`` answers ``url``/healthz with 200 (it exiting first
+    fails the test with its output)."""
+
+    def ready() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"server exited early:\n{proc.output()[-3000:]}")
+        try:
+            return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(ready, timeout=timeout, what=f"{url}/healthz")
+
+
 class ServerProcess(Proc):
     def __init__(
         self,
@@ -146,16 +161,7 @@ class ServerProcess(Proc):
 
     def wait_ready(self, timeout: float = 120) -> ServerProcess:
         """Wait for ``/healthz``; generous, as parallel test workers start servers at once."""
-
-        def ready() -> bool:
-            if not self.alive():
-                raise AssertionError(f"server exited early:\n{self.output()[-3000:]}")
-            try:
-                return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout=timeout, what=f"{self.url}/healthz")
+        wait_healthy(self, self.url, timeout=timeout)
         return self
 
     def client(self, timeout: float = 60) -> httpx.Client:
