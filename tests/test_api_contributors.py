@@ -38,9 +38,13 @@ def server(pg_admin_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def new_run(http: httpx.Client, **rounds: object) -> dict:
-    """Leases live 10 minutes here: a round waits for a live lease unless it is released."""
+    """Leases live 10 minutes here: a round waits for a live lease unless it is released.
+    Credit is confirmed at the close (no escrow: tests/test_escrow.py follows credit that
+    waits for audits), so that these tests count what a close credits."""
     rounds = {"quorum": 1, "timeout_s": 600, "lease_ttl_s": 600, **rounds}
-    return create_run(http, server_run_config(rounds=rounds))
+    config = server_run_config(rounds=rounds)
+    config["audit"] = {"escrow": False}
+    return create_run(http, config)
 
 
 def board(http: httpx.Client, **params: object) -> dict:
@@ -158,6 +162,7 @@ def test_profile_totals_runs_and_recent_contributions(http, scenario):
         "aggregated": 1,
         "tokens": work["zed"].meta.tokens,
         "credit": earned,
+        "pending_credit": 0,
     }
     assert [
         (r["run_id"], r["run_name"], r["accepted"], r["aggregated"], r["credit"], r["last_round"])
@@ -166,13 +171,15 @@ def test_profile_totals_runs_and_recent_contributions(http, scenario):
         (run["id"], run["name"], 1, 1, earned, 1),
         (cancelled["id"], cancelled["name"], 1, 0, 0, 1),
     ]
-    assert [(c["run_id"], c["round"], c["aggregated"], c["credit"]) for c in zed["recent"]] == [
-        (cancelled["id"], 1, False, 0),
-        (run["id"], 1, True, earned),
-    ]
+    assert [
+        (c["run_id"], c["round"], c["aggregated"], c["credit"], c["credit_status"])
+        for c in zed["recent"]
+    ] == [(cancelled["id"], 1, False, 0, "confirmed"), (run["id"], 1, True, earned, "confirmed")]
     assert zed["recent"][0]["tokens"] == scenario.cancelled_work.meta.tokens
     assert zed["recent"][1]["loss"] == pytest.approx(work["zed"].meta.loss)
-    assert late["totals"] == {"accepted": 0, "aggregated": 0, "tokens": 0, "credit": 0}
+    assert late["totals"] == {
+        "accepted": 0, "aggregated": 0, "tokens": 0, "credit": 0, "pending_credit": 0
+    }  # fmt: skip
     assert (late["runs"], late["recent"]) == ([], [])
 
 

@@ -173,8 +173,8 @@ def test_contributor_token_is_shown_once_and_identifies_its_owner(http):
     assert r.json()["token"] not in json.dumps(board)
     assert all(
         set(entry)
-        == {"rank", "id", "name", "accepted", "aggregated", "tokens", "credit", "last_seen_at",
-            "created_at", "device"}
+        == {"rank", "id", "name", "accepted", "aggregated", "tokens", "credit", "pending_credit",
+            "last_seen_at", "created_at", "device"}
         for entry in board
     )  # fmt: skip
     bad = http.get(f"{API}/contributors/me", headers=auth("ctr_forged"))

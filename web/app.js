@@ -62,18 +62,21 @@ function contributorsPage() {
     ["credit", "tokens", "accepted", "last_seen", "name"].map((k) => h("option", { value: k, text: k.replace("_", " ") })));
   const board = h("div", {});
   replace(main, h("h1", { text: "Contributors" }),
-    h("p", { class: "muted" }, "Credit is the training compute that went into outer steps: tokens × 6 × parameters."),
+    h("p", { class: "muted" }, "Credit is the training compute that went into outer steps: tokens × 6 × parameters. "
+      + "Where a run audits its work, credit is pending until an audit of the contributor's work replays it, "
+      + "and counts (and ranks) once confirmed."),
     h("div", { class: "toolbar" }, h("label", { for: "lb-sort", text: "Sort by " }), sort),
     board);
   async function refresh() {
     const lb = await api(`/contributors?sort=${encodeURIComponent(sort.value)}&limit=200`);
     replace(board,
       h("p", { class: "muted", text: `${lb.total} contributors` }),
-      table(["#", "Name", "Credit", "Accepted", "Aggregated", "Tokens", "Last seen", "Device"],
+      table(["#", "Name", "Credit", "Pending an audit", "Accepted", "Aggregated", "Tokens", "Last seen", "Device"],
         lb.contributors.map((c) => h("tr", {},
           h("td", { text: String(c.rank) }),
           h("td", { class: "name", text: c.name }),
           h("td", { text: si(c.credit, "FLOP") }),
+          h("td", { class: "muted", text: c.pending_credit ? si(c.pending_credit, "FLOP") : "–" }),
           h("td", { text: int(c.accepted) }),
           h("td", { text: int(c.aggregated) }),
           h("td", { text: si(c.tokens) }),

@@ -252,7 +252,10 @@ function checksCell(k) {
             h("td", { text: when(c.created_at) }),
             h("td", c.excluded ? { class: "close-error", text: `left out: ${c.excluded}` }
               : { text: c.aggregated ? "yes" : "not yet" }),
-            h("td", { text: si(c.credit, "FLOP") }))),
+            h("td", c.credit_status === "confirmed" ? { text: si(c.credit, "FLOP") }
+              : { class: "muted", text: `${si(c.credit, "FLOP")} ${c.credit_status}`,
+                title: c.credit_status === "pending" ? "waiting for an audit of this contributor's work"
+                  : "an audit of this contributor's work failed before it was confirmed" }))),
           "Accepted")
         : h("p", { class: "muted", text: "No accepted contributions yet." }),
       data.rejections.length

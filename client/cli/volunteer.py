@@ -138,6 +138,12 @@ def _in_step(c: dict[str, Any]) -> str:
     return "not yet"
 
 
+def _pending(totals: dict[str, Any]) -> str:
+    """`` + 1.2 GFLOP pending an audit`` where credit waits for one (server.rounds.escrow)."""
+    pending = float(totals.get("pending_credit") or 0)
+    return f" + {flops(pending)} pending an audit" if pending else ""
+
+
 def render_profile(p: dict[str, Any]) -> list[Any]:
     """The profile as printable lines and tables (pure: tested without a terminal)."""
     totals, hw = p.get("totals") or {}, p.get("hardware") or {}
@@ -150,7 +156,8 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
         else "hardware: not reported yet (it is sent when diloco join starts)",
         f"contributions: {totals.get('accepted', 0)} accepted, "
         f"{totals.get('aggregated', 0)} in an outer step; "
-        f"{totals.get('tokens', 0):,} tokens; credit {flops(float(totals.get('credit', 0)))}",
+        f"{totals.get('tokens', 0):,} tokens; credit {flops(float(totals.get('credit', 0)))}"
+        + _pending(totals),
     ]
     earned = p.get("standing")
     if isinstance(earned, int | float) and earned < 1.0:  # diloco.protocol.reputation
@@ -170,7 +177,7 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
                 str(r.get("accepted")),
                 str(r.get("aggregated")),
                 f"{r.get('tokens', 0):,}",
-                flops(float(r.get("credit", 0))),
+                flops(float(r.get("credit", 0))) + _pending(r),
                 str(r.get("last_round")),
             )
         out.append(table)
@@ -185,7 +192,12 @@ def render_profile(p: dict[str, Any]) -> list[Any]:
                 f"{c.get('loss', float('nan')):.4f}",
                 _when(c.get("created_at")),
                 _in_step(c),
-                flops(float(c.get("credit", 0))),
+                flops(float(c.get("credit", 0)))
+                + (
+                    f" ({status})"
+                    if (status := c.get("credit_status", "confirmed")) != "confirmed"
+                    else ""
+                ),
             )
         out.append(table)
     return out

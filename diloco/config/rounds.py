@@ -113,6 +113,12 @@ class AuditSection(_Section):
     # how long an audited volunteer has to send the AdamW state its lease began from;
     # an audit still waiting then fails
     reveal_s: float = Field(3600.0, ge=10.0, le=7 * 24 * 3600.0)
+    # credit waits for an audit (diloco.protocol.audit.settle): what a step credits a
+    # contributor's auditable work stays pending until the next decided audit of its work in
+    # the run at or after that round; a passed one confirms it, a failed one forfeits it.
+    # Totals and the leaderboard count confirmed credit. false: credit is confirmed at the
+    # close, as when nothing is audited (fraction 0)
+    escrow: bool = True
 
 
 MAX_GRACE_S = 366 * 24 * 3600.0  # a year: past it, say "keep for ever" (None) instead

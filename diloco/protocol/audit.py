@@ -14,11 +14,16 @@ was, points the same way as the upload (cosine at least ``MIN_COSINE``) and is a
 upload to within rounding (cosine above 0.9999 on CPU fp32); the tolerance leaves room for
 another machine's kernels, not for other work: training on other data, from another base
 or for fewer steps moves the cosine far below it (bench/audit.py).
+
+Credit waits for audits (``settle``): what a step credits for auditable work is pending
+until an audit of the same contributor in the run decides, at or after that round; so
+credit counts verified work, and a freeloader's unaudited leases earn nothing either.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -55,6 +60,40 @@ def drawn(check_seed: int, contributor_id: str, share: float) -> bool:
         return False
     digest = hashlib.sha256(f"audit:{check_seed}:{contributor_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+class CreditStatus(StrEnum):
+    """Where a contribution's credit stands (``settle``)."""
+
+    CONFIRMED = "confirmed"  # counted in totals and on the leaderboard
+    PENDING = "pending"  # credited by its step, waiting for an audit of its contributor
+    FORFEITED = "forfeited"  # an audit of its contributor failed first: 0
+
+
+def escrowed(fraction: float, escrow: bool, *, auditable: bool) -> bool:
+    """Whether a contribution's credit waits for an audit: in a run that audits
+    (``fraction`` > 0) with ``[audit] escrow``, for work an audit can replay (an upload
+    with a replay record; steps trained ahead carry none). Anything else is confirmed when
+    its step is published: nothing could ever settle it."""
+    return fraction > 0.0 and escrow and auditable
+
+
+def settle(round_index: int, decided: Iterable[tuple[int, datetime, AuditStatus]]) -> CreditStatus:
+    """The status of a contributor's escrowed credit for its work of ``round_index``, given
+    its decided audits in the run (round, when decided, passed or failed): settled by the
+    first audit decided at or after that round, confirmed if it passed, forfeited if it
+    failed; pending while there is none.
+
+    Why it is fair: a volunteer that skips the work of a share φ of its leases passes an
+    audit, drawn at random from its leases, with probability 1 − φ, and each audit settles
+    every lease since the one before: its expected credit is 1 − φ of what it claimed, the
+    work it did. A freeloader's audits all fail: it earns nothing, even from the leases
+    that were never drawn. An honest volunteer loses nothing, only waits."""
+    later = [(when, status) for index, when, status in decided if index >= round_index]
+    if not later:
+        return CreditStatus.PENDING
+    _, first = min(later)
+    return CreditStatus.CONFIRMED if first == AuditStatus.PASSED else CreditStatus.FORFEITED
 
 
 def reveal_deadline(now: datetime, reveal_s: float) -> datetime:

@@ -20,6 +20,7 @@ from diloco.protocol.audit import (
     CLAIM_S,
     CODE,
     AuditStatus,
+    CreditStatus,
     Verdict,
     max_state_bytes,
 )
@@ -34,7 +35,7 @@ from server.http.errors import (
     UploadTooLarge,
 )
 from server.http.inputs import declared_length
-from server.rounds import notify, quarantine
+from server.rounds import escrow, notify, quarantine
 from server.rounds.models import Audit, Contribution
 from server.runs.models import Run
 from server.storage import keys
@@ -230,6 +231,8 @@ async def decide(
         else:
             await _fail(session, audit, verdict.sentence(), now)
     audit.claimed_by = verifier
+    if audit.status == AuditStatus.PASSED:  # a failure settled the credit in _fail
+        await escrow.after_decision(session, audit)
     released = None
     if audit.status == AuditStatus.PASSED and audit.state_key is not None:
         released, audit.state_key = audit.state_key, None
@@ -241,7 +244,13 @@ async def _fail(session: AsyncSession, audit: Audit, detail: str, now: datetime)
     await session.execute(
         update(Contribution)
         .where(Contribution.id == audit.contribution_id)
-        .values(excluded_code=CODE, excluded_reason=f"audit {audit.id}: {detail}", credit=0.0)
+        .values(
+            excluded_code=CODE,
+            excluded_reason=f"audit {audit.id}: {detail}",
+            credit=0.0,
+            credit_status=CreditStatus.FORFEITED,
+        )
     )
+    await escrow.after_decision(session, audit)  # the contributor's pending credit before it
     await quarantine.review(session, [audit.contributor_id], now)
     await notify.rounds_changed(session, audit.run_id)

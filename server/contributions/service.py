@@ -4,7 +4,8 @@ banned contributor's work from the rounds not yet closed.
 Every figure is computed from the ``contributions`` rows, the one source of truth: a row
 exists only for an accepted upload, and ``aggregated_at`` / ``credit`` are set only in the
 transaction that closes its round (``server.rounds.closing``). So a rejected or late upload
-never counts, and an accepted one counts toward credit only once its outer step happened.
+never counts, and an accepted one counts toward credit only once its outer step happened
+and, where credit waits for audits, an audit confirmed it (``server.rounds.escrow``).
 
 Above ``server.contributors`` (the volunteer's own row) and ``server.rounds``.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from diloco.protocol.audit import CreditStatus
 from server.contributors import service as contributors_service
 from server.contributors.models import Contributor
 from server.contributors.schemas import (
@@ -56,14 +58,21 @@ async def ban(
 
 
 def _figures() -> list[ColumnElement[Any]]:
-    """accepted, aggregated, tokens (of the aggregated ones), credit: over grouped rows."""
+    """accepted, aggregated, tokens (of the aggregated ones), credit (confirmed) and
+    pending credit (waiting for an audit: ``server.rounds.escrow``): over grouped rows."""
     aggregated = Contribution.aggregated_at.is_not(None)
     return [
         func.count(Contribution.id).label("accepted"),
         func.count(Contribution.aggregated_at).label("aggregated"),
         func.coalesce(func.sum(Contribution.tokens).filter(aggregated), 0).label("tokens"),
-        func.coalesce(func.sum(Contribution.credit), 0.0).label("credit"),
+        _credit(CreditStatus.CONFIRMED).label("credit"),
+        _credit(CreditStatus.PENDING).label("pending_credit"),
     ]
+
+
+def _credit(status: CreditStatus) -> ColumnElement[Any]:
+    in_status = Contribution.credit_status == status
+    return func.coalesce(func.sum(Contribution.credit).filter(in_status), 0.0)
 
 
 def _stats(*where: ColumnElement[bool]) -> Select[Any]:
@@ -89,7 +98,8 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
         .where(mine)
         .group_by(Contribution.run_id, Run.name)
         .order_by(
-            func.sum(Contribution.credit).desc(),
+            _credit(CreditStatus.CONFIRMED).desc(),
+            _credit(CreditStatus.PENDING).desc(),
             func.max(Contribution.created_at).desc(),
             Contribution.run_id,
         )
@@ -102,9 +112,10 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
             aggregated=int(aggregated),
             tokens=int(tokens),
             credit=float(credit),
+            pending_credit=float(pending),
             last_round=int(last_round),
         )
-        for run_id, name, accepted, aggregated, tokens, credit, last_round in by_run
+        for run_id, name, accepted, aggregated, tokens, credit, pending, last_round in by_run
     ]
     recent = await session.scalars(
         select(Contribution)
@@ -124,6 +135,7 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
             aggregated=sum(r.aggregated for r in run_totals),
             tokens=sum(r.tokens for r in run_totals),
             credit=sum(r.credit for r in run_totals),
+            pending_credit=sum(r.pending_credit for r in run_totals),
         ),
         runs=run_totals,
         quarantined_at=contributor.quarantined_at,
@@ -138,6 +150,7 @@ async def profile(*, session: AsyncSession, contributor: Contributor) -> Profile
                 created_at=c.created_at,
                 aggregated=c.aggregated_at is not None,
                 credit=c.credit,
+                credit_status=c.credit_status,
                 excluded=c.excluded,
             )
             for c in recent
@@ -174,6 +187,7 @@ async def leaderboard(
     aggregated = func.coalesce(stats.c.aggregated, 0)
     tokens = func.coalesce(stats.c.tokens, 0)
     credit = func.coalesce(stats.c.credit, 0.0)
+    pending = func.coalesce(stats.c.pending_credit, 0.0)
     key: Any = {
         SortKey.CREDIT: credit,
         SortKey.TOKENS: tokens,
@@ -191,6 +205,7 @@ async def leaderboard(
             aggregated,
             tokens,
             credit,
+            pending,
             Contributor.last_seen_at,
             Contributor.created_at,
             Contributor.hardware["device"].astext,
@@ -213,6 +228,7 @@ async def leaderboard(
             aggregated=int(n_aggregated),
             tokens=int(n_tokens),
             credit=float(n_credit),
+            pending_credit=float(n_pending),
             last_seen_at=last_seen_at,
             created_at=created_at,
             device=device,
@@ -224,6 +240,7 @@ async def leaderboard(
             n_aggregated,
             n_tokens,
             n_credit,
+            n_pending,
             last_seen_at,
             created_at,
             device,

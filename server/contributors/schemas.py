@@ -58,7 +58,10 @@ class Totals(BaseModel):
     accepted: int  # contributions stored (uploads accepted)
     aggregated: int  # of those, the ones that went into an outer step
     tokens: int  # tokens of the aggregated ones
-    credit: float  # training FLOPs of the aggregated ones: tokens x 6 x n_params
+    credit: float  # training FLOPs of the aggregated ones: tokens x 6 x n_params, confirmed
+    # credited by a step but waiting for an audit of this contributor's work in the run
+    # (diloco.protocol.audit.settle): not counted in `credit` until one passes
+    pending_credit: float = 0.0
 
 
 class RunTotals(BaseModel):
@@ -67,7 +70,8 @@ class RunTotals(BaseModel):
     accepted: int
     aggregated: int
     tokens: int
-    credit: float
+    credit: float  # confirmed
+    pending_credit: float = 0.0  # waiting for an audit
     last_round: int  # the latest round this contributor contributed to
 
 
@@ -78,7 +82,8 @@ class RecentContribution(BaseModel):
     loss: float
     created_at: datetime
     aggregated: bool
-    credit: float
+    credit: float  # what its step credited it (0 once forfeited)
+    credit_status: str = "confirmed"  # confirmed, pending (an audit) or forfeited
     # why its round's close left it out (a failed check: `copy: a near-copy of …`), else null
     excluded: str | None = None
 
@@ -122,7 +127,8 @@ class LeaderboardEntry(BaseModel):
     accepted: int
     aggregated: int
     tokens: int
-    credit: float
+    credit: float  # confirmed: what ranks
+    pending_credit: float  # waiting for an audit of its work
     last_seen_at: datetime | None
     created_at: datetime
     device: str | None  # hardware.device, when reported

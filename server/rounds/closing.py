@@ -36,13 +36,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.outer.checks import RECENT_CHANGES
+from diloco.protocol.audit import CreditStatus
 from diloco.protocol.reputation import VERIFY_CODES
 from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
-from server.rounds import bans, claims, quarantine
+from server.rounds import bans, claims, escrow, quarantine
 from server.rounds import service as rounds_service
 from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.close_inputs import pack_sample, read_inputs
@@ -186,12 +187,14 @@ async def _publish(
         await _exclude(session, result)
         session.add(checkpoints_service.row_for(result.files, run_id=claim.run_id, eval_loss=None))
         if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it
+            status = await escrow.at_close(session, claim.run_id, cfg.audit, effects.credit)
             await session.execute(
                 update(Contribution),
                 [
                     {
                         "id": cid,
-                        "credit": flops,
+                        "credit": 0.0 if status[cid] == CreditStatus.FORFEITED else flops,
+                        "credit_status": status[cid],
                         "aggregated_at": now,
                         "cosine": result.shares[cid].cosine,
                         "clip_factor": result.shares[cid].clip,

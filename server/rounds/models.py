@@ -124,6 +124,9 @@ class Contribution(Base):
         ForeignKeyConstraint(
             ["run_id", "merged_into_round"], ["rounds.run_id", "rounds.index"], ondelete="CASCADE"
         ),
+        CheckConstraint(
+            "credit_status IN ('confirmed', 'pending', 'forfeited')", name="credit_status_valid"
+        ),
         # a contributor's own contributions, newest first (GET /contributors/me)
         Index("ix_contributions_contributor_id_created_at", "contributor_id", "created_at"),
         # the same tensors twice in a round are a replay (protocol.rules.admit_payload)
@@ -165,6 +168,11 @@ class Contribution(Base):
     # a contribution whose round never closes keeps None and earns no credit
     aggregated_at: Mapped[datetime | None] = mapped_column(default=None)
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # FLOPs
+    # confirmed (counted in totals), pending (waiting for an audit of its contributor's work
+    # in the run) or forfeited (one failed first; credit 0): diloco.protocol.audit.settle
+    credit_status: Mapped[str] = mapped_column(
+        String(16), default="confirmed", server_default=text("'confirmed'")
+    )
     # left out of its round's step (e.g. its stored blob could not be read), or found by an
     # audit, after its step took it, not to be the work it claims (code "replay"): earns
     # nothing

@@ -116,6 +116,7 @@ async def round_contributions(
                 created_at=c.created_at,
                 aggregated=c.aggregated_at is not None,
                 credit=c.credit,
+                credit_status=c.credit_status,
                 excluded=c.excluded,
                 weight=c.counted_weight,
                 standing=c.earned,

@@ -85,7 +85,10 @@ class RoundContribution(BaseModel):
     loss: float  # the contributor's mean inner training loss
     created_at: datetime  # when the upload was accepted
     aggregated: bool  # went into the round's outer step
-    credit: float  # FLOPs; 0 until aggregated
+    credit: float  # FLOPs; 0 until aggregated, and once forfeited
+    # confirmed, or pending until an audit of its contributor's work in the run at or after
+    # its round decides (diloco.protocol.audit.settle), or forfeited (one failed first)
+    credit_status: str
     excluded: str | None  # why it was left out of the step (e.g. blob_unreadable: ...)
     # the tokens it counts for in its step and credit: its claim, at most what a lease
     # allows, divided by 1 + staleness (rounded up) for late work (diloco.protocol.late),

@@ -122,13 +122,24 @@ def fetch_params(http: httpx.Client, url: str) -> dict[str, torch.Tensor]:
     return safetensors_load(r.content)
 
 
-def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = None) -> Work:
-    """join -> download -> H AdamW steps -> Δ -> int8, as the volunteer client does."""
+def train(
+    http: httpx.Client,
+    token: str,
+    run_id: str,
+    *,
+    steps: int | None = None,
+    start: dict[str, torch.Tensor] | None = None,
+    seed: int | None = None,
+) -> Work:
+    """join -> download -> H AdamW steps -> Δ -> int8, as the volunteer client does. What
+    a cheat does instead: ``start``, train from these parameters (an older version: a
+    stale base) and send the change as if from the lease's; ``seed``, draw the batches
+    with this seed instead of the lease's (other data than it was given)."""
     r = http.post(f"{API}/runs/{run_id}/join", headers=auth(token))
     assert r.status_code == 200, r.text
     lease = r.json()
     cfg = parse_config(lease["config"])
-    base = fetch_params(http, lease["checkpoint"]["url"])
+    base = start if start is not None else fetch_params(http, lease["checkpoint"]["url"])
     raw = http.get(lease["shard"]["url"]).content
     shard = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
     shard = shard.view(-1, lease["shard"]["chunk_len"])
@@ -140,7 +151,7 @@ def train(http: httpx.Client, token: str, run_id: str, *, steps: int | None = No
         device=torch.device("cpu"),
     )
     load_parameters(trainer.model, base)
-    gen = torch.Generator().manual_seed(lease["seed"])
+    gen = torch.Generator().manual_seed(lease["seed"] if seed is None else seed)
     h = steps or lease["inner_steps"]
     result = trainer.run(
         h,
