@@ -40,6 +40,7 @@ POINTS = frozenset(
         "close.write",  # the version's files are written (fsynced), not yet published
         "close.publish",  # the transaction that publishes the version has committed
         "eval.version",  # a published version's eval loss is about to be measured
+        "score.arrival",  # an arrived upload is about to be scored by the loss
         "volunteer.upload",  # a volunteer is about to upload its contribution
         "volunteer.step",  # a volunteer finished an inner step (in its training thread)
     }

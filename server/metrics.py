@@ -56,6 +56,11 @@ EVAL_SECONDS = Histogram(
     "Time to measure a published version's eval loss (after publishing)",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+SCORE_SECONDS = Histogram(
+    "diloco_arrival_score_seconds",
+    "Time to score one upload by the loss as it arrives (off the close's critical path)",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
 ServedKind = Literal["checkpoint", "delta", "shard", "wheel", "audit", "contribution"]
 SERVED_KINDS: tuple[ServedKind, ...] = (
     "checkpoint", "delta", "shard", "wheel", "audit", "contribution",

@@ -16,6 +16,7 @@ from diloco.faults import FaultInjector
 from diloco.model.architectures import build_model
 from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Source, robust_aggregate
+from diloco.outer.scoring import Score, Windows
 from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings, open_round
 from diloco.simulate.versions import Versions
 from diloco.train import parameters_of
@@ -228,4 +229,45 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
     assert json.loads(TensorFileReader(versions.latest.params).metadata["param_names"]) == list(
         params
     )
+    versions.cleanup()
+
+
+def test_the_close_takes_scores_taken_on_arrival_as_they_are(tmp_path):
+    # Prepare: three honest uploads; two of them scored before the close (as the server
+    # scores on arrival), one of those with a score that fails, and no lease windows for
+    # any: the close can only use the stored scores (scoring one itself needs its windows)
+    cfg = config()
+    params = initial_params(cfg)
+    versions = Versions(cfg, params, run_id=RUN)
+    standings = Standings()
+    passing = Score(own_gain=0.02, other_gain=0.01, own_base=5.5, other_base=5.5)
+    failing = Score(own_gain=-1.0, other_gain=-1.0, own_base=5.5, other_base=5.5)
+    stored = {"0": passing, "2": failing}
+    uploads = []
+    for i, delta in enumerate(honest_deltas(params, 3, seed=3)):
+        chunks = body(cfg, delta, 1)
+        path = tmp_path / f"{i}.bin"
+        path.write_bytes(b"".join(chunks))
+        admitted = open_round(cfg, 1, standings).admit(str(i), "v", chunks)
+        assert hasattr(admitted, "source")
+        w, norm = admitted.source.weight, admitted.source.norm
+        uploads.append(Upload(str(i), path, w, norm, own=None, score=stored.get(str(i))))
+    block = cfg.model.block_size
+    tokens = torch.randint(0, 256, (cfg.aggregation.score_windows, block + 1))
+    sample = Windows(tokens[:, :-1], tokens[:, 1:])
+    inputs = CloseInputs(
+        RUN, 1, cfg, versions.latest.params, versions.latest.state, uploads, [], 1,
+        versions.paths(1), score_sample=sample,
+    )  # fmt: skip
+
+    # Execute
+    closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
+
+    # Assert: the failing score left its upload out, as a score the close took would; the
+    # passing one's figures are its checks'; the unscored one (no windows) stays unscored
+    assert closed.committed
+    assert closed.exclusion_codes == {"2": "no_gain"}
+    assert closed.excluded["2"] == failing.reason()
+    assert (closed.checks["0"].own_gain, closed.checks["0"].other_gain) == (0.02, 0.01)
+    assert closed.checks["1"].own_gain is None
     versions.cleanup()

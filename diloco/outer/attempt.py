@@ -34,7 +34,7 @@ from diloco.outer.robust import (
     distances,
     reference_norm,
 )
-from diloco.outer.scoring import Windows
+from diloco.outer.scoring import Score, Windows
 from diloco.wire import delta as deltas
 from diloco.wire.exchange import codec_for, delta_codec_for
 from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter
@@ -51,6 +51,9 @@ class Upload:
     # the first windows of its lease's data, as its volunteer read them, for the scoring
     # (diloco.outer.scoring); None: not scored (late work, whose base is an older version)
     own: Windows | None = None
+    # its score, when it was taken before the close (on arrival, by the server); the close
+    # then uses it instead of scoring it again
+    score: Score | None = None
 
 
 @dataclass(frozen=True)

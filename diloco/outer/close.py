@@ -256,10 +256,14 @@ class _Scoring:
     def of(cls, inputs: CloseInputs) -> _Scoring | None:
         if inputs.score_sample is None or inputs.cfg.aggregation.score_windows == 0:
             return None
-        with_data = [u.id for u in inputs.uploads if u.own is not None]
-        return cls(chosen(with_data, inputs.check_seed))
+        # scored on arrival, or with its lease's windows to score it by now
+        with_data = [u.id for u in inputs.uploads if u.own is not None or u.score is not None]
+        scored = {u.id for u in inputs.uploads if u.score is not None}
+        return cls(chosen(with_data, inputs.check_seed) | scored)
 
     def score(self, inputs: CloseInputs, upload: Upload) -> Score:
+        if upload.score is not None:  # taken on arrival
+            return upload.score
         if self.scorer is None:
             assert inputs.score_sample is not None
             self.scorer = Scorer(inputs.cfg, inputs.base_params, inputs.score_sample)

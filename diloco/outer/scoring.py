@@ -24,9 +24,12 @@ averaged base on its first windows, on the judging sample, or on both (measured:
 
 Which uploads are scored: all of a round of at most ``SCORE_ALL``; of a larger round, half
 of them (rounded up), drawn with the round's secret seed, so nobody knows beforehand
-whether theirs will be. The cost is three forward passes of ``score_windows`` windows per
-scored upload, and the model three times in memory (base, Δ, the model); ``score_windows
-= 0`` turns scoring off.
+whether theirs will be; and every upload already scored when the close begins. The cost is
+three forward passes of ``score_windows`` windows per scored upload, and the model three
+times in memory (base, Δ, the model); ``score_windows = 0`` turns scoring off. A score does
+not depend on the other uploads, so the server takes it as each upload arrives, off the
+close's critical path (``server.rounds.arrival_scores``): its close then scores only the
+chosen uploads that arrived too late to be scored before.
 
 What it does not catch: work trained honestly on other data than the lease's (it lowers
 the loss on the lease's data as much as honest work does at this scale: measured, the
@@ -97,6 +100,24 @@ class Score:
         return (
             self.own_gain < -TOLERANCE * self.own_base
             and self.other_gain < -TOLERANCE * self.other_base
+        )
+
+    def figures(self) -> dict[str, float]:
+        """As the server stores a score taken on arrival (``from_figures`` reads it back)."""
+        return {
+            "own_gain": self.own_gain,
+            "other_gain": self.other_gain,
+            "own_base": self.own_base,
+            "other_base": self.other_base,
+        }
+
+    @classmethod
+    def from_figures(cls, figures: Mapping[str, float]) -> Score:
+        return cls(
+            float(figures["own_gain"]),
+            float(figures["other_gain"]),
+            float(figures["own_base"]),
+            float(figures["other_base"]),
         )
 
     def reason(self) -> str:

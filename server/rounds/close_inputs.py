@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.outer.checks import RECENT_CHANGES, RecentChange
+from diloco.outer.scoring import Score
 from diloco.protocol.state import Aggregated
 from server.checkpoints import service as checkpoints_service
 from server.datasets.models import DataUnit
@@ -60,7 +61,7 @@ async def read_inputs(
                 .limit(cfg.aggregation.history)
             )
         )
-        leases = await _lease_data(session, run, [c for c in rows if c.staleness == 0])
+        leases = await lease_data(session, run, [c for c in rows if c.staleness == 0])
         recent = (
             await session.execute(
                 select(Round.index, Round.check_seed, Round.change_sample)
@@ -80,7 +81,14 @@ async def read_inputs(
         base_params_key=base.params_key,
         base_state_key=base.state_key,
         contributions=[
-            Stored(c.id, c.blob_key, float(c.counted_weight), c.norm or 0.0, leases.get(c.id))
+            Stored(
+                c.id,
+                c.blob_key,
+                float(c.counted_weight),
+                c.norm or 0.0,
+                leases.get(c.id),
+                None if not c.score else Score.from_figures(c.score),
+            )
             for c in rows
         ],
         history=[h for h in history if h is not None],
@@ -95,11 +103,12 @@ async def read_inputs(
     return inputs, [rounds_service.aggregated(c) for c in rows]
 
 
-async def _lease_data(
+async def lease_data(
     session: AsyncSession, run: Run, rows: list[Contribution]
 ) -> dict[str, LeaseData]:
     """Where each contribution's lease read its data (``outer_step.LeaseData``), for the
-    close's scoring; late work is not scored (its base is an older version)."""
+    scoring (at the close, or on arrival); late work is not scored (its base is an older
+    version)."""
     if not rows or not rounds_service.run_config(run).aggregation.score_windows:
         return {}
     found = await session.execute(

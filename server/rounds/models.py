@@ -127,6 +127,12 @@ class Contribution(Base):
         CheckConstraint(
             "credit_status IN ('confirmed', 'pending', 'forfeited')", name="credit_status_valid"
         ),
+        # what the arrival scorer looks for (server.rounds.arrival_scores)
+        Index(
+            "ix_contributions_unscored",
+            "created_at",
+            postgresql_where=text("score IS NULL AND aggregated_at IS NULL"),
+        ),
         # a contributor's own contributions, newest first (GET /contributors/me)
         Index("ix_contributions_contributor_id_created_at", "contributor_id", "created_at"),
         # the same tensors twice in a round are a replay (protocol.rules.admit_payload)
@@ -190,6 +196,12 @@ class Contribution(Base):
     # what the close's checks measured of it (diloco.outer.checks.Check.figures); a failed
     # check's code and reason are also its excluded_code and excluded_reason
     checks: Mapped[dict | None] = mapped_column(JSON, default=None)
+    # its score by the loss (diloco.outer.scoring.Score.figures), taken on arrival off the
+    # close's critical path (server.rounds.arrival_scores); {}: not scored on arrival (no
+    # lease data, late work, scoring off); None: not yet. A scorer holds it until
+    # score_claim_expires_at
+    score: Mapped[dict | None] = mapped_column(JSON, default=None)
+    score_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     # how it was trained beyond its lease (diloco.wire.header.ReplayRecord: the digest of
     # the AdamW state it began from, precision, micro-batch): what an audit replays
     replay: Mapped[dict | None] = mapped_column(JSON, default=None)

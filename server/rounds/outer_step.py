@@ -34,7 +34,7 @@ from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
 from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Share
-from diloco.outer.scoring import Windows
+from diloco.outer.scoring import Score, Windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
@@ -70,6 +70,7 @@ class Stored:
     weight: float  # the tokens it counts for
     norm: float  # ‖Δ‖, measured when it was accepted
     lease: LeaseData | None = None  # None: not scored (late work)
+    score: Score | None = None  # taken on arrival (server.rounds.arrival_scores)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             base_params=stage.input(inputs.base_params_key),
             base_state=stage.input(inputs.base_state_key),
             uploads=[
-                Upload(c.id, blobs[c.blob_key], c.weight, c.norm, own.get(c.id))
+                Upload(c.id, blobs[c.blob_key], c.weight, c.norm, own.get(c.id), c.score)
                 for c in inputs.contributions
             ],
             history=inputs.history,
@@ -174,31 +175,50 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
 def _score_data(
     storage: Storage, stage: Stage, inputs: StepInputs
 ) -> tuple[dict[str, Windows], Windows | None]:
-    """The scoring's windows (``diloco.outer.scoring``): each scored contribution's first
-    ``score_windows`` windows of its lease's data, read from its shard as its volunteer
-    read them, and the validation data's first ones; nothing with scoring off."""
+    """The scoring's windows (``diloco.outer.scoring``): the first ``score_windows`` windows
+    of each contribution's lease's data that was not scored on arrival, read from its shard
+    as its volunteer read them, and the validation data's first ones; nothing with scoring
+    off."""
     cfg = inputs.cfg
-    n, block = cfg.aggregation.score_windows, cfg.model.block_size
     leased = [c for c in inputs.contributions if c.lease is not None]
-    if not n or not leased:
+    if not cfg.aggregation.score_windows or not leased:
         return {}, None
-    val = run_data.load_val(storage, inputs.run_id, cfg, tokens=n * block + 1)
-    if val.numel() <= block:  # not one window to judge by
+    sample = score_sample(storage, inputs.run_id, cfg)
+    if sample is None:
         return {}, None
-    keys_ = {c.lease.shard_key for c in leased if c.lease is not None}
+    unscored = [c for c in leased if c.score is None]
+    keys_ = {c.lease.shard_key for c in unscored if c.lease is not None}
     paths = stage.inputs(keys_, missing_ok=True)  # a missing one: that upload is unscored
     own: dict[str, Windows] = {}
     shards: dict[str, torch.Tensor] = {}  # a text run's shards, each read once
-    for c in leased:
+    for c in unscored:
         assert c.lease is not None
         try:
-            if (path := paths.get(c.lease.shard_key)) is None:
-                raise OSError(f"its shard {c.lease.shard_key} could not be fetched")
-            own[c.id] = _first_windows(c.lease, path, shards, cfg)
+            own[c.id] = lease_windows(c.lease, paths.get(c.lease.shard_key), shards, cfg)
         except (OSError, ValueError, RuntimeError, StopIteration) as err:  # unscored, logged
             log.warning("run %s: contribution %s not scored: its lease's data: %s",
                         inputs.run_id, c.id, err)  # fmt: skip
-    return own, Windows.validation(val, n, block)
+    return own, sample
+
+
+def score_sample(storage: Storage, run_id: str, cfg: RunConfig) -> Windows | None:
+    """The windows every scored upload is measured on besides its own: the validation
+    data's first ``score_windows``; None when it has not one."""
+    n, block = cfg.aggregation.score_windows, cfg.model.block_size
+    val = run_data.load_val(storage, run_id, cfg, tokens=n * block + 1)
+    if val.numel() <= block:  # not one window to judge by
+        return None
+    return Windows.validation(val, n, block)
+
+
+def lease_windows(
+    lease: LeaseData, path: Path | None, shards: dict[str, torch.Tensor], cfg: RunConfig
+) -> Windows:
+    """The first ``score_windows`` windows of a lease's stream, its shard staged at
+    ``path`` (None: it could not be fetched)."""
+    if path is None:
+        raise OSError(f"its shard {lease.shard_key} could not be fetched")
+    return _first_windows(lease, path, shards, cfg)
 
 
 def _first_windows(

@@ -20,6 +20,7 @@ from server.http.errors import HubError, RunNotFound
 from server.rounds import service as rounds_service
 from server.rounds.models import Contribution, UploadRejection
 from server.rounds.schemas import (
+    ArrivalScore,
     RoundContribution,
     RoundContributions,
     RoundRejection,
@@ -130,6 +131,7 @@ async def round_contributions(
                 cosine=c.cosine,
                 clip=c.clip_factor,
                 checks=None if c.checks is None else UploadChecks.model_validate(c.checks),
+                score=ArrivalScore.model_validate(c.score) if c.score else None,
             )
             for c, name in accepted
         ],

@@ -76,6 +76,15 @@ class UploadChecks(BaseModel):
     other_gain: float | None = None
 
 
+class ArrivalScore(BaseModel):
+    """Its score by the loss, taken as it arrived (``server.rounds.arrival_scores``)."""
+
+    own_gain: float  # the loss it takes off its lease's first windows, applied alone, nats
+    other_gain: float  # ... off the validation sample
+    own_base: float  # the base version's loss on those windows
+    other_base: float
+
+
 class RoundContribution(BaseModel):
     id: str
     contributor_id: str
@@ -102,6 +111,9 @@ class RoundContribution(BaseModel):
     cosine: float | None  # to the round's aggregate, once the step is published
     clip: float | None  # the factor the robust aggregate scaled it by (1: untouched)
     checks: UploadChecks | None  # measured at the close (None: not closed yet)
+    # taken as it arrived, off the close's critical path; the close uses it (None: not yet,
+    # or not scored on arrival: late work, scoring off, or it arrived as the round closed)
+    score: ArrivalScore | None = None
     sha256: str  # of the accepted body: the ledger's record, kept when the blob is not
     nbytes: int
     blob_retained: bool  # False: retention deleted the blob (server.upkeep.retention); row kept

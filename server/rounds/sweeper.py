@@ -11,6 +11,9 @@ lease release may let a round close):
    decisions of the others, and a failing one is recorded on its round and retried later.
 3. **evaluate**: one published version whose eval loss is pending at a time, on a thread
    of its own (``server.rounds.version_eval``): never in the way of a close.
+4. **score**: the uploads of open rounds by the loss, one at a time as they arrive, on a
+   thread of their own (``server.rounds.arrival_scores``): what the close would otherwise
+   compute after the deadline.
 
 Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
 the guarded transitions and claims make each round close exactly once.
@@ -31,8 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Action, RoundState
+from server.rounds import arrival_scores, version_eval
 from server.rounds import service as rounds_service
-from server.rounds import version_eval
 from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
 from server.runs.models import Run, RunStatus
@@ -57,6 +60,7 @@ class Sweeper:
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Task[bool]] = set()
         self._evaluating: asyncio.Task[None] | None = None
+        self._scoring: asyncio.Task[None] | None = None
         # the closes' compute, on threads of their own at a lower OS priority, so that the
         # requests this process serves meanwhile get the CPU first (no request waits on a
         # close); their GIL share is small: the compute is torch and file I/O
@@ -69,6 +73,12 @@ class Sweeper:
         self.eval_executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="eval",
+            initializer=lower_priority,
+            initargs=(settings.close_nice,),
+        )
+        self.score_executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="score",
             initializer=lower_priority,
             initargs=(settings.close_nice,),
         )
@@ -90,12 +100,12 @@ class Sweeper:
                 with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
         finally:
-            tasks = [*self._closing, *([self._evaluating] if self._evaluating else [])]
+            tasks = [*self._closing, *(t for t in (self._evaluating, self._scoring) if t)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.executor.shutdown(wait=False, cancel_futures=True)
-            self.eval_executor.shutdown(wait=False, cancel_futures=True)
+            for executor in (self.executor, self.eval_executor, self.score_executor):
+                executor.shutdown(wait=False, cancel_futures=True)
 
     async def sweep(self) -> None:
         """One pass: decide every open round, then start closes up to the concurrency."""
@@ -118,6 +128,22 @@ class Sweeper:
             task.add_done_callback(self._closed)
         if self._evaluating is None:
             self._evaluating = asyncio.create_task(self._evaluate(), name="evaluate")
+        if self._scoring is None:
+            self._scoring = asyncio.create_task(self._score(), name="score")
+
+    async def _score(self) -> None:
+        """Score arrived uploads, one after the other, while there are any."""
+        try:
+            while await arrival_scores.score_next(
+                self.sessions, self.storage, self.score_executor, self.faults
+            ):
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the database went away, say: the next sweep starts it again
+            log.exception("scoring arrived uploads failed; the next sweep retries")
+        finally:
+            self._scoring = None
 
     async def _evaluate(self) -> None:
         """Evaluate pending versions, one after the other, while there are any."""
