@@ -45,6 +45,21 @@ def test_codec_wire_bench_prints_a_rate_for_every_stage():
     ]  # fmt: skip
 
 
+def test_close_scoring_bench_prints_each_close_beside_its_limit():
+    proc = subprocess.run(
+        [sys.executable, "bench/close_scoring.py", "--sizes", "tiny", "--uploads", "3",
+         "--windows", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("close, scoring off", "close, scoring in it", "close, scores on arrival"):
+        assert line in out, out
+    assert re.search(r"limit \d+\.\d+ s \(1\.25 x scoring off\): (met|NOT MET)", out), out
+    assert re.search(r"^Goals: (met|NOT MET)$", out, re.MULTILINE), out
+
+
 def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_path):
     out = tmp_path / "load.json"
 

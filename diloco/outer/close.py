@@ -284,6 +284,7 @@ def _vet(
     data's loss they do not lower (``diloco.outer.scoring``; each upload scored once)."""
     checks = check_uploads(tried.figures)
     out.checks |= checks
+    clock.lap("checks")
     if failed := {i: (str(c.code), c.reason) for i, c in checks.items() if c.code is not None}:
         return failed
     if scoring is None:
