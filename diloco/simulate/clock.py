@@ -7,7 +7,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
+
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
 
 
 class EventClock:

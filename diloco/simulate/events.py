@@ -33,7 +33,6 @@ as the server's NOTIFY wakes it; a CLOSE is published ``close_s`` later.
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -47,15 +46,16 @@ from diloco.model.gpt import LanguageModel
 from diloco.outer.scoring import Windows
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
-from diloco.simulate.clock import EventClock
+from diloco.simulate.clock import EPOCH, EventClock
 from diloco.simulate.dealing import Batch, Units, lease_batches
-from diloco.simulate.hub import Hub
+from diloco.simulate.hub import Hub, HubLease
 from diloco.simulate.protocol_mode import (
     WASTE,
     ProtocolOptions,
     ProtocolRound,
     ProtocolTotals,
     per_second,
+    round_fields,
 )
 from diloco.simulate.run import (
     Progress,
@@ -65,7 +65,7 @@ from diloco.simulate.run import (
     Trained,
 )
 from diloco.simulate.server import SIM_RUN_ID
-from diloco.simulate.volunteer import EPOCH, Volunteer, build_volunteers
+from diloco.simulate.volunteer import Volunteer, build_volunteers
 from diloco.simulate.work import train_upload, upload_nbytes
 
 
@@ -304,43 +304,56 @@ class _ProtocolRun:
             self.refused[refusal.code] += 1
             v.totals.refused += 1
         else:
-            # The inner training happens here, once the upload is admitted, not when the
-            # lease was granted: admission does not look at Δ, and Δ depends only on what
-            # was fixed at the join (θ of the round's base version, which is still the
-            # latest while the round is open; the lease's shard and seed) and on the
-            # volunteer's AdamW state, which only its earlier trainings change. So work
-            # that is refused, abandoned or lost costs no CPU. The one difference from the
-            # client: its AdamW moments would also carry the steps of such wasted work.
-            # Late work trains from its own base version, which the hub keeps.
-            assert late is not None or self.hub.version == lease.round - 1
-
-            def stream() -> Callable[[], Batch]:
-                return lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
-
-            next_batch = stream()
-            base = self.hub.params_of(lease.round - 1)
-            upload = train_upload(
-                v.trainer,
-                base,
-                cfg=cfg,
-                round=lease.round,
-                next_batch=next_batch,
-                steps=lease.inner_steps,
-                ahead=v.train_ahead(last, self.cfg, self.data, self.hub.units),
-            )
-            v.last = lease
-            assert upload.result.tokens == claim.tokens
-            self.bytes_up += upload.nbytes
-            # the scoring reads the lease's first windows again, as the server does
-            own = Windows.first(stream(), cfg.aggregation.score_windows) if late is None else None
-            refused = self.hub.store(v.name, lease.round, upload, spent, late, own=own)
-            if refused is not None:  # an honest volunteer's body is never refused: a bug
-                raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")
-            self._spend(v, spent)
-            v.totals.accepted += 1
-            v.totals.late += late is not None
-            self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
+            self._store(v, lease, claim, spent, late, last)
         self._join(v)
+
+    def _store(
+        self,
+        v: Volunteer,
+        lease: HubLease,
+        claim: UploadClaim,
+        spent: timedelta,
+        late: LateGrant | None,
+        last: HubLease | None,
+    ) -> None:
+        """An admitted upload: its lease trained and the body stored at the hub."""
+        cfg = self.cfg
+        # The inner training happens here, once the upload is admitted, not when the
+        # lease was granted: admission does not look at Δ, and Δ depends only on what
+        # was fixed at the join (θ of the round's base version, which is still the
+        # latest while the round is open; the lease's shard and seed) and on the
+        # volunteer's AdamW state, which only its earlier trainings change. So work
+        # that is refused, abandoned or lost costs no CPU. The one difference from the
+        # client: its AdamW moments would also carry the steps of such wasted work.
+        # Late work trains from its own base version, which the hub keeps.
+        assert late is not None or self.hub.version == lease.round - 1
+
+        def stream() -> Callable[[], Batch]:
+            return lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
+
+        next_batch = stream()
+        base = self.hub.params_of(lease.round - 1)
+        upload = train_upload(
+            v.trainer,
+            base,
+            cfg=cfg,
+            round=lease.round,
+            next_batch=next_batch,
+            steps=lease.inner_steps,
+            ahead=v.train_ahead(last, self.cfg, self.data, self.hub.units),
+        )
+        v.last = lease
+        assert upload.result.tokens == claim.tokens
+        self.bytes_up += upload.nbytes
+        # the scoring reads the lease's first windows again, as the server does
+        own = Windows.first(stream(), cfg.aggregation.score_windows) if late is None else None
+        refused = self.hub.store(v.name, lease.round, upload, spent, late, own=own)
+        if refused is not None:  # an honest volunteer's body is never refused: a bug
+            raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")
+        self._spend(v, spent)
+        v.totals.accepted += 1
+        v.totals.late += late is not None
+        self._at(self.now, self._sweep)  # the upload's NOTIFY wakes the sweeper
 
     def _spend(self, v: Volunteer, spent: timedelta, wasted: str | None = None) -> None:
         v.totals.compute_s += spent.total_seconds()
@@ -374,23 +387,8 @@ class _ProtocolRun:
                 totals.useful_s += c.compute.total_seconds()
                 totals.credit_flops += effects.credit[c.contribution_id]
         self.tokens += effects.tokens
-        self.recorder.close_round(
-            self.hub.model,
-            ProtocolRound,
-            round=closed.round.index,
-            tokens=self.tokens,
-            # None when the guard rejected the step: nothing was aggregated
-            train_loss=math.nan if effects.train_loss is None else effects.train_loss,
-            accepted=effects.accepted,
-            update_norm=closed.update_norm,
-            opened_at_s=(closed.round.opened_at - EPOCH).total_seconds(),
-            closed_at_s=(self.now - EPOCH).total_seconds(),
-            close_code=log.close_code,
-            close_reason=log.close_reason,
-            extensions=closed.round.extensions,
-            extension_reasons=list(log.extension_reasons),
-            leases=len(log.leases),
-        )
+        fields = round_fields(closed, tokens=self.tokens, now=self.now)
+        self.recorder.close_round(self.hub.model, ProtocolRound, **fields)
         if self.hub.status is RunStatus.COMPLETED:
             self.stopped_because = "completed"
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
-from diloco.simulate.hub import HubSettings
+from diloco.simulate.clock import EPOCH
+from diloco.simulate.hub import Closed, HubSettings
 from diloco.simulate.run import RoundRecord
 
 # why volunteer time did not reach an outer step: an upload refused, a training abandoned
@@ -145,6 +148,26 @@ class ProtocolRound(RoundRecord):
     extensions: int
     extension_reasons: list[str]  # decide_close's sentence for each extension
     leases: int  # leases handed out on the round
+
+
+def round_fields(closed: Closed, *, tokens: int, now: datetime) -> dict[str, Any]:
+    """A closed round as ``Recorder.close_round`` records it (a ``ProtocolRound``)."""
+    effects, log = closed.effects, closed.log
+    return {
+        "round": closed.round.index,
+        "tokens": tokens,
+        # None when the guard rejected the step: nothing was aggregated
+        "train_loss": math.nan if effects.train_loss is None else effects.train_loss,
+        "accepted": effects.accepted,
+        "update_norm": closed.update_norm,
+        "opened_at_s": (closed.round.opened_at - EPOCH).total_seconds(),
+        "closed_at_s": (now - EPOCH).total_seconds(),
+        "close_code": log.close_code,
+        "close_reason": log.close_reason,
+        "extensions": closed.round.extensions,
+        "extension_reasons": list(log.extension_reasons),
+        "leases": len(log.leases),
+    }
 
 
 @dataclass

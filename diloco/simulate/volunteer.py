@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import torch
 
@@ -15,13 +15,12 @@ from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.protocol.state import Refusal
 from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
+from diloco.simulate.clock import EPOCH
 from diloco.simulate.dealing import Units, lease_batches
 from diloco.simulate.hub import HubLease
 from diloco.simulate.protocol_mode import ProtocolOptions, VolunteerTotals
 from diloco.simulate.run import SimOptions
 from diloco.train import Ahead, InnerTrainer, train_ahead
-
-EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated clock starts here
 
 
 @dataclass
