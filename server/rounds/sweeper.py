@@ -128,13 +128,16 @@ class Sweeper:
             task.add_done_callback(self._closed)
         if self._evaluating is None:
             self._evaluating = asyncio.create_task(self._evaluate(), name="evaluate")
-        if self._scoring is None:
+        if self._scoring is None and not self._closing:  # never beside a close: memory
             self._scoring = asyncio.create_task(self._score(), name="score")
 
     async def _score(self) -> None:
-        """Score arrived uploads, one after the other, while there are any."""
+        """Score arrived uploads, one after the other, while there are any and no close
+        runs in this process: a score holds the model three times in memory, and none
+        starts beside a close (one in progress when a close starts ends first, in seconds;
+        the close does not wait for it)."""
         try:
-            while await arrival_scores.score_next(
+            while not self._closing and await arrival_scores.score_next(
                 self.sessions, self.storage, self.score_executor, self.faults
             ):
                 pass
