@@ -17,6 +17,12 @@ class AuditAPI(ApiSession):
         _, audit = await self._put_file(where, path, f"reveal for audit {audit_id}")
         return audit
 
+    async def my_audits(self, run_id: str) -> list[dict[str, Any]]:
+        """Our audits in the run that wait for a starting state (id, round, start)."""
+        data = await self._json("GET", f"/runs/{run_id}/audits/mine")
+        found = data.get("audits")
+        return found if isinstance(found, list) else []
+
     async def ledger(self, run_id: str, round: int, contributor_id: str) -> dict[str, Any]:
         """What re-running a contributor's lease of a round needs (verifier or admin)."""
         return await self._json("GET", f"/runs/{run_id}/rounds/{round}/ledger/{contributor_id}")

@@ -42,14 +42,6 @@ def part_path(dest: Path) -> Path:
     return dest.with_name(dest.name + ".part")
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _hash_prefix(path: Path) -> tuple[hashlib._Hash, int]:
     """The running sha256 of a part file and its length (resume continues from there)."""
     digest, size = hashlib.sha256(), 0

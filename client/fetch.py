@@ -18,10 +18,10 @@ import torch
 
 from client import catchup, credentials
 from client.api import ServerAPI
-from client.download import sha256_file
 from client.lease import Lease, ProtocolError
 from client.optimizer_state import STATE_FILE
 from client.progress import Reporter
+from diloco.atomic import file_sha256
 from diloco.checkpoint import CheckpointError, checkpoint_params_only
 from diloco.data.text import read_lease_tokens
 
@@ -80,7 +80,7 @@ class Fetcher:
         if path in self.verified and path.exists():
             return path
         if path.exists():
-            if await asyncio.to_thread(sha256_file, path) == sha256:
+            if await asyncio.to_thread(file_sha256, path) == sha256:
                 self.verified.add(path)
                 self.say.info(f"{what}: cached copy verified (sha256 ok), not downloaded again")
                 return path

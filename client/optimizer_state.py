@@ -16,7 +16,6 @@ never half-loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,9 @@ STATE_FILE = "adamw.safetensors"
 # the state the lease last uploaded began from, kept until the next upload: an audit asks
 # for it (its SHA-256 is the upload's replay record's ``start``; docs/verification.md)
 START_FILE = "adamw.start.safetensors"
+# the one before it, from the upload before: a close may audit an upload after the next
+# one began (the round's least aligned: docs/verification.md), and it asks for that start
+PREVIOUS_START_FILE = "adamw.start.previous.safetensors"
 
 
 class OptimizerStateError(ValueError):
@@ -96,22 +98,15 @@ def save_state(
     return path
 
 
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes (read in 1 MiB pieces)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while piece := f.read(1 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
-
-
 def keep_as_start(state: Path) -> Path | None:
     """Keep the state file ``state`` as it is now (a hard link, or a copy where links are
-    not allowed) under ``START_FILE`` beside it, before a new state replaces it; None if
-    there is none."""
+    not allowed) under ``START_FILE`` beside it, before a new state replaces it, and the
+    start kept before under ``PREVIOUS_START_FILE``; None if there is none."""
     start = state.with_name(START_FILE)
     if not state.exists():
         return None
+    if start.exists():  # the previous upload's start, still asked for by a close's audit
+        os.replace(start, state.with_name(PREVIOUS_START_FILE))
     with atomic_path(start) as tmp:
         try:
             os.link(state, tmp)

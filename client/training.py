@@ -26,10 +26,10 @@ from client.lease import Lease, ProtocolError
 from client.optimizer_state import (
     OptimizerStateError,
     SavedState,
-    file_sha256,
     load_state,
     save_state,
 )
+from diloco.atomic import file_sha256
 from diloco.config import ConfigError, RunConfig, parse_config
 from diloco.data.text import AHEAD_SEED, lease_stream, range_windows
 from diloco.model.architectures import build_model

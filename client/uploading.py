@@ -9,7 +9,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -19,6 +18,7 @@ from client.gpu import mfu
 from client.lease import Lease
 from client.optimizer_state import START_FILE, keep_as_start
 from client.progress import Reporter
+from client.reveals import Revealer
 from client.training import Contribution, DivergedError, LocalTrainer
 from client.worker_options import Reactions, WorkerOptions, WorkerSummary
 from diloco.faults import FaultInjector
@@ -100,25 +100,11 @@ class Uploader:
             where = f"round {r.merged_into_round} (staleness {r.staleness}, weight {r.weight})"
             note = f" late into {where}{note}"
         self.say.info(f"{head}  upload {body.nbytes:,} B  accepted{note}")
+        revealer = Revealer(self.api, self.say, lease.run_id, state)
         if r.audit is not None:
-            await self.reveal(lease, r.audit, state)
+            await revealer.reveal(lease.round, r.audit, state.with_name(START_FILE))
+        await revealer.earlier(lease.round, drawn=r.audit)
         return True
-
-    async def reveal(self, lease: Lease, audit_id: str, state: Path) -> None:
-        """The server drew this upload for an audit by replay: send it the AdamW state the
-        lease began from (kept beside ours since the upload: ``START_FILE``). A failure is
-        a warning: the audit then fails when its time runs out, and the line says so."""
-        start = state.with_name(START_FILE)
-        try:
-            await self.api.reveal_state(lease.run_id, audit_id, start)
-        except (ApiError, OSError) as err:
-            why = err.detail if isinstance(err, ApiError) else str(err)
-            self.say.warn(
-                f"round {lease.round}: audit {audit_id}: could not send the starting AdamW "
-                f"state ({why}); the audit fails if it does not arrive in time"
-            )
-            return
-        self.say.info(f"round {lease.round}: audited: sent the starting AdamW state")
 
     async def send(self, lease: Lease, body: Contribution) -> UploadReceipt | Refused:
         """Upload; while our round, or the round our late work joins, is closing (the

@@ -19,6 +19,7 @@ server's janitor collects.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -121,3 +122,13 @@ def _create(tmp: Path, permissions: int | None) -> int:
             os.close(fd)
             raise
     return fd
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """The SHA-256 (hex) of a file's bytes, read in pieces so memory stays flat: how a
+    file written here is checked against a digest it was given or committed to."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -52,15 +52,6 @@ class Checkpoint:
     sha256: str  # of the exact bytes the tensors were loaded from
 
 
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 hex of a file, read in chunks so memory stays flat whatever its size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _outer_tensors(
     names: list[str], outer_state: Mapping[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -10,10 +10,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from diloco import atomic as atomic_mod
+from diloco.atomic import file_sha256
 from diloco.checkpoint import (
     CheckpointError,
     checkpoint_params_only,
-    file_sha256,
     load_checkpoint,
     save_checkpoint,
 )

@@ -119,6 +119,10 @@ class AuditSection(_Section):
     # Totals and the leaderboard count confirmed credit. false: credit is confirmed at the
     # close, as when nothing is audited (fraction 0)
     escrow: bool = True
+    # each close audits the round's least aligned upload (diloco.protocol.audit.suspect)
+    # besides the draw's, so that stale work of a trusted account is replayed soon; the
+    # volunteer reveals its starting state after its next upload. Ignored with fraction 0
+    suspects: bool = True
 
 
 MAX_GRACE_S = 366 * 24 * 3600.0  # a year: past it, say "keep for ever" (None) instead

@@ -23,7 +23,8 @@ credit counts verified work, and a freeloader's unaudited leases earn nothing ei
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -32,6 +33,8 @@ MIN_COSINE = 0.99
 NORM_RATIO = (0.9, 1.1)  # replayed ‖Δ‖ / uploaded ‖Δ‖
 CLAIM_S = 1800.0  # a verifier holds a claimed audit this long before another may take it
 CODE = "replay"  # the exclusion code of work an audit found was not what it claims
+SUSPECT_RATIO = 0.75  # a round's least aligned upload below this share of its median ...
+SUSPECT_MIN_ROUND = 3  # ... in a round of at least this many is audited (``suspect``)
 
 
 class AuditStatus(StrEnum):
@@ -60,6 +63,27 @@ def drawn(check_seed: int, contributor_id: str, share: float) -> bool:
         return False
     digest = hashlib.sha256(f"audit:{check_seed}:{contributor_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def suspect(median_cosines: Mapping[str, float]) -> str | None:
+    """The upload of a closed round that is audited whatever the draw said: the one that
+    points least with the others (the lowest cosine to the others' coordinate-wise median
+    on the sampled coordinates, ``diloco.outer.checks``), in a round of at least
+    ``SUSPECT_MIN_ROUND`` with a common direction (their median is positive), when it is
+    below ``SUSPECT_RATIO`` times that median; else None.
+
+    Why: the random draw finds a trusted account that turns to freeloading only slowly (1 −
+    (1 − f)³ within three rounds: 14% at f = 0.05). Work trained from a stale base points
+    away from the round's (measured: the round's lowest, 0.17–0.56 against honest
+    0.60–0.94, bench/attacks.py's setting), so the round's least aligned upload is the one
+    worth a replay; honest work that happens to be it passes and loses nothing."""
+    if len(median_cosines) < SUSPECT_MIN_ROUND:
+        return None
+    typical = statistics.median(median_cosines.values())
+    lowest = min(median_cosines, key=lambda i: (median_cosines[i], i))
+    if typical <= 0.0 or median_cosines[lowest] >= SUSPECT_RATIO * typical:
+        return None
+    return lowest
 
 
 class CreditStatus(StrEnum):

@@ -20,6 +20,7 @@ from server.audits.schemas import (
     BlobRef,
     LedgerEntry,
     ReplayView,
+    WaitingAudits,
 )
 from server.auth import ContributorAuth, VerifierAuth
 from server.db import SessionDep
@@ -72,6 +73,18 @@ async def audits(
     found = await service.listed(session, run_id, status, datetime.now(UTC))
     await session.commit()  # audits whose state never came are failed by now
     return AuditList(audits=found)
+
+
+@router.get("/audits/mine")
+async def my_audits(
+    run_id: RunId, contributor: ContributorAuth, session: SessionDep
+) -> WaitingAudits:
+    """The caller's audits in this run that wait for its starting state: one drawn at an
+    upload (its receipt named it) or one a close opened on the round's least aligned
+    upload (``[audit] suspects``), which the volunteer learns of here after its next
+    upload."""
+    await runs_service.get(session=session, run_id=run_id)
+    return await service.waiting(session, run_id, contributor.id)
 
 
 @router.post("/audits/claim", responses={204: {"description": "no audit is pending"}})

@@ -32,6 +32,20 @@ class AuditList(BaseModel):
     audits: list[AuditView]
 
 
+class WaitingAudit(BaseModel):
+    """An audit of the caller's that waits for its starting state (``GET …/audits/mine``)."""
+
+    id: str
+    round: int
+    contribution_id: str
+    start: str  # the SHA-256 its upload committed to: the state file to send
+    reveal_by: datetime
+
+
+class WaitingAudits(BaseModel):
+    audits: list[WaitingAudit]
+
+
 class BlobRef(BaseModel):
     url: str  # this server's route, or a signed URL of the store
     sha256: str

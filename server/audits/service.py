@@ -24,7 +24,7 @@ from diloco.protocol.audit import (
     Verdict,
     max_state_bytes,
 )
-from server.audits.schemas import AuditResult, AuditView
+from server.audits.schemas import AuditResult, AuditView, WaitingAudit, WaitingAudits
 from server.http.errors import (
     Forbidden,
     HubError,
@@ -171,6 +171,35 @@ async def listed(
         query = query.where(Audit.status == status)
     rows = await session.scalars(query.order_by(Audit.created_at, Audit.id).limit(1000))
     return [view(a) for a in rows]
+
+
+async def waiting(session: AsyncSession, run_id: str, contributor_id: str) -> WaitingAudits:
+    """The contributor's audits in the run that wait for its starting state, oldest first,
+    each with the digest its upload committed to."""
+    rows = await session.execute(
+        select(Audit, Contribution.replay)
+        .join(Contribution, Contribution.id == Audit.contribution_id)
+        .where(
+            Audit.run_id == run_id,
+            Audit.contributor_id == contributor_id,
+            Audit.status == AuditStatus.REVEALING,
+        )
+        .order_by(Audit.created_at, Audit.id)
+        .limit(100)
+    )
+    return WaitingAudits(
+        audits=[
+            WaitingAudit(
+                id=a.id,
+                round=a.round_index,
+                contribution_id=a.contribution_id,
+                start=replay["start"],
+                reveal_by=a.reveal_by,
+            )
+            for a, replay in rows.all()
+            if replay is not None
+        ]
+    )
 
 
 async def claim(

@@ -164,6 +164,7 @@ ERRORS: dict[str, Errors] = {
         507: ("storage_failed",),
     },
     "GET /api/v1/runs/{run_id}/audits": {**VERIFIER, **RUN},
+    "GET /api/v1/runs/{run_id}/audits/mine": {**CONTRIBUTOR, **RUN},
     "POST /api/v1/runs/{run_id}/audits/claim": {**VERIFIER, **RUN},
     "POST /api/v1/runs/{run_id}/audits/{audit_id}": {
         **VERIFIER,

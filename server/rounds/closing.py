@@ -43,7 +43,7 @@ from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
-from server.rounds import bans, claims, escrow, quarantine
+from server.rounds import audit_draw, bans, claims, escrow, quarantine
 from server.rounds import service as rounds_service
 from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.close_inputs import pack_sample, read_inputs
@@ -203,6 +203,9 @@ async def _publish(
                     for cid, flops in effects.credit.items()
                 ],
             )
+        await audit_draw.suspect_at_close(
+            session, cfg, run_id=claim.run_id, median_cosines=_alignment(result), now=now
+        )
         await session.execute(  # only the last few are compared with
             update(Round)
             .where(
@@ -257,6 +260,16 @@ async def _exclude(session: AsyncSession, result: OuterResult) -> None:
                 for cid, why in result.excluded.items()
             ],
         )
+
+
+def _alignment(result: OuterResult) -> dict[str, float]:
+    """Each aggregated contribution's cosine to the others' median, as the checks measured
+    it (``diloco.outer.checks``), where they did."""
+    return {
+        cid: check.median_cosine
+        for cid, check in result.checks.items()
+        if cid in result.shares and check.median_cosine is not None
+    }
 
 
 def _figures(result: OuterResult, contribution_id: str) -> dict | None:
