@@ -33,7 +33,7 @@ MIN_COSINE = 0.99
 NORM_RATIO = (0.9, 1.1)  # replayed ‖Δ‖ / uploaded ‖Δ‖
 CLAIM_S = 1800.0  # a verifier holds a claimed audit this long before another may take it
 CODE = "replay"  # the exclusion code of work an audit found was not what it claims
-SUSPECT_RATIO = 0.75  # a round's least aligned upload below this share of its median ...
+SUSPECT_RATIO = 0.85  # a round's least aligned upload below this share of its median ...
 SUSPECT_MIN_ROUND = 3  # ... in a round of at least this many is audited (``suspect``)
 
 
@@ -74,9 +74,10 @@ def suspect(median_cosines: Mapping[str, float]) -> str | None:
 
     Why: the random draw finds a trusted account that turns to freeloading only slowly (1 −
     (1 − f)³ within three rounds: 14% at f = 0.05). Work trained from a stale base points
-    away from the round's (measured: the round's lowest, 0.17–0.56 against honest
-    0.60–0.94, bench/attacks.py's setting), so the round's least aligned upload is the one
-    worth a replay; honest work that happens to be it passes and loses nothing."""
+    away from the round's (bench/attacks.py's setting: mostly 0.23–0.82 of its round's
+    median, honest work's lowest 0.85–1.0; docs/verification.md), so the round's least aligned
+    upload is the one worth a replay; honest work that happens to be it passes and loses
+    nothing."""
     if len(median_cosines) < SUSPECT_MIN_ROUND:
         return None
     typical = statistics.median(median_cosines.values())
