@@ -5,8 +5,13 @@ For each N (``--volunteers 100,500,1000``) the bench creates a fresh database, s
 ``quorum = target = K``), registers N contributors and has each join. Then, in one asyncio
 process (aiohttp, one ClientSession):
 
-1. idle: every volunteer heartbeats every ``--interval`` s, start times spread evenly over
-   the interval, each on its own schedule (one warm-up interval first, not counted);
+1. idle: every volunteer heartbeats at the interval the server advises, as the client does
+   (``diloco.protocol.heartbeats``: the lease's, then each answer's; ``--interval`` is the
+   run's own ``[rounds] heartbeat_interval_s``, the shortest the server may advise), first
+   heartbeats spread evenly over each lease's interval, each on its own schedule (a
+   warm-up first, not counted: until every volunteer follows an answer's advice and one
+   longest interval more); a load balancer's ``GET /healthz`` every ``--healthz-every``
+   s meanwhile, from a process of its own (bench/health_probe.py);
 2. close: heartbeats go on while K volunteers upload real int8 contributions (~10 MB each),
    which closes the round (aggregate, outer step, eval, checkpoint write). Volunteers do
    what the client does (``diloco.protocol.volunteer``): a heartbeat answered ``409
@@ -14,16 +19,20 @@ process (aiohttp, one ClientSession):
    round_closing`` / ``already_contributed`` waits ``retry_after_s``.
    Requests are tagged by send time: ``upload`` (uploads in flight), ``close`` (from the
    last upload's answer to the round's ``closed_at``), ``after`` (rejoined, next round);
-3. limits at the same request rate, volunteers stopped: an unmatched route (FastAPI and
-   uvicorn only, answered 404), ``GET /healthz`` (one pooled ``SELECT 1``), and, closed
-   loop over 10 connections, one indexed one-row ``UPDATE`` straight through asyncpg.
+3. limits at the idle phase's offered rate, volunteers stopped: an unmatched route (every
+   middleware, the router, the 404 handler; no database), ``GET /healthz`` (the pulse's
+   last probe, no database), and, closed loop over 10 connections, one indexed one-row
+   ``UPDATE`` straight through asyncpg.
 
-Printed per N and phase: latency percentiles, protocol answers and errors by status,
-served vs offered rate, server CPU (/proc, all threads) and peak RSS, Postgres backend CPU
-of our database, transactions (pg_stat_database), the load generator's own CPU; then the
-goals, met or not. Every phase is bounded in time and every process is stopped by its PID.
+Printed per N and phase: latency percentiles, protocol answers and errors by status, the
+intervals the server advised, served vs offered rate (offered: the heartbeats a second the
+volunteers' advised intervals ask for), server CPU (/proc, all threads) and peak RSS,
+Postgres backend CPU of our database, transactions (pg_stat_database), the load
+generator's own CPU; then the goals, met or not. Every phase is bounded in time and every
+process is stopped by its PID. The bench's own server takes registrations without the
+hub's rate limit (``DILOCO_RATE_REGISTER=``): its volunteers all come from 127.0.0.1.
 
-    python bench/load.py [--volunteers 100,500,1000] [--phase-s 20] [--interval 2]
+    python bench/load.py [--volunteers 1000,5000] [--phase-s 20] [--interval 2]
                          [--uploaders 4] [--database-url postgresql://...] [--json out.json]
                          [--py-spy DIR] [--instrument] [--small-model]
 """
@@ -34,6 +43,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import re
 import sys
 import tempfile
@@ -55,6 +65,7 @@ from load_support import (
     API,
     Monitor,
     Recorder,
+    Sample,
     contribution_bodies,
     fresh_database,
     http_session,
@@ -63,10 +74,17 @@ from load_support import (
     summarize,
 )
 
+from diloco.protocol.heartbeats import advised, next_heartbeat
 from diloco.protocol.messages import ErrorCode
-from diloco.protocol.volunteer import LOST_LEASE_CODES, RETRY_JOIN_CODES, join_wait
+from diloco.protocol.volunteer import (
+    LOST_LEASE_CODES,
+    RETRY_JOIN_CODES,
+    heartbeat_every,
+    join_wait,
+)
 
-GOAL = {"volunteers": 1000, "interval_s": 2.0, "p99_ms": 250.0}
+# one server process, its volunteers heartbeating as the server advises
+GOAL = {"volunteers": 5000, "p99_ms": 250.0, "healthz_p99_ms": 100.0}
 # answers the protocol gives on purpose around a close; counted apart from errors
 PROTOCOL = {(409, ErrorCode.ROUND_CLOSED), *((409, code) for code in RETRY_JOIN_CODES)}
 MODEL = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 128}  # ~10.8M parameters
@@ -82,20 +100,40 @@ class Volunteer:
     auth: dict[str, str]
     lease: dict[str, Any] | None = None
     step: int = 0
+    interval: float = 0.0  # the heartbeat interval it follows (the server's advice)
+    told: bool = False  # a heartbeat's answer set it (not only a lease)
+
+    def leased(self, lease: dict[str, Any]) -> None:
+        self.lease = lease
+        self.interval = heartbeat_every(lease["heartbeat_interval_s"])
 
 
 class Crowd:
-    """N volunteers sharing one session; each behaves as client/worker.py does."""
+    """N volunteers sharing one session; each behaves as client/worker.py and
+    client/heartbeating.py do."""
 
-    def __init__(self, http: aiohttp.ClientSession, rec: Recorder, run_id: str, interval: float):
-        self.http, self.rec, self.run_id, self.interval = http, rec, run_id, interval
+    def __init__(self, http: aiohttp.ClientSession, rec: Recorder, run_id: str):
+        self.http, self.rec, self.run_id = http, rec, run_id
         self.volunteers: list[Volunteer] = []
         self.stop_at = math.inf  # loop time; every loop ends once it passes
         self.lags: list[float] = []  # how late each scheduled send went out (generator health)
+        self.dice = random.Random(0)  # the volunteers' draws (next_heartbeat)
 
-    async def enlist(self, n: int, concurrency: int) -> None:
-        """Register and join n contributors, ``concurrency`` requests in flight."""
+    def offered_per_s(self) -> float:
+        """Heartbeats a second the volunteers' advised intervals ask for."""
+        return sum(1 / v.interval for v in self.volunteers if v.lease is not None)
+
+    def intervals(self) -> dict[str, int]:
+        """How many volunteers follow each interval (seconds)."""
+        return dict(sorted(Counter(f"{v.interval:g}" for v in self.volunteers).items()))
+
+    async def enlist(self, n: int, concurrency: int) -> list[asyncio.Task[None]]:
+        """Register and join n contributors, ``concurrency`` requests in flight; each starts
+        heartbeating once it has its lease, as the client does (one interval after the
+        join). Returns their heartbeat loops."""
         gate = asyncio.Semaphore(concurrency)
+        loop = asyncio.get_running_loop()
+        lives: list[asyncio.Task[None]] = []
 
         async def one(i: int) -> None:
             async with gate:
@@ -110,15 +148,18 @@ class Crowd:
                 )
                 if status != 200:
                     raise SystemExit(f"join answered {status}: {body}")
-                v.lease = body
+                v.leased(body)
                 self.volunteers.append(v)
+                lives.append(asyncio.create_task(self.live(v, loop.time() + v.interval)))
 
         await asyncio.gather(*(one(i) for i in range(n)))
         self.volunteers.sort(key=lambda v: v.index)
+        return lives
 
     async def live(self, v: Volunteer, first_at: float) -> None:
-        """Heartbeat every interval on this volunteer's own schedule; join again when the
-        round closed without us."""
+        """Heartbeat on this volunteer's own schedule, at the interval the server advised
+        (``next_heartbeat``, as client/heartbeating.py); join again when the round closed
+        without us."""
         loop = asyncio.get_running_loop()
         due = first_at
         while due < self.stop_at:
@@ -126,15 +167,17 @@ class Crowd:
             if loop.time() >= self.stop_at:
                 return
             self.lags.append(loop.time() - due)
-            if v.lease is None or await self.heartbeat(v) == "lost":
+            wait = await self.heartbeat(v) if v.lease is not None else None
+            if wait is None:  # no lease, or it was lost
                 v.lease = None
                 await self.rejoin(v)
-                due = loop.time() + self.interval  # the client sleeps an interval first
+                due = loop.time() + v.interval  # the client sleeps an interval first
                 continue
-            due += self.interval
+            due += wait
             due = max(due, loop.time())  # fell behind: no burst to catch up
 
-    async def heartbeat(self, v: Volunteer) -> str:
+    async def heartbeat(self, v: Volunteer) -> float | None:
+        """One heartbeat; seconds until the next, or None: the lease is lost."""
         assert v.lease is not None
         v.step += 1
         status, body = await self.rec.call(
@@ -148,7 +191,12 @@ class Crowd:
         # the client's reaction (diloco.protocol.volunteer): these volunteers never train,
         # so no work is merged late: any lost-lease answer means join again
         lost = status == 409 and isinstance(body, dict) and body.get("error") in LOST_LEASE_CODES
-        return "lost" if lost else "ok"
+        if lost:
+            return None
+        advice = advised(body) if status == 200 else None
+        v.told = v.told or advice is not None
+        v.interval, wait = next_heartbeat(v.interval, advice, self.dice.random())
+        return wait
 
     async def rejoin(self, v: Volunteer) -> None:
         loop = asyncio.get_running_loop()
@@ -157,9 +205,9 @@ class Crowd:
                 self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
             )
             if status == 200:
-                v.lease = body
+                v.leased(body)
                 return
-            wait = self.interval  # an error: try again later
+            wait = v.interval  # an error: try again later
             if isinstance(body, dict) and body.get("error") in RETRY_JOIN_CODES:
                 wait = join_wait(body.get("retry_after_s"))  # as the client waits
             await asyncio.sleep(min(wait, max(0.0, self.stop_at - loop.time())))
@@ -201,9 +249,9 @@ async def bench_one(
         # setup: the run, N contributors, N joins
         run = await create_run(http, rec, args, n)
         out["n_params"] = run["n_params"]
-        crowd = Crowd(http, rec, run["id"], args.interval)
+        crowd = Crowd(http, rec, run["id"])
         started = time.time()
-        await crowd.enlist(n, concurrency=args.join_concurrency)
+        lives = await crowd.enlist(n, concurrency=args.join_concurrency)
         out["setup"] = {
             "seconds": time.time() - started,
             "concurrency": args.join_concurrency,
@@ -215,21 +263,27 @@ async def bench_one(
         assert lease is not None
         bodies = await asyncio.to_thread(contribution_bodies, lease, len(uploaders))
         out["upload_bytes"] = len(bodies[0])
-        rec.samples.clear()
 
-        # phase 1: idle heartbeats (after one warm-up interval)
+        # phase 1: idle heartbeats, after a warm-up: until every volunteer follows a
+        # heartbeat answer's advice, then one longest interval more (their new phases)
         loop = asyncio.get_running_loop()
-        t0 = loop.time() + 0.2
-        lives = [
-            asyncio.create_task(crowd.live(v, t0 + args.interval * v.index / n))
-            for v in crowd.volunteers
-        ]
-        await asyncio.sleep(0.2 + args.interval)
+        t0 = loop.time()
+        warmed = await warm_up(crowd, limit_s=args.warm_up_limit_s)
+        out["warm_up_s"] = loop.time() - t0
+        out["warmed_up"] = warmed
         profiling = await start_profilers(args, http, pid, n)
         crowd.lags.clear()
+        rec.samples.clear()
+        offered = [crowd.offered_per_s()]
+        lag_before = await loop_lag(http)
         idle_start = await mon.mark()
+        probing = asyncio.create_task(probe_health(base, rec, args.healthz_every, args.phase_s))
         await asyncio.sleep(args.phase_s)
         idle_end = await mon.mark()
+        await probing
+        out["server_loop_lag"] = lag_quantiles(lag_before, await loop_lag(http))
+        offered.append(crowd.offered_per_s())
+        out["advised_s"] = crowd.intervals()
         lags = sorted(crowd.lags)
         out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
         out["profile"] = await stop_profilers(profiling, http)
@@ -244,11 +298,12 @@ async def bench_one(
         last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
         closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
         close_mark = await mon.mark()
-        if closed_at is not None:
-            await asyncio.sleep(max(0.0, closed_at + 2 * args.interval + 3 - time.time()))
+        longest = max(v.interval for v in crowd.volunteers)
+        if closed_at is not None:  # everyone has had two intervals in the next round
+            await asyncio.sleep(max(0.0, closed_at + 2 * longest + 3 - time.time()))
         crowd.stop_at = loop.time()
         end_mark = await mon.mark()
-        await asyncio.wait(lives, timeout=args.interval + 35)
+        await asyncio.wait(lives, timeout=longest + 35)
         for task in lives:
             task.cancel()
         windows["upload"] = (upload_start, last_upload)
@@ -261,12 +316,69 @@ async def bench_one(
         out["idle_resources"] = mon.between(idle_start, idle_end)
         out["close_resources"] = mon.between(idle_end, close_mark)
         hb = out["phases"]["idle"]["heartbeat"]
-        out["offered_per_s"] = n / args.interval
+        out["offered_per_s"] = sum(offered) / 2  # at the idle phase's start and end
+        out["offered_range_per_s"] = offered
         out["served_per_s"] = hb["ok"] / args.phase_s
 
-        # phase 3: the limits at the same request rate, volunteers stopped
-        out["limits"] = await limits(args, http, mon, n, db_url)
+        # phase 3: the limits at the idle phase's offered rate, volunteers stopped
+        out["limits"] = await limits(args, http, mon, n, db_url, out["offered_per_s"])
     return out
+
+
+async def warm_up(crowd: Crowd, *, limit_s: float) -> bool:
+    """Until every volunteer heard a heartbeat's advice, then one longest interval more so
+    that their new schedules are under way; False if ``limit_s`` passed first."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit_s
+    while not all(v.told for v in crowd.volunteers):
+        if loop.time() > give_up:
+            return False
+        await asyncio.sleep(0.2)
+    longest = max(v.interval for v in crowd.volunteers)
+    await asyncio.sleep(min(longest, max(0.0, give_up - loop.time())))
+    return True
+
+
+async def loop_lag(http: aiohttp.ClientSession) -> dict[float, float]:
+    """The server's ``diloco_event_loop_lag_seconds`` histogram: upper bound -> count."""
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    found = re.findall(r'^diloco_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
+    return {float(le): float(count) for le, count in found}
+
+
+def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """How late the server's event loop ran its timers between two scrapes: the samples,
+    and the bucket bound under which 50%, 99% and all of them fell."""
+    delta = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = delta.get(math.inf, 0.0)
+
+    def bound(q: float) -> float:
+        return next((le for le, n in delta.items() if total and n >= q * total), math.nan)
+
+    return {
+        "samples": total,
+        "p50_le_s": bound(0.5),
+        "p99_le_s": bound(0.99),
+        "max_le_s": bound(1.0),
+    }
+
+
+async def probe_health(base: str, rec: Recorder, every: float, seconds: float) -> None:
+    """A load balancer's ``GET /healthz`` every ``every`` seconds for ``seconds``, from a
+    process of its own (bench/health_probe.py); its probes are recorded as ``healthz``."""
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).with_name("health_probe.py")),
+        base,
+        str(every),
+        str(seconds),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await probe.communicate()
+    for line in out.decode().splitlines():
+        sent, latency, status = json.loads(line)
+        rec.samples.append(Sample("healthz", sent, latency, status))
 
 
 async def create_run(
@@ -331,7 +443,7 @@ def tag_phases(rec: Recorder, windows: dict[str, tuple[float, float]]) -> dict[s
     out: dict[str, Any] = {}
     for phase, (lo, hi) in windows.items():
         inside = [s for s in rec.samples if lo <= s.sent < hi]
-        kinds = sorted({s.kind for s in inside} | {"heartbeat"})
+        kinds = sorted({s.kind for s in inside} | {"heartbeat", "healthz"})
         out[phase] = {"seconds": hi - lo} | {
             k: summarize([s for s in inside if s.kind == k], PROTOCOL) for k in kinds
         }
@@ -345,9 +457,20 @@ def tag_phases(rec: Recorder, windows: dict[str, tuple[float, float]]) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--volunteers", default="100,500,1000", help="comma-separated Ns")
+    ap.add_argument("--volunteers", default="1000,5000", help="comma-separated Ns")
     ap.add_argument("--phase-s", type=float, default=20.0, help="seconds of the idle phase")
-    ap.add_argument("--interval", type=float, default=2.0, help="heartbeat interval, seconds")
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="the run's [rounds] heartbeat_interval_s: the shortest the server may advise",
+    )
+    ap.add_argument(
+        "--healthz-every", type=float, default=0.1, help="GET /healthz every this, idle phase"
+    )
+    ap.add_argument(
+        "--warm-up-limit-s", type=float, default=60.0, help="longest warm-up before the idle phase"
+    )
     ap.add_argument("--uploaders", type=int, default=4, help="K: uploads that close the round")
     ap.add_argument("--join-concurrency", type=int, default=32)
     ap.add_argument("--close-timeout-s", type=float, default=180.0, help="after the uploads")
@@ -373,7 +496,9 @@ def main() -> None:
 
     results = []
     for n in [int(x) for x in args.volunteers.split(",")]:
-        env = {"DILOCO_TORCH_THREADS": str(args.torch_threads)}
+        # the bench's volunteers all register from 127.0.0.1: its own server takes them
+        # without the hub's registration limit (a setting, DILOCO_RATE_REGISTER; empty: none)
+        env = {"DILOCO_TORCH_THREADS": str(args.torch_threads), "DILOCO_RATE_REGISTER": ""}
         with (
             tempfile.TemporaryDirectory(prefix="diloco-load-") as tmp,
             fresh_database(args.database_url) as db,

@@ -36,16 +36,21 @@ async def paced(n: int, interval: float, seconds: float, fn: Any) -> None:
 
 
 async def limits(
-    args: argparse.Namespace, http: aiohttp.ClientSession, mon: Monitor, n: int, db_url: str
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    mon: Monitor,
+    n: int,
+    db_url: str,
+    rate: float,
 ) -> dict[str, Any]:
+    """At ``rate`` requests a second (n clients): the unmatched route and /healthz; then a
+    closed loop of one-row UPDATEs."""
     seconds = max(1.0, args.phase_s / 2)
     out: dict[str, Any] = {}
     for name, path in (("floor", f"{API}/no-such-endpoint"), ("healthz", "/healthz")):
         rec = Recorder()
         a = await mon.mark()
-        await paced(
-            n, args.interval, seconds, lambda p=path, k=name, r=rec: r.call(http, "GET", p, k)
-        )
+        await paced(n, n / rate, seconds, lambda p=path, k=name, r=rec: r.call(http, "GET", p, k))
         b = await mon.mark()
         res = mon.between(a, b)
         stats = summarize(rec.samples, {(404, "not_found")})

@@ -237,9 +237,8 @@ class Recorder:
             async with http.request(method, url, **kw) as r:
                 raw = await r.read()
                 status: int | str = r.status
-                if r.status != 200 or kind != "heartbeat":  # heartbeats: skip parsing 200s
-                    with contextlib.suppress(ValueError):
-                        body = json.loads(raw) if raw else None
+                with contextlib.suppress(ValueError):  # a heartbeat's 200 advises the interval
+                    body = json.loads(raw) if raw else None
         except TimeoutError:
             status = "timeout"
         except aiohttp.ClientError as err:
