@@ -313,6 +313,7 @@ async def bench_one(
         out["close_seconds"] = (closed_at - last_upload) if closed_at else None
         out["closing_seen"] = seen_closing
         out["phases"] = tag_phases(rec, windows)
+        out["client_errors"] = dict(rec.failures.most_common(5))
         out["idle_resources"] = mon.between(idle_start, idle_end)
         out["close_resources"] = mon.between(idle_end, close_mark)
         hb = out["phases"]["idle"]["heartbeat"]

@@ -107,6 +107,10 @@ def print_one(r: dict[str, Any], goal: dict[str, float]) -> None:
         f"(Postgres backends {pg['postgres_cpu_s'] / pg['seconds']:.2f} s/s, "
         f"asyncpg client {pg['generator_cpu_s'] / pg['seconds']:.2f} s/s)"
     )
+    if r.get("client_errors"):
+        print("connection errors the volunteers saw, by message:")
+        for line, count in r["client_errors"].items():
+            print(f"  {count:>6d} x {line}")
     if r.get("server_errors"):
         print("server log, exception lines (what the 5xx were):")
         for line, count in r["server_errors"].items():

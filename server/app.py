@@ -83,6 +83,7 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         tasks = [
             asyncio.create_task(watch_loop_lag(), name="loop-lag"),
             asyncio.create_task(pulse.run(), name="pulse"),
+            asyncio.create_task(memory.keep_settled(), name="keep-settled"),
         ]
         if works_rounds:  # the background work: rounds, and collecting what crashes left
             sweep_stale(settings.scratch_dir, max_age_s=settings.temp_max_age_s, now=time.time())
