@@ -42,14 +42,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import random
 import re
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -58,14 +55,21 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_limits import limits, start_profilers, stop_profilers
+from load_crowd import Crowd, warm_up
+from load_limits import (
+    lag_quantiles,
+    limits,
+    loop_lag,
+    probe_health,
+    start_profilers,
+    stop_profilers,
+)
 from load_report import print_goals, print_one
 from load_support import (
     ADMIN,
     API,
     Monitor,
     Recorder,
-    Sample,
     contribution_bodies,
     fresh_database,
     http_session,
@@ -74,13 +78,9 @@ from load_support import (
     summarize,
 )
 
-from diloco.protocol.heartbeats import advised, next_heartbeat
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.volunteer import (
-    LOST_LEASE_CODES,
     RETRY_JOIN_CODES,
-    heartbeat_every,
-    join_wait,
 )
 
 # one server process, its volunteers heartbeating as the server advises
@@ -89,150 +89,6 @@ GOAL = {"volunteers": 5000, "p99_ms": 250.0, "healthz_p99_ms": 100.0}
 PROTOCOL = {(409, ErrorCode.ROUND_CLOSED), *((409, code) for code in RETRY_JOIN_CODES)}
 MODEL = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 128}  # ~10.8M parameters
 SMALL_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
-
-
-# ---------------------------------------------------------------- simulated volunteers
-
-
-@dataclass
-class Volunteer:
-    index: int
-    auth: dict[str, str]
-    lease: dict[str, Any] | None = None
-    step: int = 0
-    interval: float = 0.0  # the heartbeat interval it follows (the server's advice)
-    told: bool = False  # a heartbeat's answer set it (not only a lease)
-
-    def leased(self, lease: dict[str, Any]) -> None:
-        self.lease = lease
-        self.interval = heartbeat_every(lease["heartbeat_interval_s"])
-
-
-class Crowd:
-    """N volunteers sharing one session; each behaves as client/worker.py and
-    client/heartbeating.py do."""
-
-    def __init__(self, http: aiohttp.ClientSession, rec: Recorder, run_id: str):
-        self.http, self.rec, self.run_id = http, rec, run_id
-        self.volunteers: list[Volunteer] = []
-        self.stop_at = math.inf  # loop time; every loop ends once it passes
-        self.lags: list[float] = []  # how late each scheduled send went out (generator health)
-        self.dice = random.Random(0)  # the volunteers' draws (next_heartbeat)
-
-    def offered_per_s(self) -> float:
-        """Heartbeats a second the volunteers' advised intervals ask for."""
-        return sum(1 / v.interval for v in self.volunteers if v.lease is not None)
-
-    def intervals(self) -> dict[str, int]:
-        """How many volunteers follow each interval (seconds)."""
-        return dict(sorted(Counter(f"{v.interval:g}" for v in self.volunteers).items()))
-
-    async def enlist(self, n: int, concurrency: int) -> list[asyncio.Task[None]]:
-        """Register and join n contributors, ``concurrency`` requests in flight; each starts
-        heartbeating once it has its lease, as the client does (one interval after the
-        join). Returns their heartbeat loops."""
-        gate = asyncio.Semaphore(concurrency)
-        loop = asyncio.get_running_loop()
-        lives: list[asyncio.Task[None]] = []
-
-        async def one(i: int) -> None:
-            async with gate:
-                status, body = await self.rec.call(
-                    self.http, "POST", f"{API}/contributors", "register", json={"name": f"v{i}"}
-                )
-                if status != 201:
-                    raise SystemExit(f"register answered {status}: {body}")
-                v = Volunteer(i, {"Authorization": f"Bearer {body['token']}"})
-                status, body = await self.rec.call(
-                    self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
-                )
-                if status != 200:
-                    raise SystemExit(f"join answered {status}: {body}")
-                v.leased(body)
-                self.volunteers.append(v)
-                lives.append(asyncio.create_task(self.live(v, loop.time() + v.interval)))
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-        self.volunteers.sort(key=lambda v: v.index)
-        return lives
-
-    async def live(self, v: Volunteer, first_at: float) -> None:
-        """Heartbeat on this volunteer's own schedule, at the interval the server advised
-        (``next_heartbeat``, as client/heartbeating.py); join again when the round closed
-        without us."""
-        loop = asyncio.get_running_loop()
-        due = first_at
-        while due < self.stop_at:
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            if loop.time() >= self.stop_at:
-                return
-            self.lags.append(loop.time() - due)
-            wait = await self.heartbeat(v) if v.lease is not None else None
-            if wait is None:  # no lease, or it was lost
-                v.lease = None
-                await self.rejoin(v)
-                due = loop.time() + v.interval  # the client sleeps an interval first
-                continue
-            due += wait
-            due = max(due, loop.time())  # fell behind: no burst to catch up
-
-    async def heartbeat(self, v: Volunteer) -> float | None:
-        """One heartbeat; seconds until the next, or None: the lease is lost."""
-        assert v.lease is not None
-        v.step += 1
-        status, body = await self.rec.call(
-            self.http,
-            "POST",
-            f"{API}/runs/{self.run_id}/rounds/{v.lease['round']}/heartbeat",
-            "heartbeat",
-            json={"lease_id": v.lease["lease_id"], "step": v.step, "loss": 3.0},
-            headers=v.auth,
-        )
-        # the client's reaction (diloco.protocol.volunteer): these volunteers never train,
-        # so no work is merged late: any lost-lease answer means join again
-        lost = status == 409 and isinstance(body, dict) and body.get("error") in LOST_LEASE_CODES
-        if lost:
-            return None
-        advice = advised(body) if status == 200 else None
-        v.told = v.told or advice is not None
-        v.interval, wait = next_heartbeat(v.interval, advice, self.dice.random())
-        return wait
-
-    async def rejoin(self, v: Volunteer) -> None:
-        loop = asyncio.get_running_loop()
-        while loop.time() < self.stop_at:
-            status, body = await self.rec.call(
-                self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
-            )
-            if status == 200:
-                v.leased(body)
-                return
-            wait = v.interval  # an error: try again later
-            if isinstance(body, dict) and body.get("error") in RETRY_JOIN_CODES:
-                wait = join_wait(body.get("retry_after_s"))  # as the client waits
-            await asyncio.sleep(min(wait, max(0.0, self.stop_at - loop.time())))
-
-    async def upload(self, v: Volunteer, body: bytes) -> None:
-        """PUT the body; like the client, retry a 5xx or a connection error with backoff."""
-        lease = v.lease
-        if lease is None:
-            return
-        for attempt in range(4):
-            status, _ = await self.rec.call(
-                self.http,
-                "PUT",
-                f"{API}/runs/{self.run_id}/rounds/{lease['round']}/contribution",
-                "upload",
-                data=body,
-                timeout=aiohttp.ClientTimeout(total=120, connect=10),
-                headers={**v.auth, "Content-Type": "application/octet-stream"},
-            )
-            if status in (200, 201):
-                v.lease = None  # done with this round: the client joins again
-                return
-            if isinstance(status, int) and status < 500:
-                return  # refused: retrying would not help
-            await asyncio.sleep(2**attempt)
 
 
 # ---------------------------------------------------------------- one N: setup and phases
@@ -246,140 +102,119 @@ async def bench_one(
     out: dict[str, Any] = {"volunteers": n, "interval_s": args.interval, "phase_s": args.phase_s}
     limit = n + args.uploaders + 32
     async with http_session(base, limit) as http, Monitor(args.database_url, dbname, pid) as mon:
-        # setup: the run, N contributors, N joins
-        run = await create_run(http, rec, args, n)
-        out["n_params"] = run["n_params"]
-        crowd = Crowd(http, rec, run["id"])
-        started = time.time()
-        lives = await crowd.enlist(n, concurrency=args.join_concurrency)
-        out["setup"] = {
-            "seconds": time.time() - started,
-            "concurrency": args.join_concurrency,
-            "register": summarize([s for s in rec.samples if s.kind == "register"], PROTOCOL),
-            "join": summarize([s for s in rec.samples if s.kind == "join"], PROTOCOL),
-        }
-        uploaders = crowd.volunteers[: args.uploaders]
-        lease = uploaders[0].lease
-        assert lease is not None
-        bodies = await asyncio.to_thread(contribution_bodies, lease, len(uploaders))
-        out["upload_bytes"] = len(bodies[0])
-
-        # phase 1: idle heartbeats, after a warm-up: until every volunteer follows a
-        # heartbeat answer's advice, then one longest interval more (their new phases)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        warmed = await warm_up(crowd, limit_s=args.warm_up_limit_s)
-        out["warm_up_s"] = loop.time() - t0
-        out["warmed_up"] = warmed
-        profiling = await start_profilers(args, http, pid, n)
-        crowd.lags.clear()
-        rec.samples.clear()
-        offered = [crowd.offered_per_s()]
-        lag_before = await loop_lag(http)
-        idle_start = await mon.mark()
-        probing = asyncio.create_task(probe_health(base, rec, args.healthz_every, args.phase_s))
-        await asyncio.sleep(args.phase_s)
-        idle_end = await mon.mark()
-        await probing
-        out["server_loop_lag"] = lag_quantiles(lag_before, await loop_lag(http))
-        offered.append(crowd.offered_per_s())
-        out["advised_s"] = crowd.intervals()
-        lags = sorted(crowd.lags)
-        out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
-        out["profile"] = await stop_profilers(profiling, http)
-
-        # phase 2: K uploads close the round while heartbeats go on
-        windows = {"idle": (idle_start["t"], idle_end["t"])}
-        upload_start = time.time()
-        ups = [
-            asyncio.create_task(crowd.upload(v, b)) for v, b in zip(uploaders, bodies, strict=True)
-        ]
-        await asyncio.gather(*ups)  # at most 4 tries of 120 s each
-        last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
-        closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
-        close_mark = await mon.mark()
-        longest = max(v.interval for v in crowd.volunteers)
-        if closed_at is not None:  # everyone has had two intervals in the next round
-            await asyncio.sleep(max(0.0, closed_at + 2 * longest + 3 - time.time()))
-        crowd.stop_at = loop.time()
-        end_mark = await mon.mark()
-        await asyncio.wait(lives, timeout=longest + 35)
-        for task in lives:
-            task.cancel()
-        windows["upload"] = (upload_start, last_upload)
-        windows["close"] = (last_upload, closed_at or close_mark["t"])
-        windows["after"] = (closed_at or close_mark["t"], end_mark["t"])
-        out["round_closed"] = closed_at is not None
-        out["close_seconds"] = (closed_at - last_upload) if closed_at else None
-        out["closing_seen"] = seen_closing
-        out["phases"] = tag_phases(rec, windows)
-        out["client_errors"] = dict(rec.failures.most_common(5))
-        out["idle_resources"] = mon.between(idle_start, idle_end)
-        out["close_resources"] = mon.between(idle_end, close_mark)
-        hb = out["phases"]["idle"]["heartbeat"]
-        out["offered_per_s"] = sum(offered) / 2  # at the idle phase's start and end
-        out["offered_range_per_s"] = offered
-        out["served_per_s"] = hb["ok"] / args.phase_s
-
+        crowd, lives, run_id, bodies = await setup(args, n, http, rec, out)
+        idle = await idle_phase(args, n, (base, pid), http, rec, mon, crowd, out)
+        await close_phase(args, http, rec, mon, (crowd, lives, run_id, bodies), idle, out)
         # phase 3: the limits at the idle phase's offered rate, volunteers stopped
         out["limits"] = await limits(args, http, mon, n, db_url, out["offered_per_s"])
     return out
 
 
-async def warm_up(crowd: Crowd, *, limit_s: float) -> bool:
-    """Until every volunteer heard a heartbeat's advice, then one longest interval more so
-    that their new schedules are under way; False if ``limit_s`` passed first."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + limit_s
-    while not all(v.told for v in crowd.volunteers):
-        if loop.time() > give_up:
-            return False
-        await asyncio.sleep(0.2)
-    longest = max(v.interval for v in crowd.volunteers)
-    await asyncio.sleep(min(longest, max(0.0, give_up - loop.time())))
-    return True
-
-
-async def loop_lag(http: aiohttp.ClientSession) -> dict[float, float]:
-    """The server's ``diloco_event_loop_lag_seconds`` histogram: upper bound -> count."""
-    async with http.get("/metrics") as r:
-        text = await r.text()
-    found = re.findall(r'^diloco_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
-    return {float(le): float(count) for le, count in found}
-
-
-def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
-    """How late the server's event loop ran its timers between two scrapes: the samples,
-    and the bucket bound under which 50%, 99% and all of them fell."""
-    delta = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
-    total = delta.get(math.inf, 0.0)
-
-    def bound(q: float) -> float:
-        return next((le for le, n in delta.items() if total and n >= q * total), math.nan)
-
-    return {
-        "samples": total,
-        "p50_le_s": bound(0.5),
-        "p99_le_s": bound(0.99),
-        "max_le_s": bound(1.0),
+async def setup(
+    args: argparse.Namespace, n: int, http: aiohttp.ClientSession, rec: Recorder, out: dict
+) -> tuple[Crowd, list[asyncio.Task[None]], str, list[bytes]]:
+    """The run, N contributors, N joins (each heartbeating from then on), the uploads'
+    bodies: (the crowd, its heartbeat loops, the run id, the bodies)."""
+    run = await create_run(http, rec, args, n)
+    out["n_params"] = run["n_params"]
+    crowd = Crowd(http, rec, run["id"])
+    started = time.time()
+    lives = await crowd.enlist(n, concurrency=args.join_concurrency)
+    out["setup"] = {
+        "seconds": time.time() - started,
+        "concurrency": args.join_concurrency,
+        "register": summarize([s for s in rec.samples if s.kind == "register"], PROTOCOL),
+        "join": summarize([s for s in rec.samples if s.kind == "join"], PROTOCOL),
     }
+    lease = crowd.volunteers[0].lease
+    assert lease is not None
+    bodies = await asyncio.to_thread(contribution_bodies, lease, args.uploaders)
+    out["upload_bytes"] = len(bodies[0])
+    return crowd, lives, run["id"], bodies
 
 
-async def probe_health(base: str, rec: Recorder, every: float, seconds: float) -> None:
-    """A load balancer's ``GET /healthz`` every ``every`` seconds for ``seconds``, from a
-    process of its own (bench/health_probe.py); its probes are recorded as ``healthz``."""
-    probe = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(Path(__file__).with_name("health_probe.py")),
-        base,
-        str(every),
-        str(seconds),
-        stdout=asyncio.subprocess.PIPE,
+async def idle_phase(
+    args: argparse.Namespace,
+    n: int,
+    where: tuple[str, int],
+    http: aiohttp.ClientSession,
+    rec: Recorder,
+    mon: Monitor,
+    crowd: Crowd,
+    out: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Phase 1: idle heartbeats, after a warm-up (until every volunteer follows a heartbeat
+    answer's advice, then one longest interval more: their new phases); the load
+    balancer's probes meanwhile. Returns the monitor's marks at its start and end."""
+    base, pid = where
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out["warmed_up"] = await warm_up(crowd, limit_s=args.warm_up_limit_s)
+    out["warm_up_s"] = loop.time() - t0
+    profiling = await start_profilers(args, http, pid, n)
+    crowd.lags.clear()
+    rec.samples.clear()
+    offered = [crowd.offered_per_s()]
+    lag_before = await loop_lag(http)
+    start = await mon.mark()
+    probing = asyncio.create_task(probe_health(base, rec, args.healthz_every, args.phase_s))
+    await asyncio.sleep(args.phase_s)
+    end = await mon.mark()
+    await probing
+    out["server_loop_lag"] = lag_quantiles(lag_before, await loop_lag(http))
+    offered.append(crowd.offered_per_s())
+    out["offered_per_s"] = sum(offered) / 2  # at the idle phase's start and end
+    out["offered_range_per_s"] = offered
+    out["advised_s"] = crowd.intervals()
+    lags = sorted(crowd.lags)
+    out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
+    out["profile"] = await stop_profilers(profiling, http)
+    return start, end
+
+
+async def close_phase(
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    rec: Recorder,
+    mon: Monitor,
+    work: tuple[Crowd, list[asyncio.Task[None]], str, list[bytes]],
+    idle: tuple[dict[str, Any], dict[str, Any]],
+    out: dict[str, Any],
+) -> None:
+    """Phase 2: K uploads close the round while heartbeats go on; then the next round,
+    until everyone has had two intervals in it. Every phase's figures go into ``out``."""
+    crowd, lives, run_id, bodies = work
+    idle_start, idle_end = idle
+    uploaders = crowd.volunteers[: args.uploaders]
+    upload_start = time.time()
+    await asyncio.gather(*(crowd.upload(v, b) for v, b in zip(uploaders, bodies, strict=True)))
+    last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
+    closed_at, seen_closing = await wait_for_close(http, rec, run_id, args.close_timeout_s)
+    close_mark = await mon.mark()
+    longest = max(v.interval for v in crowd.volunteers)
+    if closed_at is not None:
+        await asyncio.sleep(max(0.0, closed_at + 2 * longest + 3 - time.time()))
+    crowd.stop_at = asyncio.get_running_loop().time()
+    end_mark = await mon.mark()
+    await asyncio.wait(lives, timeout=longest + 35)
+    for task in lives:
+        task.cancel()
+    out["round_closed"] = closed_at is not None
+    out["close_seconds"] = (closed_at - last_upload) if closed_at else None
+    out["closing_seen"] = seen_closing
+    out["phases"] = tag_phases(
+        rec,
+        {
+            "idle": (idle_start["t"], idle_end["t"]),
+            "upload": (upload_start, last_upload),
+            "close": (last_upload, closed_at or close_mark["t"]),
+            "after": (closed_at or close_mark["t"], end_mark["t"]),
+        },
     )
-    out, _ = await probe.communicate()
-    for line in out.decode().splitlines():
-        sent, latency, status = json.loads(line)
-        rec.samples.append(Sample("healthz", sent, latency, status))
+    out["client_errors"] = dict(rec.failures.most_common(5))
+    out["idle_resources"] = mon.between(idle_start, idle_end)
+    out["close_resources"] = mon.between(idle_end, close_mark)
+    out["served_per_s"] = out["phases"]["idle"]["heartbeat"]["ok"] / args.phase_s
 
 
 async def create_run(
