@@ -96,22 +96,40 @@ def _meter(owner: Any, attr: str, name: str) -> None:
 
 def instrument() -> None:
     """Wrap the parts of a request, before the app is created (some are bound then)."""
+    import asyncpg.connection
+    import asyncpg.pool
     import fastapi.routing
     from sqlalchemy.ext.asyncio import AsyncSession, AsyncSessionTransaction
 
     import server.auth
+    import server.rounds.heartbeats
     import server.rounds.leases
     import server.rounds.sweeper
+    from server.http.body_limit import BodyLimit
+    from server.http.body_timeout import BodyTimeout
+    from server.http.health import HealthCheck
+    from server.http.request_id import RequestId
     from server.metrics import RequestMetrics
+    from server.rounds.lane import HeartbeatLane
 
     _meter(RequestMetrics, "__call__", "middleware RequestMetrics")
+    _meter(RequestId, "__call__", "middleware RequestId")
+    _meter(BodyTimeout, "__call__", "middleware BodyTimeout")
+    _meter(BodyLimit, "__call__", "middleware BodyLimit")
+    _meter(HealthCheck, "__call__", "middleware HealthCheck")
+    _meter(HeartbeatLane, "__call__", "middleware HeartbeatLane (the heartbeat's answer)")
+    _meter(asyncpg.pool.Pool, "_acquire", "asyncpg pool acquire")
+    _meter(asyncpg.pool.Pool, "release", "asyncpg pool release")
+    _meter(asyncpg.connection.Connection, "fetchrow", "asyncpg fetchrow (a statement)")
+    _meter(asyncpg.connection.Connection, "fetchval", "asyncpg fetchval (a statement)")
+    _meter(asyncpg.connection.Connection, "execute", "asyncpg execute (a statement)")
     _meter(fastapi.routing.APIRouter, "app", "router (match the route)")
     _meter(fastapi.routing.APIRoute, "handle", "endpoint (FastAPI request handler)")
     _meter(fastapi.routing, "solve_dependencies", "solve_dependencies (body, deps)")
     _meter(fastapi.routing, "run_endpoint_function", "route function")
     _meter(fastapi.routing, "serialize_response", "serialize_response (pydantic)")
     _meter(server.auth, "_find_contributor", "auth: ContributorAuth (own transaction)")
-    _meter(server.rounds.leases, "heartbeat", "leases.heartbeat (facts + renewal)")
+    _meter(server.rounds.heartbeats, "heartbeat", "heartbeats.heartbeat (one statement)")
     _meter(server.rounds.leases, "join", "leases.join (facts + lease)")
     _meter(server.rounds.sweeper.Sweeper, "sweep", "sweeper (decide_close every sweep)")
     _meter(AsyncSession, "scalar", "session.scalar (UPDATE ... RETURNING)")
@@ -217,6 +235,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from server import migrate
     from server.app import create_app
+    from server.http.connection import guarded
     from server.settings import Settings
 
     instrument()
@@ -230,8 +249,17 @@ def serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(settings.torch_threads)
     assert settings.admin_token is not None, "set DILOCO_ADMIN_TOKEN"
     app = create_app(settings, admin_token=settings.admin_token.get_secret_value())
+    # the protocol diloco serve runs (server.main): httptools with the head's guards
+    http = guarded(
+        max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s
+    )
     uvicorn.run(
-        ProfiledApp(app), host=args.host, port=args.port, log_level="info", access_log=False
+        ProfiledApp(app),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=False,
+        http=http,
     )
 
 
@@ -240,7 +268,8 @@ def serve(args: argparse.Namespace) -> None:
 PARTS = [  # (part, a function name or file fragment on the stack), first match from the top
     ("sweeper", "sweep (server/rounds/sweeper.py"),
     ("auth dependency", "_find_contributor"),
-    ("heartbeat: facts + renewal (leases.heartbeat)", "heartbeat (server/rounds/leases.py"),
+    ("heartbeat: one statement (heartbeats.heartbeat)", "heartbeat (server/rounds/heartbeats.py"),
+    ("heartbeat: the lane (parse, answer)", "server/rounds/lane.py"),
     ("join: facts + lease (leases.join)", "join (server/rounds/leases.py"),
     ("request commit (get_session)", "get_session"),
     ("serialize_response", "serialize_response"),

@@ -5,8 +5,13 @@ For each N (``--volunteers 100,500,1000``) the bench creates a fresh database, s
 ``quorum = target = K``), registers N contributors and has each join. Then, in one asyncio
 process (aiohttp, one ClientSession):
 
-1. idle: every volunteer heartbeats every ``--interval`` s, start times spread evenly over
-   the interval, each on its own schedule (one warm-up interval first, not counted);
+1. idle: every volunteer heartbeats at the interval the server advises, as the client does
+   (``diloco.protocol.heartbeats``: the lease's, then each answer's; ``--interval`` is the
+   run's own ``[rounds] heartbeat_interval_s``, the shortest the server may advise), first
+   heartbeats spread evenly over each lease's interval, each on its own schedule (a
+   warm-up first, not counted: until every volunteer follows an answer's advice and one
+   longest interval more); a load balancer's ``GET /healthz`` every ``--healthz-every``
+   s meanwhile, from a process of its own (bench/health_probe.py);
 2. close: heartbeats go on while K volunteers upload real int8 contributions (~10 MB each),
    which closes the round (aggregate, outer step, eval, checkpoint write). Volunteers do
    what the client does (``diloco.protocol.volunteer``): a heartbeat answered ``409
@@ -14,16 +19,20 @@ process (aiohttp, one ClientSession):
    round_closing`` / ``already_contributed`` waits ``retry_after_s``.
    Requests are tagged by send time: ``upload`` (uploads in flight), ``close`` (from the
    last upload's answer to the round's ``closed_at``), ``after`` (rejoined, next round);
-3. limits at the same request rate, volunteers stopped: an unmatched route (FastAPI and
-   uvicorn only, answered 404), ``GET /healthz`` (one pooled ``SELECT 1``), and, closed
-   loop over 10 connections, one indexed one-row ``UPDATE`` straight through asyncpg.
+3. limits at the idle phase's offered rate, volunteers stopped: an unmatched route (every
+   middleware, the router, the 404 handler; no database), ``GET /healthz`` (the pulse's
+   last probe, no database), and, closed loop over 10 connections, one indexed one-row
+   ``UPDATE`` straight through asyncpg.
 
-Printed per N and phase: latency percentiles, protocol answers and errors by status,
-served vs offered rate, server CPU (/proc, all threads) and peak RSS, Postgres backend CPU
-of our database, transactions (pg_stat_database), the load generator's own CPU; then the
-goals, met or not. Every phase is bounded in time and every process is stopped by its PID.
+Printed per N and phase: latency percentiles, protocol answers and errors by status, the
+intervals the server advised, served vs offered rate (offered: the heartbeats a second the
+volunteers' advised intervals ask for), server CPU (/proc, all threads) and peak RSS,
+Postgres backend CPU of our database, transactions (pg_stat_database), the load
+generator's own CPU; then the goals, met or not. Every phase is bounded in time and every
+process is stopped by its PID. The bench's own server takes registrations without the
+hub's rate limit (``DILOCO_RATE_REGISTER=``): its volunteers all come from 127.0.0.1.
 
-    python bench/load.py [--volunteers 100,500,1000] [--phase-s 20] [--interval 2]
+    python bench/load.py [--volunteers 1000,5000] [--phase-s 20] [--interval 2]
                          [--uploaders 4] [--database-url postgresql://...] [--json out.json]
                          [--py-spy DIR] [--instrument] [--small-model]
 """
@@ -33,13 +42,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import re
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -48,7 +55,15 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_limits import limits, start_profilers, stop_profilers
+from load_crowd import Crowd, warm_up
+from load_limits import (
+    lag_quantiles,
+    limits,
+    loop_lag,
+    probe_health,
+    start_profilers,
+    stop_profilers,
+)
 from load_report import print_goals, print_one
 from load_support import (
     ADMIN,
@@ -64,127 +79,16 @@ from load_support import (
 )
 
 from diloco.protocol.messages import ErrorCode
-from diloco.protocol.volunteer import LOST_LEASE_CODES, RETRY_JOIN_CODES, join_wait
+from diloco.protocol.volunteer import (
+    RETRY_JOIN_CODES,
+)
 
-GOAL = {"volunteers": 1000, "interval_s": 2.0, "p99_ms": 250.0}
+# one server process, its volunteers heartbeating as the server advises
+GOAL = {"volunteers": 5000, "p99_ms": 250.0, "healthz_p99_ms": 100.0}
 # answers the protocol gives on purpose around a close; counted apart from errors
 PROTOCOL = {(409, ErrorCode.ROUND_CLOSED), *((409, code) for code in RETRY_JOIN_CODES)}
 MODEL = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 128}  # ~10.8M parameters
 SMALL_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
-
-
-# ---------------------------------------------------------------- simulated volunteers
-
-
-@dataclass
-class Volunteer:
-    index: int
-    auth: dict[str, str]
-    lease: dict[str, Any] | None = None
-    step: int = 0
-
-
-class Crowd:
-    """N volunteers sharing one session; each behaves as client/worker.py does."""
-
-    def __init__(self, http: aiohttp.ClientSession, rec: Recorder, run_id: str, interval: float):
-        self.http, self.rec, self.run_id, self.interval = http, rec, run_id, interval
-        self.volunteers: list[Volunteer] = []
-        self.stop_at = math.inf  # loop time; every loop ends once it passes
-        self.lags: list[float] = []  # how late each scheduled send went out (generator health)
-
-    async def enlist(self, n: int, concurrency: int) -> None:
-        """Register and join n contributors, ``concurrency`` requests in flight."""
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(i: int) -> None:
-            async with gate:
-                status, body = await self.rec.call(
-                    self.http, "POST", f"{API}/contributors", "register", json={"name": f"v{i}"}
-                )
-                if status != 201:
-                    raise SystemExit(f"register answered {status}: {body}")
-                v = Volunteer(i, {"Authorization": f"Bearer {body['token']}"})
-                status, body = await self.rec.call(
-                    self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
-                )
-                if status != 200:
-                    raise SystemExit(f"join answered {status}: {body}")
-                v.lease = body
-                self.volunteers.append(v)
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-        self.volunteers.sort(key=lambda v: v.index)
-
-    async def live(self, v: Volunteer, first_at: float) -> None:
-        """Heartbeat every interval on this volunteer's own schedule; join again when the
-        round closed without us."""
-        loop = asyncio.get_running_loop()
-        due = first_at
-        while due < self.stop_at:
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            if loop.time() >= self.stop_at:
-                return
-            self.lags.append(loop.time() - due)
-            if v.lease is None or await self.heartbeat(v) == "lost":
-                v.lease = None
-                await self.rejoin(v)
-                due = loop.time() + self.interval  # the client sleeps an interval first
-                continue
-            due += self.interval
-            due = max(due, loop.time())  # fell behind: no burst to catch up
-
-    async def heartbeat(self, v: Volunteer) -> str:
-        assert v.lease is not None
-        v.step += 1
-        status, body = await self.rec.call(
-            self.http,
-            "POST",
-            f"{API}/runs/{self.run_id}/rounds/{v.lease['round']}/heartbeat",
-            "heartbeat",
-            json={"lease_id": v.lease["lease_id"], "step": v.step, "loss": 3.0},
-            headers=v.auth,
-        )
-        # the client's reaction (diloco.protocol.volunteer): these volunteers never train,
-        # so no work is merged late: any lost-lease answer means join again
-        lost = status == 409 and isinstance(body, dict) and body.get("error") in LOST_LEASE_CODES
-        return "lost" if lost else "ok"
-
-    async def rejoin(self, v: Volunteer) -> None:
-        loop = asyncio.get_running_loop()
-        while loop.time() < self.stop_at:
-            status, body = await self.rec.call(
-                self.http, "POST", f"{API}/runs/{self.run_id}/join", "join", headers=v.auth
-            )
-            if status == 200:
-                v.lease = body
-                return
-            wait = self.interval  # an error: try again later
-            if isinstance(body, dict) and body.get("error") in RETRY_JOIN_CODES:
-                wait = join_wait(body.get("retry_after_s"))  # as the client waits
-            await asyncio.sleep(min(wait, max(0.0, self.stop_at - loop.time())))
-
-    async def upload(self, v: Volunteer, body: bytes) -> None:
-        """PUT the body; like the client, retry a 5xx or a connection error with backoff."""
-        lease = v.lease
-        if lease is None:
-            return
-        for attempt in range(4):
-            status, _ = await self.rec.call(
-                self.http,
-                "PUT",
-                f"{API}/runs/{self.run_id}/rounds/{lease['round']}/contribution",
-                "upload",
-                data=body,
-                timeout=aiohttp.ClientTimeout(total=120, connect=10),
-                headers={**v.auth, "Content-Type": "application/octet-stream"},
-            )
-            if status in (200, 201):
-                v.lease = None  # done with this round: the client joins again
-                return
-            if isinstance(status, int) and status < 500:
-                return  # refused: retrying would not help
-            await asyncio.sleep(2**attempt)
 
 
 # ---------------------------------------------------------------- one N: setup and phases
@@ -198,75 +102,119 @@ async def bench_one(
     out: dict[str, Any] = {"volunteers": n, "interval_s": args.interval, "phase_s": args.phase_s}
     limit = n + args.uploaders + 32
     async with http_session(base, limit) as http, Monitor(args.database_url, dbname, pid) as mon:
-        # setup: the run, N contributors, N joins
-        run = await create_run(http, rec, args, n)
-        out["n_params"] = run["n_params"]
-        crowd = Crowd(http, rec, run["id"], args.interval)
-        started = time.time()
-        await crowd.enlist(n, concurrency=args.join_concurrency)
-        out["setup"] = {
-            "seconds": time.time() - started,
-            "concurrency": args.join_concurrency,
-            "register": summarize([s for s in rec.samples if s.kind == "register"], PROTOCOL),
-            "join": summarize([s for s in rec.samples if s.kind == "join"], PROTOCOL),
-        }
-        uploaders = crowd.volunteers[: args.uploaders]
-        lease = uploaders[0].lease
-        assert lease is not None
-        bodies = await asyncio.to_thread(contribution_bodies, lease, len(uploaders))
-        out["upload_bytes"] = len(bodies[0])
-        rec.samples.clear()
-
-        # phase 1: idle heartbeats (after one warm-up interval)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time() + 0.2
-        lives = [
-            asyncio.create_task(crowd.live(v, t0 + args.interval * v.index / n))
-            for v in crowd.volunteers
-        ]
-        await asyncio.sleep(0.2 + args.interval)
-        profiling = await start_profilers(args, http, pid, n)
-        crowd.lags.clear()
-        idle_start = await mon.mark()
-        await asyncio.sleep(args.phase_s)
-        idle_end = await mon.mark()
-        lags = sorted(crowd.lags)
-        out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
-        out["profile"] = await stop_profilers(profiling, http)
-
-        # phase 2: K uploads close the round while heartbeats go on
-        windows = {"idle": (idle_start["t"], idle_end["t"])}
-        upload_start = time.time()
-        ups = [
-            asyncio.create_task(crowd.upload(v, b)) for v, b in zip(uploaders, bodies, strict=True)
-        ]
-        await asyncio.gather(*ups)  # at most 4 tries of 120 s each
-        last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
-        closed_at, seen_closing = await wait_for_close(http, rec, run["id"], args.close_timeout_s)
-        close_mark = await mon.mark()
-        if closed_at is not None:
-            await asyncio.sleep(max(0.0, closed_at + 2 * args.interval + 3 - time.time()))
-        crowd.stop_at = loop.time()
-        end_mark = await mon.mark()
-        await asyncio.wait(lives, timeout=args.interval + 35)
-        for task in lives:
-            task.cancel()
-        windows["upload"] = (upload_start, last_upload)
-        windows["close"] = (last_upload, closed_at or close_mark["t"])
-        windows["after"] = (closed_at or close_mark["t"], end_mark["t"])
-        out["round_closed"] = closed_at is not None
-        out["close_seconds"] = (closed_at - last_upload) if closed_at else None
-        out["closing_seen"] = seen_closing
-        out["phases"] = tag_phases(rec, windows)
-        out["idle_resources"] = mon.between(idle_start, idle_end)
-        out["close_resources"] = mon.between(idle_end, close_mark)
-        hb = out["phases"]["idle"]["heartbeat"]
-        out["offered_per_s"] = n / args.interval
-        out["served_per_s"] = hb["ok"] / args.phase_s
-
-        # phase 3: the limits at the same request rate, volunteers stopped
-        out["limits"] = await limits(args, http, mon, n, db_url)
+        crowd, lives, run_id, bodies = await setup(args, n, http, rec, out)
+        idle = await idle_phase(args, n, (base, pid), http, rec, mon, crowd, out)
+        await close_phase(args, http, rec, mon, (crowd, lives, run_id, bodies), idle, out)
+        # phase 3: the limits at the idle phase's offered rate, volunteers stopped
+        out["limits"] = await limits(args, http, mon, n, db_url, out["offered_per_s"])
     return out
+
+
+async def setup(
+    args: argparse.Namespace, n: int, http: aiohttp.ClientSession, rec: Recorder, out: dict
+) -> tuple[Crowd, list[asyncio.Task[None]], str, list[bytes]]:
+    """The run, N contributors, N joins (each heartbeating from then on), the uploads'
+    bodies: (the crowd, its heartbeat loops, the run id, the bodies)."""
+    run = await create_run(http, rec, args, n)
+    out["n_params"] = run["n_params"]
+    crowd = Crowd(http, rec, run["id"])
+    started = time.time()
+    lives = await crowd.enlist(n, concurrency=args.join_concurrency)
+    out["setup"] = {
+        "seconds": time.time() - started,
+        "concurrency": args.join_concurrency,
+        "register": summarize([s for s in rec.samples if s.kind == "register"], PROTOCOL),
+        "join": summarize([s for s in rec.samples if s.kind == "join"], PROTOCOL),
+    }
+    lease = crowd.volunteers[0].lease
+    assert lease is not None
+    bodies = await asyncio.to_thread(contribution_bodies, lease, args.uploaders)
+    out["upload_bytes"] = len(bodies[0])
+    return crowd, lives, run["id"], bodies
+
+
+async def idle_phase(
+    args: argparse.Namespace,
+    n: int,
+    where: tuple[str, int],
+    http: aiohttp.ClientSession,
+    rec: Recorder,
+    mon: Monitor,
+    crowd: Crowd,
+    out: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Phase 1: idle heartbeats, after a warm-up (until every volunteer follows a heartbeat
+    answer's advice, then one longest interval more: their new phases); the load
+    balancer's probes meanwhile. Returns the monitor's marks at its start and end."""
+    base, pid = where
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    out["warmed_up"] = await warm_up(crowd, limit_s=args.warm_up_limit_s)
+    out["warm_up_s"] = loop.time() - t0
+    profiling = await start_profilers(args, http, pid, n)
+    crowd.lags.clear()
+    rec.samples.clear()
+    offered = [crowd.offered_per_s()]
+    lag_before = await loop_lag(http)
+    start = await mon.mark()
+    probing = asyncio.create_task(probe_health(base, rec, args.healthz_every, args.phase_s))
+    await asyncio.sleep(args.phase_s)
+    end = await mon.mark()
+    await probing
+    out["server_loop_lag"] = lag_quantiles(lag_before, await loop_lag(http))
+    offered.append(crowd.offered_per_s())
+    out["offered_per_s"] = sum(offered) / 2  # at the idle phase's start and end
+    out["offered_range_per_s"] = offered
+    out["advised_s"] = crowd.intervals()
+    lags = sorted(crowd.lags)
+    out["lag_p99_ms"] = lags[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0
+    out["profile"] = await stop_profilers(profiling, http)
+    return start, end
+
+
+async def close_phase(
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    rec: Recorder,
+    mon: Monitor,
+    work: tuple[Crowd, list[asyncio.Task[None]], str, list[bytes]],
+    idle: tuple[dict[str, Any], dict[str, Any]],
+    out: dict[str, Any],
+) -> None:
+    """Phase 2: K uploads close the round while heartbeats go on; then the next round,
+    until everyone has had two intervals in it. Every phase's figures go into ``out``."""
+    crowd, lives, run_id, bodies = work
+    idle_start, idle_end = idle
+    uploaders = crowd.volunteers[: args.uploaders]
+    upload_start = time.time()
+    await asyncio.gather(*(crowd.upload(v, b) for v, b in zip(uploaders, bodies, strict=True)))
+    last_upload = max(s.sent + s.latency for s in rec.samples if s.kind == "upload")
+    closed_at, seen_closing = await wait_for_close(http, rec, run_id, args.close_timeout_s)
+    close_mark = await mon.mark()
+    longest = max(v.interval for v in crowd.volunteers)
+    if closed_at is not None:
+        await asyncio.sleep(max(0.0, closed_at + 2 * longest + 3 - time.time()))
+    crowd.stop_at = asyncio.get_running_loop().time()
+    end_mark = await mon.mark()
+    await asyncio.wait(lives, timeout=longest + 35)
+    for task in lives:
+        task.cancel()
+    out["round_closed"] = closed_at is not None
+    out["close_seconds"] = (closed_at - last_upload) if closed_at else None
+    out["closing_seen"] = seen_closing
+    out["phases"] = tag_phases(
+        rec,
+        {
+            "idle": (idle_start["t"], idle_end["t"]),
+            "upload": (upload_start, last_upload),
+            "close": (last_upload, closed_at or close_mark["t"]),
+            "after": (closed_at or close_mark["t"], end_mark["t"]),
+        },
+    )
+    out["client_errors"] = dict(rec.failures.most_common(5))
+    out["idle_resources"] = mon.between(idle_start, idle_end)
+    out["close_resources"] = mon.between(idle_end, close_mark)
+    out["served_per_s"] = out["phases"]["idle"]["heartbeat"]["ok"] / args.phase_s
 
 
 async def create_run(
@@ -331,7 +279,7 @@ def tag_phases(rec: Recorder, windows: dict[str, tuple[float, float]]) -> dict[s
     out: dict[str, Any] = {}
     for phase, (lo, hi) in windows.items():
         inside = [s for s in rec.samples if lo <= s.sent < hi]
-        kinds = sorted({s.kind for s in inside} | {"heartbeat"})
+        kinds = sorted({s.kind for s in inside} | {"heartbeat", "healthz"})
         out[phase] = {"seconds": hi - lo} | {
             k: summarize([s for s in inside if s.kind == k], PROTOCOL) for k in kinds
         }
@@ -345,9 +293,20 @@ def tag_phases(rec: Recorder, windows: dict[str, tuple[float, float]]) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--volunteers", default="100,500,1000", help="comma-separated Ns")
+    ap.add_argument("--volunteers", default="1000,5000", help="comma-separated Ns")
     ap.add_argument("--phase-s", type=float, default=20.0, help="seconds of the idle phase")
-    ap.add_argument("--interval", type=float, default=2.0, help="heartbeat interval, seconds")
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="the run's [rounds] heartbeat_interval_s: the shortest the server may advise",
+    )
+    ap.add_argument(
+        "--healthz-every", type=float, default=0.1, help="GET /healthz every this, idle phase"
+    )
+    ap.add_argument(
+        "--warm-up-limit-s", type=float, default=60.0, help="longest warm-up before the idle phase"
+    )
     ap.add_argument("--uploaders", type=int, default=4, help="K: uploads that close the round")
     ap.add_argument("--join-concurrency", type=int, default=32)
     ap.add_argument("--close-timeout-s", type=float, default=180.0, help="after the uploads")
@@ -373,7 +332,9 @@ def main() -> None:
 
     results = []
     for n in [int(x) for x in args.volunteers.split(",")]:
-        env = {"DILOCO_TORCH_THREADS": str(args.torch_threads)}
+        # the bench's volunteers all register from 127.0.0.1: its own server takes them
+        # without the hub's registration limit (a setting, DILOCO_RATE_REGISTER; empty: none)
+        env = {"DILOCO_TORCH_THREADS": str(args.torch_threads), "DILOCO_RATE_REGISTER": ""}
         with (
             tempfile.TemporaryDirectory(prefix="diloco-load-") as tmp,
             fresh_database(args.database_url) as db,

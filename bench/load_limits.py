@@ -1,10 +1,14 @@
 """The parts of bench/load.py beside its main phases: the capacity limits measured at the
-same request rate (for context), and the optional profilers of the idle phase."""
+same request rate (for context), what watches the idle phase (a load balancer's health
+probe, the server's event-loop lag) and its optional profilers."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import asyncpg
-from load_support import API, Monitor, Recorder, summarize
+from load_support import API, Monitor, Recorder, Sample, summarize
 
 
 async def paced(n: int, interval: float, seconds: float, fn: Any) -> None:
@@ -36,16 +40,21 @@ async def paced(n: int, interval: float, seconds: float, fn: Any) -> None:
 
 
 async def limits(
-    args: argparse.Namespace, http: aiohttp.ClientSession, mon: Monitor, n: int, db_url: str
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    mon: Monitor,
+    n: int,
+    db_url: str,
+    rate: float,
 ) -> dict[str, Any]:
+    """At ``rate`` requests a second (n clients): the unmatched route and /healthz; then a
+    closed loop of one-row UPDATEs."""
     seconds = max(1.0, args.phase_s / 2)
     out: dict[str, Any] = {}
     for name, path in (("floor", f"{API}/no-such-endpoint"), ("healthz", "/healthz")):
         rec = Recorder()
         a = await mon.mark()
-        await paced(
-            n, args.interval, seconds, lambda p=path, k=name, r=rec: r.call(http, "GET", p, k)
-        )
+        await paced(n, n / rate, seconds, lambda p=path, k=name, r=rec: r.call(http, "GET", p, k))
         b = await mon.mark()
         res = mon.between(a, b)
         stats = summarize(rec.samples, {(404, "not_found")})
@@ -78,6 +87,51 @@ async def limits(
     finally:
         await pool.close()
     return out
+
+
+# ---------------------------------------------------------------- watching the idle phase
+
+
+async def loop_lag(http: aiohttp.ClientSession) -> dict[float, float]:
+    """The server's ``diloco_event_loop_lag_seconds`` histogram: upper bound -> count."""
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    found = re.findall(r'^diloco_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
+    return {float(le): float(count) for le, count in found}
+
+
+def lag_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """How late the server's event loop ran its timers between two scrapes: the samples,
+    and the bucket bound under which 50%, 99% and all of them fell."""
+    delta = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = delta.get(math.inf, 0.0)
+
+    def bound(q: float) -> float:
+        return next((le for le, n in delta.items() if total and n >= q * total), math.nan)
+
+    return {
+        "samples": total,
+        "p50_le_s": bound(0.5),
+        "p99_le_s": bound(0.99),
+        "max_le_s": bound(1.0),
+    }
+
+
+async def probe_health(base: str, rec: Recorder, every: float, seconds: float) -> None:
+    """A load balancer's ``GET /healthz`` every ``every`` seconds for ``seconds``, from a
+    process of its own (bench/health_probe.py); its probes are recorded as ``healthz``."""
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).with_name("health_probe.py")),
+        base,
+        str(every),
+        str(seconds),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await probe.communicate()
+    for line in out.decode().splitlines():
+        sent, latency, status = json.loads(line)
+        rec.samples.append(Sample("healthz", sent, latency, status))
 
 
 # ---------------------------------------------------------------- optional profilers

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -225,6 +226,7 @@ class Sample:
 @dataclass
 class Recorder:
     samples: list[Sample] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)  # connection errors, by message
 
     async def call(
         self, http: aiohttp.ClientSession, method: str, url: str, kind: str, **kw: Any
@@ -237,13 +239,13 @@ class Recorder:
             async with http.request(method, url, **kw) as r:
                 raw = await r.read()
                 status: int | str = r.status
-                if r.status != 200 or kind != "heartbeat":  # heartbeats: skip parsing 200s
-                    with contextlib.suppress(ValueError):
-                        body = json.loads(raw) if raw else None
+                with contextlib.suppress(ValueError):  # a heartbeat's 200 advises the interval
+                    body = json.loads(raw) if raw else None
         except TimeoutError:
             status = "timeout"
         except aiohttp.ClientError as err:
             status = type(err).__name__
+            self.failures[f"{status}: {err}"[:160]] += 1
         code = body.get("error") if isinstance(body, dict) else None
         self.samples.append(Sample(kind, sent, time.perf_counter() - start, status, code))
         return status, body
@@ -344,8 +346,11 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
 @contextlib.asynccontextmanager
 async def http_session(base_url: str, limit: int) -> AsyncIterator[aiohttp.ClientSession]:
     """The one client session: a pool big enough for every volunteer, explicit timeouts, and
-    a keep-alive shorter than uvicorn's 5 s so that we never reuse a connection it closed."""
-    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=4.0)
+    a keep-alive well under uvicorn's 5 s so that we never reuse a connection it closed:
+    at 4 s, a generator running late (its event loop is on the same busy machine) sent
+    heartbeats on connections the server had just closed (connection reset, cannot write
+    request body)."""
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=2.0)
     timeout = aiohttp.ClientTimeout(total=30, connect=10)
     async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as http:
         yield http

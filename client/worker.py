@@ -9,7 +9,7 @@ one (asking again with a bounded backoff). Per round, as one simulated worker do
 ``diloco.simulate.diloco_mode.run_diloco``:
 join (with our last round's tokens/s, so the server sizes H to finish before the deadline)
 → download θ(t−1) and the shard (cached by sha256) → H AdamW steps in a thread while
-the event loop sends heartbeats → Δ = θ(t−1) − θi → int8 → stream the upload.
+the event loop sends heartbeats (client.heartbeating) → Δ = θ(t−1) − θi → int8 → stream the upload.
 Against the deadline (``client.pacing``): a lease that even ``min_steps`` would not finish
 in time is given back untrained, and training stops early, keeping what it did, when
 another step would leave too little time to upload.
@@ -36,9 +36,10 @@ import torch
 
 from client import identity
 from client.ahead import Overlap
-from client.api import ApiError, RetryPolicy, ServerAPI, ServerUnreachable
+from client.api import ApiError, ServerAPI, ServerUnreachable
 from client.fetch import Fetcher
 from client.gpu import device_peak_flops
+from client.heartbeating import Heartbeats
 from client.lease import Lease
 from client.measured_speed import first_speed
 from client.pacing import RoundPace, reserve_s
@@ -60,7 +61,6 @@ from diloco.protocol.volunteer import (
     Answer,
     Do,
     Request,
-    heartbeat_every,
     staleness_bound,
 )
 from diloco.train import Ahead, InnerResult
@@ -84,8 +84,6 @@ class _Worker:
         self.holding: Lease | None = None  # a lease we train for and have not uploaded to
         self.faults = FaultInjector.parse(opts.faults)
         self.react = Reactions()  # diloco.protocol.volunteer, shared with the uploader
-        self.fatal: ApiError | None = None  # a heartbeat answer that stops us (banned...)
-        self.lost_why = ""  # why the heartbeats gave up the lease in training
         self.rate: float | None = None  # tokens/s of our last round, sent with each join
         # training on while a round closes (issue 25: [inner] overlap)
         self.overlap = Overlap(self.local, reporter, self.summary, self.interrupted)
@@ -191,7 +189,8 @@ class _Worker:
         lost = threading.Event()  # set by a heartbeat answer: the round went on without us
         pace = RoundPace(lease, reserve=reserve_s(self.uploads.upload_s))
         bar = self.say.round_bar(lease.round, lease.inner_steps)
-        beats = asyncio.create_task(self.heartbeats(lease, bar, lost))
+        heartbeats = Heartbeats(self.api, self.react, self.say)
+        beats = asyncio.create_task(heartbeats.run(lease, bar.latest, lost))
         self.holding = lease
         try:
             await self.overlap.before(lease)  # another run or config: the model is rebuilt
@@ -218,14 +217,14 @@ class _Worker:
                 if lost.is_set()
                 else await self.train(lease, params, shard, bar, lost, pace, ahead)
             )
-            if self.fatal is not None:
-                raise self.fatal
+            if heartbeats.fatal is not None:
+                raise heartbeats.fatal
             if trained is None:
                 if self.interrupted.is_set():
                     return  # stopping: run_worker gives the lease back
                 self.summary.abandoned += 1
                 self.holding = None
-                self.say.info(f"round {lease.round}: {self.lost_why}; joining again")
+                self.say.info(f"round {lease.round}: {heartbeats.lost_why}; joining again")
                 return
             if pace.reason is not None:
                 self.summary.cut_short += 1
@@ -293,38 +292,6 @@ class _Worker:
                 return None
         self.rate = result.tokens / max(time.perf_counter() - started, 1e-9)
         return result, self.rate
-
-    async def heartbeats(self, lease: Lease, bar: RoundBar, lost: threading.Event) -> None:
-        """Every ``heartbeat_every`` seconds until cancelled, each answer fed to the
-        reactions: train on, or set ``lost`` (abandon the lease, or stop for ``fatal``)."""
-        interval = heartbeat_every(lease.heartbeat_interval_s)
-        quick = RetryPolicy(attempts=3, base_delay_s=0.5, max_delay_s=2.0, total_s=interval)
-        warned: set[str] = set()  # one line per kind of answer per round
-        while True:
-            await asyncio.sleep(interval)
-            step, loss = bar.latest()
-            try:
-                await self.api.heartbeat(
-                    lease.run_id, lease.round, lease.lease_id, step, loss, retry=quick
-                )
-            except ApiError as err:
-                reaction = self.react.to(Request.HEARTBEAT, err)
-                if reaction.do in (Do.ABANDON, Do.FATAL):  # stop training now
-                    self.lost_why = reaction.why
-                    if reaction.do is Do.FATAL:  # round() raises it
-                        self.fatal = err
-                    lost.set()
-                    return
-                if err.code not in warned:
-                    warned.add(err.code)
-                    if reaction.do is Do.CARRY_ON:  # merged late
-                        self.say.info(reaction.why)
-                    else:
-                        self.say.warn(f"heartbeat for round {lease.round}: {err}; still training")
-            except ServerUnreachable as err:
-                if "unreachable" not in warned:
-                    warned.add("unreachable")
-                    self.say.warn(f"heartbeat for round {lease.round}: {err}; still training")
 
 
 async def run_worker(opts: WorkerOptions) -> WorkerSummary:

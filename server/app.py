@@ -10,10 +10,8 @@ from collections.abc import AsyncIterator
 from importlib.metadata import version as pkg_version
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError
 
 from diloco.faults import FaultInjector
 from server.accounts.router import hub_router as accounts_hub_router
@@ -25,14 +23,16 @@ from server.contributors.router import router as contributors_router
 from server.datasets.router import router as datasets_router
 from server.db import make_engine, make_fast_pool, make_sessionmaker
 from server.downloads.router import router as downloads_router
-from server.http import apidocs, handlers, openapi
+from server.http import apidocs, handlers, health, openapi
 from server.http.body_limit import BodyLimit
 from server.http.body_timeout import BodyTimeout
-from server.http.handlers import error_response
+from server.http.health import HealthCheck
 from server.http.ratelimit import RateLimits
 from server.http.request_id import RequestId
 from server.lifecycle.router import router as lifecycle_router
 from server.metrics import RUN_GAUGES, RequestMetrics, watch_loop_lag
+from server.pulse import Pulse
+from server.rounds.lane import HeartbeatLane, heartbeat_route
 from server.rounds.notify import Listener
 from server.rounds.router import router as rounds_router
 from server.rounds.slots import UploadSlots
@@ -76,7 +76,15 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         )
         faults = FaultInjector.parse(settings.faults)
         app.state.sweeper = Sweeper(app.state.sessions, app.state.storage, settings, faults)
-        tasks = [asyncio.create_task(watch_loop_lag(), name="loop-lag")]
+        # the live leases (heartbeat advice) and the database's liveness (/healthz)
+        pulse = Pulse(settings)
+        await pulse.probe()
+        app.state.pulse = pulse
+        tasks = [
+            asyncio.create_task(watch_loop_lag(), name="loop-lag"),
+            asyncio.create_task(pulse.run(), name="pulse"),
+            asyncio.create_task(memory.keep_settled(), name="keep-settled"),
+        ]
         if works_rounds:  # the background work: rounds, and collecting what crashes left
             sweep_stale(settings.scratch_dir, max_age_s=settings.temp_max_age_s, now=time.time())
             janitor = Janitor(app.state.sessions, app.state.storage, settings)
@@ -106,6 +114,9 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # served by server.http.apidocs, from our own files
         redoc_url=None,  # ReDoc would need a CDN
+        # no OpenTelemetry: the hub's metrics are Prometheus's (/metrics), and FastAPI's
+        # check for a configured provider cost every request ~10 µs (bench/request_path.py)
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.settings = settings
     app.state.admin_token = admin_token
@@ -114,9 +125,21 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
         total=settings.max_uploads_in_flight, per_contributor=settings.max_uploads_per_contributor
     )
     handlers.install(app)
+
+    @app.get("/healthz", tags=["service"])
+    async def healthz(request: Request) -> Response:
+        """The process serves and its database answered lately (server.http.health, which
+        answers GET /healthz before this route is reached)."""
+        return health.answer(request.app)
+
+    health_route = app.router.routes[-1]
+    if serves_api:  # a well-formed heartbeat skips the router and FastAPI (server.rounds.lane)
+        app.add_middleware(HeartbeatLane, route=heartbeat_route(rounds_router))
     app.add_middleware(BodyLimit)  # a JSON body declared over 1 MiB: 413 before it is read
     # a body that stops arriving is dropped (408); inside RequestId, so it has an id too
     app.add_middleware(BodyTimeout, idle_timeout_s=settings.body_idle_timeout_s)
+    # GET /healthz from the pulse's last probe, ahead of the body timeout and the routes
+    app.add_middleware(HealthCheck, route=health_route)
     app.add_middleware(RequestId)  # answers what escapes the routes: 500, or 503 when no database
     app.add_middleware(RequestMetrics)  # outermost: counts the status that was sent
     routers = (
@@ -138,18 +161,6 @@ def create_app(settings: Settings, *, admin_token: str) -> FastAPI:
     )
     for router in routers if serves_api else ():
         app.include_router(router)
-
-    @app.get("/healthz", tags=["service"])
-    async def healthz(request: Request) -> Response:
-        try:
-            async with request.app.state.engine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
-        except (OSError, DBAPIError) as err:
-            detail = f"database unreachable: {err.__class__.__name__}"
-            return error_response(503, "unavailable", detail)
-        return JSONResponse(
-            {"status": "ok", "database": "ok", "version": app.version, "role": settings.role}
-        )
 
     @app.get("/metrics", tags=["service"])
     async def metrics(request: Request) -> Response:

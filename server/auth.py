@@ -51,7 +51,11 @@ def hash_token(token: str) -> str:
 
 
 def bearer_token(request: Request) -> str:
-    header = request.headers.get("authorization", "")
+    return bearer_of(request.headers.get("authorization", ""))
+
+
+def bearer_of(header: str) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or ``401 unauthorized``."""
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("send your token as 'Authorization: Bearer <token>'")

@@ -68,6 +68,15 @@ class Settings(BaseSettings):
     # the most often volunteers may be asked to heartbeat: a run config whose [rounds]
     # heartbeat_interval_s is shorter is refused (the hub's heartbeat load is volunteers / this)
     min_heartbeat_interval_s: float = Field(1.0, ge=1.0, le=3600)
+    # heartbeats a second the hub asks of all its volunteers together (the sum over its API
+    # processes: raise it with each process added): leases and heartbeat answers advise a
+    # longer interval than the run's when its live leases would send more
+    # (diloco.protocol.heartbeats; never past a third of the run's lease_ttl_s). 500: what
+    # one process served with room to spare on a 2-core machine (docs/benchmarks.md)
+    heartbeat_budget_per_s: float = Field(500.0, gt=0, le=1e6)
+    # how often each process asks the database for the hub's live leases (the advice's
+    # load); the same answer is /healthz's proof that the database answers
+    pulse_interval_s: float = Field(2.0, gt=0, le=60)
     role: Role = Role.ALL
     close_concurrency: int = Field(2, ge=1, le=64)  # rounds one process closes at a time
     close_nice: int = Field(10, ge=0, le=19)  # close threads run this much nicer (0: not)

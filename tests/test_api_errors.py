@@ -327,8 +327,9 @@ def test_upload_header_counts_past_their_columns_are_400_and_leave_no_trace(http
 
 def test_503_means_the_database_is_unreachable_and_ends_when_it_is_back(pg_admin_url, tmp_path):
     """The server reaches Postgres through a forwarder that the test cuts: then, and only
-    then, database routes answer 503 unavailable (and /healthz says so); a route that needs
-    no database still answers; once the database is reachable again, so is the API."""
+    then, database routes answer 503 unavailable (and /healthz says so once the pulse's
+    next probe failed); a route that needs no database still answers; once the database is
+    reachable again, so is the API, and /healthz says ok again."""
     parts = urlsplit(pg_admin_url)
     if not parts.hostname or parts.hostname.startswith("/"):
         pytest.skip("needs Postgres on TCP (DILOCO_TEST_DATABASE_URL), not a Unix socket")
@@ -336,16 +337,20 @@ def test_503_means_the_database_is_unreachable_and_ends_when_it_is_back(pg_admin
     with fresh_database(pg_admin_url) as url:
         proxy = TcpProxy(target)
         proxied = urlunsplit(urlsplit(url)._replace(netloc=f"postgres@127.0.0.1:{proxy.port}"))
-        proc = ServerProcess(data_dir=tmp_path / "srv", database_url=proxied)
+        proc = ServerProcess(data_dir=tmp_path / "srv", database_url=proxied, pulse_interval_s=0.2)
         try:
             proc.wait_ready()
             with proc.client() as http:
                 assert http.get(f"{API}/runs").status_code == 200
+                assert http.get("/healthz").status_code == 200
 
                 proxy.cut()
                 down = [http.get(f"{API}/runs"), http.get(f"{API}/runs/run_nope"),
                         http.post(f"{API}/contributors", json={"name": "late"})]  # fmt: skip
-                health = http.get("/healthz")
+                (health,) = wait_for(
+                    lambda: [r for r in [http.get("/healthz")] if r.status_code != 200],
+                    timeout=30, what="/healthz to notice",
+                )  # fmt: skip
                 hub = http.get(f"{API}/hub")
 
                 for r in down:
@@ -355,6 +360,8 @@ def test_503_means_the_database_is_unreachable_and_ends_when_it_is_back(pg_admin
                 TcpProxy(target, port=proxy.port)  # the database is back
                 wait_for(lambda: http.get(f"{API}/runs").status_code == 200, timeout=30,
                          what="the API to reach the database again")  # fmt: skip
+                wait_for(lambda: http.get("/healthz").status_code == 200, timeout=30,
+                         what="/healthz to say so")  # fmt: skip
             # an outage is not a bug: logged as unreachable, never as a failed request
             log = proc.output()
             assert "database unreachable" in log and not re.search(r"request \S+: .* failed", log)

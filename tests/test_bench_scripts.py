@@ -86,6 +86,29 @@ def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_
     assert result["setup"]["join"]["n_errors"] == 0
     assert result["phases"]["upload"]["upload"]["ok"] == 2
     assert result["limits"]["asyncpg_update"]["count"] > 0
+    # the volunteers follow the server's advice: 12 leases are far within the budget, so the
+    # run's own 1 s, which the offered rate is worked out from
+    assert result["advised_s"] == {"1": 12} and result["offered_per_s"] == 12.0
+    assert result["phases"]["idle"]["healthz"]["ok"] > 0  # the load balancer's probes
+    assert "/healthz p99 <= 100 ms" in proc.stdout
+
+
+def test_request_path_bench_prices_each_part_beside_the_unmatched_route(pg_admin_url, tmp_path):
+    out = tmp_path / "path.json"
+
+    proc = subprocess.run(
+        [sys.executable, "bench/request_path.py", "--requests", "20",
+         "--database-url", pg_admin_url, "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = json.loads(out.read_text())
+    sql = "heartbeat SQL: the one statement (with acquire)"
+    for part in ("unmatched route (404)", "GET /healthz", "heartbeat", "join, a new lease",
+                 "middleware BodyTimeout", sql):  # fmt: skip
+        assert parts[part]["cpu_us"] > 0, part
+    assert "x unmatched" in proc.stdout
 
 
 @pytest.mark.slow

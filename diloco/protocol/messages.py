@@ -193,6 +193,8 @@ class Lease(_Message):
     seed: int  # seeds this lease's batch sampling
     deadline: datetime
     lease_expires_at: datetime
+    # how often to heartbeat: the run's [rounds] heartbeat_interval_s, or longer when the
+    # hub is busy (diloco.protocol.heartbeats); each heartbeat's answer may change it
     heartbeat_interval_s: float
     max_upload_bytes: int
     upload: UploadTarget | None = None  # None: PUT the body to the server (local storage)
@@ -224,6 +226,9 @@ class HeartbeatOut(_Message):
     lease_expires_at: datetime
     round_state: str
     deadline: datetime
+    # how often to heartbeat from now on (diloco.protocol.heartbeats); None: a server from
+    # before the advice (keep the lease's)
+    heartbeat_interval_s: float | None = None
 
 
 class DeltaRef(FileRef):

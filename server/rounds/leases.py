@@ -1,8 +1,8 @@
 """Leases: a contributor's claim on a round. ``join`` hands one out (or renews it),
-``heartbeat`` keeps it live, ``release`` gives it up early so that a round waiting only for
-this contributor can close (decide_close counts live leases of contributors that have not
-contributed yet as outstanding). The rules are ``diloco.protocol.rules``; this module
-fetches their facts and persists their decisions.
+heartbeats keep it live (``server.rounds.heartbeats``), ``release`` gives it up early so
+that a round waiting only for this contributor can close (decide_close counts live leases
+of contributors that have not contributed yet as outstanding). The rules are
+``diloco.protocol.rules``; this module fetches their facts and persists their decisions.
 
 Heartbeats and joins are what every volunteer sends every few seconds (and every volunteer
 at once when a round closes), so they take a short path: fixed SQL on a small asyncpg pool,
@@ -12,7 +12,6 @@ most two indexed writes. ``release`` is rare and goes through SQLAlchemy like th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import secrets
@@ -25,11 +24,11 @@ from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig, parse_config
-from diloco.protocol.messages import CheckpointRef, DataRange, HeartbeatOut, Lease, ShardRef
-from diloco.protocol.rules import admit_heartbeat, admit_join, assign_lease
+from diloco.protocol.messages import CheckpointRef, DataRange, Lease, ShardRef
+from diloco.protocol.rules import admit_join, assign_lease
 from diloco.protocol.state import (
-    HeartbeatFacts,
     JoinFacts,
+    JoinGrant,
     LeasePolicy,
     LeaseView,
     Refusal,
@@ -47,6 +46,7 @@ from server.http.errors import (
     Unauthorized,
     refused,
 )
+from server.pulse import Pulse
 from server.rounds import service as rounds_service
 from server.rounds import sizing
 from server.rounds.direct import upload_target
@@ -68,26 +68,11 @@ API = "/api/v1"
 # the hot path). Column names are the models' (tests/test_migrations.py pins
 # the schema to them).
 
-_ME = """me AS (UPDATE contributors SET last_seen_at = $2
+ME = """me AS (UPDATE contributors SET last_seen_at = $2
         WHERE token_hash = $1 AND banned_at IS NULL RETURNING id)"""
 
-HEARTBEAT_FACTS = f"""
-WITH {_ME}
-SELECT run.status AS run_status, run.config::text AS config,
-       r.index, r.state, r.opened_at, r.deadline, r.extensions,
-       (SELECT max(index) FROM rounds WHERE run_id = $3 AND state <> 'closed') AS current,
-       EXISTS (SELECT 1 FROM leases l WHERE l.id = $5 AND l.run_id = $3
-               AND l.round_index = $4 AND l.contributor_id = me.id) AS held
-FROM me
-LEFT JOIN runs run ON run.id = $3
-LEFT JOIN rounds r ON r.run_id = $3 AND r.index = $4
-"""
-RENEW = """
-UPDATE leases SET last_heartbeat = $2, expires_at = $3, last_step = $4, last_loss = $5
-WHERE id = $1
-"""
 JOIN_FACTS = f"""
-WITH {_ME},
+WITH {ME},
 cur AS (SELECT max(index) AS index FROM rounds WHERE run_id = $3 AND state <> 'closed')
 SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, run.n_shards,
        run.chunk_len, run.shards::text AS shards, run.config::text AS config,
@@ -128,7 +113,7 @@ RETURNING id, shard, unit, seed, expires_at, inner_steps
 BAN = "SELECT banned_at, ban_reason FROM contributors WHERE token_hash = $1"
 
 
-async def _no_one(conn: asyncpg.Connection, token_hash: str) -> HubError:
+async def unknown_or_banned(conn: asyncpg.Connection, token_hash: str) -> HubError:
     """Why ``me`` matched no one: a banned contributor (403 banned), else an unknown token."""
     row = await conn.fetchrow(BAN, token_hash)
     if row is not None and row["banned_at"] is not None:
@@ -156,6 +141,7 @@ async def join(
     pool: asyncpg.Pool,
     settings: Settings,
     storage: Storage,
+    pulse: Pulse,
     token: str,
     run_id: str,
     now: datetime,
@@ -165,21 +151,15 @@ async def join(
     rule's refusal. No transaction: one statement reads every fact; a new lease then takes
     the round's next ordinal (an atomic counter), its H is sized to the volunteer's speed
     (``tokens_per_s`` it reported, else what the server measured: ``server.rounds.sizing``)
-    and it is inserted. A renewed lease keeps its H."""
+    and it is inserted. A renewed lease keeps its H. The lease advises the heartbeat
+    interval to follow (``server.pulse.Pulse.interval_for``)."""
     async with pool.acquire() as conn:
         token_hash = hash_token(token)
         row = await conn.fetchrow(JOIN_FACTS, token_hash, now, run_id)
         if row is None:
-            raise await _no_one(conn, token_hash)
-        if row["run_status"] is None:
-            raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-        if row["run_ban"] is not None:
-            raise banned_from_run(run_id, row["run_ban"])
-        if row["private"] and not row["member"]:
-            raise NotInvited(
-                f"run {run_id} is private: join it with the invite code its owner gave you "
-                f"(POST /api/v1/runs/{run_id}/members, or diloco join --invite CODE)"
-            )
+            raise await unknown_or_banned(conn, token_hash)
+        _may_join(row, run_id)
+        cfg = run_config_of(row["config"])
         view = round_view(row)
         held = None
         if row["lease_id"] is not None:
@@ -192,7 +172,7 @@ async def join(
             )
         facts = JoinFacts(RunStatus(row["run_status"]), view, row["contributed"], held)
         policy = LeasePolicy.of(
-            ttl_s=_run_config(row["config"]).rounds.lease_ttl_s,
+            ttl_s=cfg.rounds.lease_ttl_s,
             n_shards=row["n_shards"],
             sweep_interval_s=settings.sweep_interval_s,
         )
@@ -201,50 +181,89 @@ async def join(
             raise refused(grant)
         assert view is not None and row["version"] is not None  # a grant names the open round
         if grant.new_lease:
-            ordinal = await conn.fetchval(NEXT_ORDINAL, run_id, view.index)
-            if ordinal is None:  # it started closing since we looked: the rule says so
-                closing = dataclasses.replace(view, state=RoundState.CLOSING)
-                late = admit_join(now, dataclasses.replace(facts, round=closing), policy)
-                assert isinstance(late, Refusal)
-                raise refused(late)
-            work = assign_lease(
-                ordinal, round=view.index, run_seed=row["run_seed"], n_shards=row["n_shards"]
-            )
-            shard, unit = work.shard, None
-            if row["dataset_id"] is not None:  # the data least trained on (server.runs.coverage)
-                unit = await conn.fetchrow(coverage.PICK_UNIT, run_id, now)
-                if unit is None:
-                    raise Internal(f"run {run_id} has no data units; it cannot hand out leases")
-                shard = unit["shard"]
-            sized = await sizing.size_new_lease(
-                conn,
-                cfg=_run_config(row["config"]),
-                run_id=run_id,
-                contributor_id=row["contributor_id"],
-                dataset=row["dataset_id"] is not None,
-                reported=tokens_per_s,
+            lease = await _new_lease(
+                conn, run_id, row, facts, policy, grant, cfg=cfg, tokens_per_s=tokens_per_s,
                 now=now,
-                deadline=view.deadline,
-            )
-            lease = await conn.fetchrow(
-                NEW_LEASE,
-                f"lease_{secrets.token_hex(8)}",
-                run_id,
-                view.index,
-                row["contributor_id"],
-                shard,
-                work.seed,
-                now,
-                grant.expires_at,
-                None if unit is None else unit["unit"],
-                sized.steps,
-            )
+            )  # fmt: skip
         else:
             lease = await conn.fetchrow(RENEW_LEASE, row["lease_id"], now, grant.expires_at)
         unit = None
         if lease["unit"] is not None:
             unit = await conn.fetchrow(coverage.UNIT_OF, run_id, lease["unit"])
-    return lease_answer(settings, storage, run_id, view, row, lease, unit, now)
+    interval = pulse.interval_for(cfg.rounds)
+    return lease_answer(
+        settings, storage, run_id, view, row, lease, unit, now, heartbeat_interval_s=interval
+    )
+
+
+def _may_join(row: asyncpg.Record, run_id: str) -> None:
+    """Who may join at all, before the rule looks at the work: the run exists, the
+    contributor is not banned from it, and a private run's contributor is its member."""
+    if row["run_status"] is None:
+        raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
+    if row["run_ban"] is not None:
+        raise banned_from_run(run_id, row["run_ban"])
+    if row["private"] and not row["member"]:
+        raise NotInvited(
+            f"run {run_id} is private: join it with the invite code its owner gave you "
+            f"(POST /api/v1/runs/{run_id}/members, or diloco join --invite CODE)"
+        )
+
+
+async def _new_lease(
+    conn: asyncpg.Connection,
+    run_id: str,
+    row: asyncpg.Record,
+    facts: JoinFacts,
+    policy: LeasePolicy,
+    grant: JoinGrant,
+    *,
+    cfg: RunConfig,
+    tokens_per_s: float | None,
+    now: datetime,
+) -> asyncpg.Record:
+    """Insert the new lease the rule granted: the round's next ordinal, its shard and seed
+    (or a dataset run's least trained unit), its H sized to the volunteer's speed."""
+    view = facts.round
+    assert view is not None
+    ordinal = await conn.fetchval(NEXT_ORDINAL, run_id, view.index)
+    if ordinal is None:  # it started closing since we looked: the rule says so
+        closing = dataclasses.replace(view, state=RoundState.CLOSING)
+        late = admit_join(now, dataclasses.replace(facts, round=closing), policy)
+        assert isinstance(late, Refusal)
+        raise refused(late)
+    work = assign_lease(
+        ordinal, round=view.index, run_seed=row["run_seed"], n_shards=row["n_shards"]
+    )
+    shard, unit = work.shard, None
+    if row["dataset_id"] is not None:  # the data least trained on (server.runs.coverage)
+        unit = await conn.fetchrow(coverage.PICK_UNIT, run_id, now)
+        if unit is None:
+            raise Internal(f"run {run_id} has no data units; it cannot hand out leases")
+        shard = unit["shard"]
+    sized = await sizing.size_new_lease(
+        conn,
+        cfg=cfg,
+        run_id=run_id,
+        contributor_id=row["contributor_id"],
+        dataset=row["dataset_id"] is not None,
+        reported=tokens_per_s,
+        now=now,
+        deadline=view.deadline,
+    )
+    return await conn.fetchrow(
+        NEW_LEASE,
+        f"lease_{secrets.token_hex(8)}",
+        run_id,
+        view.index,
+        row["contributor_id"],
+        shard,
+        work.seed,
+        now,
+        grant.expires_at,
+        None if unit is None else unit["unit"],
+        sized.steps,
+    )
 
 
 def lease_answer(
@@ -256,9 +275,12 @@ def lease_answer(
     lease: asyncpg.Record,
     unit: asyncpg.Record | None,
     now: datetime,
+    *,
+    heartbeat_interval_s: float | None = None,
 ) -> Lease:
-    config, shards = _static(row["config"], row["shards"])
-    cfg = _run_config(row["config"])
+    """The lease's answer; ``heartbeat_interval_s``: the advice (None: the run's own)."""
+    config, shards = _parsed(row["config"], row["shards"])
+    cfg = run_config_of(row["config"])
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
     dataset = row["dataset_id"]
@@ -299,7 +321,9 @@ def lease_answer(
         deadline=rnd.deadline,
         deadline_in_s=(rnd.deadline - now).total_seconds(),
         lease_expires_at=lease["expires_at"],
-        heartbeat_interval_s=cfg.rounds.heartbeat_interval_s,
+        heartbeat_interval_s=cfg.rounds.heartbeat_interval_s
+        if heartbeat_interval_s is None
+        else heartbeat_interval_s,
         max_upload_bytes=rounds_service.max_upload_bytes(cfg, settings),
         upload=upload_target(
             settings,
@@ -315,57 +339,16 @@ def lease_answer(
 
 @lru_cache(maxsize=256)
 def _parsed(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's config and shards, which never change once it is created: parsed once and
+    shared, never changed (a ``Lease`` takes a copy of the config's top level, and is only
+    ever serialized; a deep copy for each join cost ~0.1 ms)."""
     return json.loads(config_json), json.loads(shards_json)
 
 
 @lru_cache(maxsize=256)
-def _run_config(config_json: str) -> RunConfig:
+def run_config_of(config_json: str) -> RunConfig:
     """A run's config, validated once (it never changes once the run is created)."""
     return parse_config(json.loads(config_json))
-
-
-def _static(config_json: str, shards_json: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A run's config and shards, which never change once it is created: parsed once. The
-    caller gets copies (the cached objects are shared)."""
-    config, shards = _parsed(config_json, shards_json)
-    return copy.deepcopy(config), shards
-
-
-# ---------------------------------------------------------------- heartbeats
-
-
-async def heartbeat(
-    *,
-    pool: asyncpg.Pool,
-    settings: Settings,
-    token: str,
-    run_id: str,
-    index: int,
-    lease_id: str,
-    step: int | None,
-    loss: float | None,
-    now: datetime,
-) -> HeartbeatOut:
-    """Renew the lease, or the rule's refusal. No transaction: one statement reads the facts
-    (and marks the contributor seen), one indexed UPDATE renews."""
-    async with pool.acquire() as conn:
-        token_hash = hash_token(token)
-        row = await conn.fetchrow(HEARTBEAT_FACTS, token_hash, now, run_id, index, lease_id)
-        if row is None:
-            raise await _no_one(conn, token_hash)
-        if row["run_status"] is None:
-            raise RunNotFound(f"no run {run_id!r}; GET /api/v1/runs lists the runs")
-        rnd = round_view(row)
-        facts = HeartbeatFacts(RunStatus(row["run_status"]), rnd, row["current"], row["held"])
-        ttl_s = _run_config(row["config"]).rounds.lease_ttl_s
-        grant = admit_heartbeat(now, facts, ttl_s=ttl_s)
-        if isinstance(grant, Refusal):
-            raise refused(grant)
-        await conn.execute(RENEW, lease_id, now, grant.expires_at, step, loss)
-    assert rnd is not None
-    return HeartbeatOut(
-        lease_expires_at=grant.expires_at, round_state=rnd.state, deadline=rnd.deadline
-    )
 
 
 async def release(

@@ -13,7 +13,7 @@ from server.http.errors import HubError, TooManyUploads
 from server.http.inputs import RoundIndex, RunId
 from server.http.ratelimit import Action
 from server.metrics import UPLOAD_BYTES, UPLOADS
-from server.rounds import direct, ingest, leases, notify, rejections
+from server.rounds import direct, heartbeats, ingest, leases, notify, rejections
 from server.rounds import service as rounds_service
 from server.rounds.schemas import (
     HeartbeatIn,
@@ -55,6 +55,7 @@ async def join(run_id: RunId, request: Request, body: JoinIn | None = None) -> L
         pool=request.app.state.fast_pool,
         settings=request.app.state.settings,
         storage=request.app.state.storage,
+        pulse=request.app.state.pulse,
         token=bearer_token(request),
         run_id=run_id,
         now=datetime.now(UTC),
@@ -69,11 +70,12 @@ async def heartbeat(
     body: HeartbeatIn,
     request: Request,
 ) -> HeartbeatOut:
-    """Keep your lease live while you train (contributor token). 409 ``round_closed``,
+    """Keep your lease live while you train (contributor token); the answer's
+    ``heartbeat_interval_s`` is how often to heartbeat from now on. 409 ``round_closed``,
     ``no_lease`` or ``run_not_active``: stop training for this round."""
-    return await leases.heartbeat(
+    return await heartbeats.heartbeat(
         pool=request.app.state.fast_pool,
-        settings=request.app.state.settings,
+        pulse=request.app.state.pulse,
         token=bearer_token(request),
         run_id=run_id,
         index=index,

@@ -164,7 +164,7 @@ class Sweeper:
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)
-        memory.settle_after_first_optimizer()  # the outer step's SGD brought torch._dynamo
+        memory.settle_if_imported()  # the outer step's SGD brought torch._dynamo, say
         self.wake()  # a slot is free, the next round may already be decidable, and the
         # version just published waits for its eval
 

@@ -7,31 +7,48 @@ more). While the collector tracks them, every full collection pauses the event l
 ``gc.freeze`` moves what is alive into a generation the collector never scans, so its
 collections take milliseconds.
 
-``settle`` runs at start-up; ``settle_after_first_optimizer`` runs after each close and
-settles again, once, when the close's outer optimizer has brought ``torch._dynamo`` in
-(torch imports it when an optimizer is built). Importing it at start-up instead cost every
-server ~1 CPU-second, also those that never close a round (an API-only process)."""
+``settle`` runs at start-up. Modules imported later are as long-lived: the close's outer
+optimizer brings ``torch._dynamo`` in (torch imports it when an optimizer is built), and
+creating a run builds its model, which imported ~150k objects more (parts of
+``torch.distributed`` among them); left to the collector, they made each full collection
+pause the event loop ~100 ms, every 10-30 s at 5,000 volunteers' heartbeats
+(bench/load.py). So ``settle_if_imported`` settles again whenever more modules are loaded
+than at the last settle: after each close, and every few seconds (``keep_settled``).
+Importing all of it at start-up instead cost every server ~1 CPU-second, also those that
+never close a round (an API-only process)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 
 from sqlalchemy.orm import configure_mappers
 
-_settled_with_dynamo = False
+KEEP_SETTLED_S = 5.0  # how often keep_settled looks for modules imported since
+_settled_modules = 0  # len(sys.modules) at the last settle
 
 
 def settle() -> None:
     """Collect, then freeze everything alive now (after the ORM mappers are configured)."""
-    global _settled_with_dynamo
+    global _settled_modules
     configure_mappers()
     gc.collect()
     gc.freeze()
-    _settled_with_dynamo = "torch._dynamo" in sys.modules
+    _settled_modules = len(sys.modules)
 
 
-def settle_after_first_optimizer() -> None:
-    """``settle`` again if ``torch._dynamo`` was imported since the last settle; else nothing."""
-    if not _settled_with_dynamo and "torch._dynamo" in sys.modules:
+def settle_if_imported() -> bool:
+    """``settle`` again if modules were imported since the last settle; whether it did."""
+    if len(sys.modules) > _settled_modules:
         settle()
+        return True
+    return False
+
+
+async def keep_settled(every_s: float = KEEP_SETTLED_S) -> None:
+    """``settle_if_imported`` every ``every_s`` seconds, for ever (one full collection for
+    each batch of imports, then none)."""
+    while True:
+        await asyncio.sleep(every_s)
+        settle_if_imported()
