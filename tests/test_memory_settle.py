@@ -1,5 +1,5 @@
 """server/upkeep/memory.py: what a server holds for good is frozen out of the collector's
-sight at start-up, and once more after the first close brings torch._dynamo in."""
+sight at start-up, and once more after the first close or eval brings torch._dynamo in."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def test_the_first_optimizer_settles_again_once(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(memory, "_settled_with_dynamo", False)  # as if settled before it
     before = gc.get_freeze_count()
     garbage = [object() for _ in range(1000)]
-    memory.settle_after_first_optimizer()
+    memory.settle_after_dynamo()
     assert gc.get_freeze_count() >= before + len(garbage)
     after = gc.get_freeze_count()
     garbage += [object() for _ in range(1000)]
-    memory.settle_after_first_optimizer()  # already settled with it: nothing more frozen
+    memory.settle_after_dynamo()  # already settled with it: nothing more frozen
     assert gc.get_freeze_count() == after

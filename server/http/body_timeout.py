@@ -43,8 +43,9 @@ class BodyTimeout:
             nonlocal body_done
             if body_done:  # now receive only waits for the client to leave (a streamed
                 return await receive()  # answer listens for that): no deadline
-            try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            try:  # a deadline on this wait (no task per body piece, as wait_for made)
+                async with asyncio.timeout(self.idle_timeout_s):
+                    message = await receive()
             except TimeoutError:
                 out.error = RequestTimeout(
                     f"the request body sent nothing for {self.idle_timeout_s:g} s; "

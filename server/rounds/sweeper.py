@@ -132,10 +132,11 @@ class Sweeper:
             log.exception("evaluating pending versions failed; the next sweep retries")
         finally:
             self._evaluating = None
+            memory.settle_after_dynamo()  # building the model brought torch._dynamo
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)
-        memory.settle_after_first_optimizer()  # the outer step's SGD brought torch._dynamo
+        memory.settle_after_dynamo()  # the outer step's SGD brought torch._dynamo
         self.wake()  # a slot is free, the next round may already be decidable, and the
         # version just published waits for its eval
 
