@@ -164,12 +164,12 @@ def metric_count(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def poll(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
+def poll(check, timeout: float, what: str, every: float = 0.1):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if result := check():
             return result
-        time.sleep(0.1)
+        time.sleep(every)
     raise SystemExit(f"timed out waiting for {what}")
 
 
