@@ -32,9 +32,10 @@ base version, unless this worker kept it: server.storage.staging.FileCache) from
 scratch folder and puts the new version's three files back, where on local storage it
 reads and writes the files in place. The bench's one round starts from version 0, which
 the worker created and so kept; the eval's checkpoint is the one the close just put, kept
-too. Every one of those bytes goes through boto3 in the server's Python process (and, to
-an ``http://`` endpoint as here, botocore SHA-256 signs each PUT body: over https with a
-checksum it does not, but TLS costs instead). Those costs are printed per stage. The S3
+too. Every one of those bytes goes through boto3 in the server's Python process (bodies
+unsigned, with botocore's CRC32: ``server.storage.s3.make_client``). Those costs are
+printed per stage, and the last line says whether direct costs the server less CPU than
+proxied at this many volunteers (issue 29's goal) and from how many on. The S3
 server shares this machine's cores with the server, so direct wall times here include
 waiting for it; a real bucket is elsewhere.
 
@@ -60,7 +61,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.loopback import Answer, http_request  # noqa: E402
-from bench.server_round import SIZES, metric_count, metric_sums, metrics, poll  # noqa: E402
+from bench.server_round import SIZES  # noqa: E402
 from bench.transport import (  # noqa: E402
     ADMIN,
     API,
@@ -71,13 +72,24 @@ from bench.transport import (  # noqa: E402
     create_run,
     diloco_server,
     download,
+    evals_done,
     join,
+    metric_count,
+    metric_sums,
+    metrics,
+    poll,
     safetensors_shapes,
     upload,
 )
 from tests.support.s3 import S3Server  # noqa: E402
 
 EVAL_WINDOWS = 16
+# the close's and the eval's ends are polled this often: each poll (GET /runs/{id}, or
+# /metrics for the eval) costs the server CPU, which the stage is charged; every 0.1 s
+# (before issue 29) that was ~40 ms of server CPU a second, more in the mode whose close
+# takes longer
+WAIT_POLL_S = 0.5
+IDLE_S = 3.0  # the server's idle CPU rate is measured this long before the round
 STAGES = ("join + download", "upload: PUT body", "upload: commit", "close", "eval")
 
 
@@ -180,6 +192,7 @@ class Round:
     close_s: float  # the server's own clocks (/metrics): the close's critical path,
     close_stages: dict[str, float]  # its stages,
     eval_s: float  # and version 1's eval
+    idle_rate: float  # server CPU-s per second while nothing happens (its sweeps), before
 
 
 def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
@@ -200,10 +213,12 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
         lease = {"round": 1, "base_version": 0}  # each its own Δ: the close leaves copies out
         bodies = [contribution_body(run_id, lease, shapes, seed=i) for i in range(k)]
         # version 0's eval runs after run creation: let it finish before the round
-        poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 1, 600,
-             "version 0's eval")  # fmt: skip
+        evals_done(server, 1)
         before = counters(server)
         version0_eval = metric_sums(metrics(server), "diloco_version_eval_seconds")[""]
+        idle = cpu_seconds(server.pid)
+        time.sleep(IDLE_S)  # what the server spends doing nothing (its sweeps): per second
+        idle_rate = (cpu_seconds(server.pid) - idle) / IDLE_S
         meter = Meter(server.pid, s3.pid if s3 else None)
         volunteers: list[Volunteer] = []
 
@@ -226,10 +241,10 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
             run_now = server.call("GET", f"{API}/runs/{run_id}")
             return isinstance(run_now, dict) and run_now["checkpoint_version"] == 1
 
-        meter.charge("close", lambda: poll(published, 900, "round 1 to close"))
+        meter.charge("close", lambda: poll(published, 900, "round 1 to close", WAIT_POLL_S))
         meter.charge("eval", lambda: poll(
             lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 2, 900,
-            "version 1's eval"))  # fmt: skip
+            "version 1's eval", WAIT_POLL_S))  # fmt: skip
         after = counters(server)
         text = metrics(server)
     sent = {name: after[name] - before.get(name, 0.0) for name in after}
@@ -237,7 +252,9 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
     stages = metric_sums(text, "diloco_round_close_stage_seconds")
     evals = metric_sums(text, "diloco_version_eval_seconds")[""]
     eval_s = evals - version0_eval
-    result = Round(mode, run["n_params"], len(bodies[0]), meter, sent, close_s, stages, eval_s)
+    result = Round(
+        mode, run["n_params"], len(bodies[0]), meter, sent, close_s, stages, eval_s, idle_rate
+    )
     return result, shapes
 
 
@@ -313,9 +330,29 @@ def report(label: str, k: int, proxied: Round, direct: Round) -> None:
         f"({ratio(per[1], per[0])}); per round, whatever the volunteers: proxied "
         f"{once[0]:.2f} s, direct {once[1]:.2f} s (close + eval, {ratio(once[1], once[0])})"
     )
+    if once[1] <= once[0]:
+        even = "from the first volunteer (close + eval cost direct no more)"
+    elif per[1] < per[0]:
+        even = f"from {(once[1] - once[0]) / (per[0] - per[1]):.1f} volunteers a round on"
+    else:
+        even = "never (direct costs more per volunteer too)"
     print(
-        "(the close stage ends when version 1 is seen published, polled every 0.1 s: "
-        "the eval, which starts at publishing, may begin inside it)"
+        f"goal (issue 29): direct costs the server less CPU than proxied at {k} volunteers: "
+        f"{dt:.2f} s against {pt:.2f} s ({ratio(dt, pt)}), {'met' if dt < pt else 'NOT met'}; "
+        f"direct costs the server less {even}"
+    )
+    print(
+        f"(the close stage ends when version 1 is seen published, polled every "
+        f"{WAIT_POLL_S:g} s: the eval, which starts at publishing, may begin inside it)"
+    )
+    rates = ", ".join(
+        f"{r.mode} {r.idle_rate * 1e3:.0f} ms/s, {r.idle_rate * sum(r.meter.wall.values()):.2f} s "
+        f"over its {sum(r.meter.wall.values()):.1f} s"
+        for r in (proxied, direct)
+    )
+    print(
+        f"(the server's idle CPU, its sweeps every 0.2 s, is in every stage for as long as the "
+        f"stage lasts: {rates})"
     )
     for r in (proxied, direct):
         stages = ", ".join(f"{s} {v:.2f}" for s, v in r.close_stages.items())

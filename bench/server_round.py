@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -42,15 +41,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.loopback import http_request, mbps, plain_http_mbps, raw_tcp_mbps  # noqa: E402
+from bench.loopback import mbps, plain_http_mbps, raw_tcp_mbps  # noqa: E402
 from bench.transport import (  # noqa: E402
     API,
-    DilocoServer,
     contribution_body,
     create_run,
     diloco_server,
     download,
+    evals_done,
     join,
+    metric_count,
+    metric_sums,
+    metrics,
+    poll,
     rss_mib,
     safetensors_shapes,
     upload,
@@ -80,28 +83,6 @@ class Figures:
         print("|---|---|---|---|---|")
         for row in self.rows:
             print("| " + " | ".join(row) + " |")
-
-
-def metric_sums(text: str, name: str) -> dict[str, float]:
-    """``<name>_sum{stage="x"} v`` lines (or the unlabelled sum as key "")."""
-    out = {}
-    for m in re.finditer(rf'^{name}_sum(?:\{{\w+="(\w+)"\}})? (\S+)$', text, re.M):
-        out[m.group(1) or ""] = float(m.group(2))
-    return out
-
-
-def metric_count(text: str, name: str) -> float:
-    m = re.search(rf"^{name}_count (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def poll(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.1)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 # ---------------------------------------------------------------- limits, in this process
@@ -205,8 +186,7 @@ def bench_size(
         # checks (diloco.outer.checks), and the round would wait for more
         bodies = [contribution_body(run_id, lease, shapes, i, kind) for i in range(k)]
         # version 0's eval runs after run creation: let it finish before the round
-        poll(lambda: metric_count(metrics(server), "diloco_version_eval_seconds") >= 1, 600,
-             "version 0's eval")  # fmt: skip
+        evals_done(server, 1)
         Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # peak RSS from here
         ingest = []
         for v, b in zip(volunteers, bodies, strict=True):
@@ -281,10 +261,6 @@ def bench_size(
             f"fp32 checkpoint {plan['full']['nbytes']:,} B", f"{ratio:.1%}",
             f"≤ {share:.0%}")  # fmt: skip
     return fig
-
-
-def metrics(server: DilocoServer) -> str:
-    return http_request(server.port, "GET", "/metrics").body.decode()
 
 
 def main() -> None:

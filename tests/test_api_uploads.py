@@ -105,6 +105,13 @@ def truncated(work: Work) -> bytes:
     return work.body()[:-100]
 
 
+def corrupted(work: Work) -> bytes:
+    """The body with its last byte changed: its trailer no longer its SHA-256."""
+    body = bytearray(work.body())
+    body[-1] ^= 1
+    return bytes(body)
+
+
 def header_for_other_run(work: Work) -> bytes:
     return work.body(run_id="run_000000000000")
 
@@ -122,6 +129,7 @@ def fp32_codec(work: Work) -> bytes:
     [
         (malformed_header, 400, "malformed_upload"),
         (truncated, 400, "malformed_upload"),
+        (corrupted, 400, "malformed_upload"),  # checksum mismatch, seen once all is hashed
         (wrong_shape, 400, "wrong_tensors"),
         (wrong_name, 400, "wrong_tensors"),
         (non_finite(math.nan), 400, "non_finite"),

@@ -207,6 +207,8 @@ def test_transport_bench_prints_every_figure_beside_its_limit(database_url):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "x (b)" in out and "x (a)" in out  # ingest beside plain uvicorn and raw TCP
+    goal = r"goal \(issue 29\): ingest >= 300 MB/s per upload .*: \d+ MB/s, (met|NOT met)"
+    assert re.search(goal, out), out  # the figure beside the goal, whether met or not
     assert "2 concurrent uploads" in out and "peak" in out
     assert "(d) checkpoint download" in out
 
@@ -249,6 +251,8 @@ def test_direct_transfers_bench_prints_both_modes_and_the_ratio(database_url):
         assert f"| {stage}" in out, (stage, out)
     assert "ratio: direct / proxied server CPU-seconds per round = " in out
     assert "per volunteer: proxied " in out and "per round, whatever the volunteers" in out
+    goal = r"goal \(issue 29\): direct costs the server less CPU than proxied at 8 volunteers: "
+    assert re.search(goal + r".*, (met|NOT met); direct costs the server less ", out), out
     assert 'diloco_served_bytes_total{kind="checkpoint"}' in out
     assert "diloco_direct_upload_bytes_total" in out
 

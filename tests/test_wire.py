@@ -177,17 +177,53 @@ def test_truncated_body_says_what_was_cut_short(where: Callable[[int], int], mes
         decoder.finish()
 
 
-def test_a_changed_byte_in_a_data_frame_fails_the_checksum() -> None:
-    # Prepare: nudge one int8 value, staying inside [-127, 127]
-    body = bytearray(_body())
-    (header_len,) = struct.unpack("<I", body[8:12])
+def _nudged(body: bytes) -> bytes:
+    """``body`` with one int8 value nudged, staying inside [-127, 127]; its trailer kept."""
+    out = bytearray(body)
+    (header_len,) = struct.unpack("<I", out[8:12])
     at = 12 + header_len + 100
-    value = struct.unpack("b", body[at : at + 1])[0]
-    body[at : at + 1] = struct.pack("b", value - 1 if value > 0 else value + 1)
+    value = struct.unpack("b", out[at : at + 1])[0]
+    out[at : at + 1] = struct.pack("b", value - 1 if value > 0 else value + 1)
+    return bytes(out)
 
-    # Execute / Assert
+
+def test_a_changed_byte_in_a_data_frame_fails_the_checksum() -> None:
     with pytest.raises(WireFormatError, match="checksum mismatch"):
-        decode_contribution(bytes(body))
+        decode_contribution(_nudged(_body()))
+
+
+def _decode_later(body: bytes, piece: int) -> ContributionDecoder:
+    """``body`` fed in pieces to a ``digest_later`` decoder, each piece's digest work taken
+    as it is fed and run afterwards, in order (as a server's hashing threads do)."""
+    decoder = ContributionDecoder(SHAPES, codec=_contribution()[0].codec, digest_later=True)
+    works = []
+    for at in range(0, len(body), piece):
+        decoder.feed(body[at : at + piece])
+        works.append(decoder.digest_work())
+    for work in works:
+        decoder.digest(work)
+    return decoder
+
+
+@pytest.mark.parametrize("piece", [1, 100, 1 << 20])
+def test_a_body_hashed_later_has_the_same_digest_and_its_trailer_checked_by_finish(
+    piece: int,
+) -> None:
+    body = _body()
+
+    decoder = _decode_later(body, piece)
+    decoder.finish()
+
+    assert decoder.body_sha256 == hashlib.sha256(body).hexdigest()
+
+
+def test_a_changed_byte_hashed_later_fails_the_checksum_at_finish() -> None:
+    decoder = _decode_later(_nudged(_body()), 4096)  # every byte fed: the trailer waits
+    with pytest.raises(WireFormatError, match="checksum mismatch"):
+        decoder.finish()
+    assert decoder.body_sha256 is None
+    with pytest.raises(WireFormatError, match="already rejected"):
+        decoder.finish()
 
 
 def test_wrong_magic_is_rejected_from_the_first_byte() -> None:

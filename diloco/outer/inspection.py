@@ -6,7 +6,6 @@ same tensors replayed by someone else are recognised whatever header they come w
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 
@@ -22,6 +21,7 @@ from diloco.wire.contribution import (
     non_finite_values,
     out_of_range_int8,
 )
+from diloco.wire.digest import Part, StreamDigest
 from diloco.wire.header import dtype_name
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -43,15 +43,15 @@ class UploadInspector:
     ``digest_later``: the payload digest is not computed as the bytes go by; each call of
     ``digest_work`` returns what is due since the last one, for ``digest`` to hash on
     another thread, one batch after the other, while the next pieces are scanned. Only for
-    a caller whose chunks are immutable (``bytes``): the pieces are kept, not copied.
+    a caller whose chunks are immutable (``bytes``): the pieces are kept, not copied
+    (``diloco.wire.digest``).
     """
 
     def __init__(self, codec: dict, *, digest_later: bool = False) -> None:
         self._codec = codec_from_description(codec)
         self._packed_codec = self._codec.data_dtype == torch.uint8  # diloco.wire.lowbit
         self._sq = 0.0  # Σ x², in float64
-        self._digest = hashlib.sha256()
-        self._due: list[bytes | memoryview] | None = [] if digest_later else None
+        self._digest = StreamDigest(later=digest_later)
         # the tensor being received
         self._name = ""
         self._carry = bytearray()  # the start of a block (int8) or value (fp32) cut by a piece
@@ -70,10 +70,10 @@ class UploadInspector:
         self._carry.clear()
         self._absmax, self._qsq = [], []
         self._tensor_sq, self._non_finite = 0.0, 0
-        self._hash(spec.name.encode())
+        self._digest.update(spec.name.encode())
 
     def data(self, piece: memoryview) -> None:
-        self._hash(piece)
+        self._digest.update(piece)
         if self._packed_codec:  # checked whole, with its scales (``end``)
             self._packed += piece
             return
@@ -100,7 +100,7 @@ class UploadInspector:
             raise non_finite_values(self._name, self._non_finite, "data")
 
     def end(self, scales: torch.Tensor) -> None:
-        self._hash(scales.numpy().astype("<f4").tobytes())  # a copy: scales is reused
+        self._digest.update(scales.numpy().astype("<f4").tobytes())  # a copy: scales is reused
         if self._packed_codec:
             self._sq += self._packed_sq(scales)
         elif not isinstance(self._codec, Int8Codec):
@@ -180,22 +180,14 @@ class UploadInspector:
 
     # -- the payload digest
 
-    def _hash(self, part: bytes | memoryview) -> None:
-        if self._due is None:
-            self._digest.update(part)
-        else:
-            self._due.append(part)
-
-    def digest_work(self) -> list[bytes | memoryview]:
+    def digest_work(self) -> list[Part]:
         """``digest_later``: the parts to digest since the last call, in order."""
-        assert self._due is not None, "only with digest_later"
-        work, self._due = self._due, []
-        return work
+        assert self._digest.later, "only with digest_later"
+        return self._digest.work()
 
-    def digest(self, work: list[bytes | memoryview]) -> None:
+    def digest(self, work: list[Part]) -> None:
         """Digest ``digest_work``'s parts (calls in the order the work was taken)."""
-        for part in work:
-            self._digest.update(part)
+        self._digest.run(work)
 
     @property
     def norm(self) -> float:
@@ -203,8 +195,7 @@ class UploadInspector:
 
     @property
     def payload_sha256(self) -> str:
-        assert not self._due, "digest_work() is still due"
-        return self._digest.hexdigest()
+        return str(self._digest.done().hexdigest())
 
 
 # the largest ‖Δ‖ an upload may have (issue 26, liveness): the close sums, squares and

@@ -24,7 +24,6 @@ frame raises ``NonFiniteWireError``, which is both a ``WireFormatError`` and a
 from __future__ import annotations
 
 import enum
-import hashlib
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from diloco.wire.codec import INT8_MAX, Codec, EncodedTensor, codec_from_description
+from diloco.wire.digest import Part, StreamDigest
 from diloco.wire.encode import contribution_nbytes, encode_contribution
 from diloco.wire.header import (
     DIGEST_BYTES,
@@ -48,6 +48,8 @@ from diloco.wire.header import (
     NonFiniteWireError,
     TensorSpec,
     WireFormatError,
+    non_finite_values,
+    out_of_range_int8,
     parse_header,
 )
 
@@ -123,6 +125,10 @@ class ContributionDecoder:
     at (what it raises comes out of ``feed``). With a ``sink`` no tensor is ever held:
     every tensor's bytes go to it as they arrive and ``feed`` returns nothing.
     ``body_sha256`` is the sha256 of every byte fed, the trailer included, once done.
+
+    ``digest_later`` (immutable chunks only: ``diloco.wire.digest``): the body is hashed
+    by ``digest(digest_work())`` calls, on any thread, instead of as it is fed, and the
+    trailer is checked by ``finish``, once all of it is hashed.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class ContributionDecoder:
         max_bytes: int | None = None,
         on_header: Callable[[ContributionHeader], None] | None = None,
         sink: FrameSink | None = None,
+        digest_later: bool = False,
     ) -> None:
         self._expected = (
             None if expected is None else {k: tuple(int(d) for d in s) for k, s in expected.items()}
@@ -141,7 +148,8 @@ class ContributionDecoder:
         self._max_bytes = max_bytes
         self._on_header = on_header
         self._sink = sink
-        self._digest = hashlib.sha256()
+        self._digest = StreamDigest(later=digest_later)
+        self._trailer: bytes | None = None  # digest_later: the trailer, checked by finish
         self._body_sha256: str | None = None
         self._received = 0
         self._header_len = 0
@@ -188,11 +196,26 @@ class ContributionDecoder:
             self._error = e
             raise
 
+    def digest_work(self) -> list[Part]:
+        """``digest_later``: the body's bytes to hash since the last call, in order."""
+        return self._digest.work()
+
+    def digest(self, work: list[Part]) -> None:
+        """Hash ``digest_work``'s parts (calls in the order the work was taken)."""
+        self._digest.run(work)
+
     def finish(self) -> None:
         """Raise unless the whole body arrived and its checksum matched."""
         if self._error is not None:
             raise WireFormatError(f"decoder already rejected this body: {self._error}")
         if self._stage is _Stage.DONE:
+            if self._trailer is not None:  # digest_later: all of it hashed by now
+                trailer, self._trailer = self._trailer, None
+                try:
+                    self._check_trailer(trailer)
+                except WireFormatError as e:
+                    self._error = e
+                    raise
             return
         where = self._stage.value
         if self._stage in (_Stage.DATA, _Stage.SCALES):
@@ -270,16 +293,23 @@ class ContributionDecoder:
                 completed.append((spec.name, encoded))
             self._start_tensor(self._index + 1)
         elif self._stage is _Stage.TRAILER:
-            digest = self._digest.digest()
-            if bytes(self._buf) != digest:
-                raise WireFormatError(
-                    f"checksum mismatch: body hashes to {digest.hex()[:16]}… but its trailer "
-                    f"says {bytes(self._buf).hex()[:16]}…; it was corrupted in transit"
-                )
-            whole = self._digest.copy()  # the body's digest is the running one plus the trailer
-            whole.update(self._buf)
-            self._body_sha256 = whole.hexdigest()
+            if self._digest.later:
+                self._trailer = bytes(self._buf)
+            else:
+                self._check_trailer(bytes(self._buf))
             self._enter(_Stage.DONE, 0)
+
+    def _check_trailer(self, trailer: bytes) -> None:
+        sha = self._digest.done()
+        digest = sha.digest()
+        if trailer != digest:
+            raise WireFormatError(
+                f"checksum mismatch: body hashes to {digest.hex()[:16]}… but its trailer "
+                f"says {trailer.hex()[:16]}…; it was corrupted in transit"
+            )
+        whole = sha.copy()  # the body's digest is the running one plus the trailer
+        whole.update(trailer)
+        self._body_sha256 = whole.hexdigest()
 
     def _start_tensor(self, index: int) -> None:
         assert self._header is not None
@@ -322,20 +352,6 @@ class ContributionDecoder:
             raise WireFormatError(
                 f"body declares {declared} bytes, over the {self._max_bytes}-byte limit"
             )
-
-
-def non_finite_values(name: str, count: int, part: str) -> NonFiniteWireError:
-    """The refusal of a frame with ``count`` NaN/Inf values (``part``: data or scales)."""
-    return NonFiniteWireError(
-        f"tensor {name!r} has {count} non-finite value(s) (NaN/Inf) in its {part}"
-    )
-
-
-def out_of_range_int8(name: str) -> WireFormatError:
-    """The refusal of an int8 data frame holding -128, which no codec produces."""
-    return WireFormatError(
-        f"tensor {name!r} has int8 value {-INT8_MAX - 1}, outside [-{INT8_MAX}, {INT8_MAX}]"
-    )
 
 
 def _check_frame(name: str, part: str, x: torch.Tensor) -> None:

@@ -19,7 +19,13 @@ import msgpack
 import torch
 
 from diloco.config import INT32_MAX
-from diloco.wire.codec import Codec, EncodedTensor, NonFiniteError, codec_from_description
+from diloco.wire.codec import (
+    INT8_MAX,
+    Codec,
+    EncodedTensor,
+    NonFiniteError,
+    codec_from_description,
+)
 
 __all__ = [
     "DIGEST_BYTES",
@@ -80,6 +86,20 @@ class WireFormatError(ValueError):
 
 class NonFiniteWireError(WireFormatError, NonFiniteError):
     """A frame holds NaN/Inf (float32 data or scales)."""
+
+
+def non_finite_values(name: str, count: int, part: str) -> NonFiniteWireError:
+    """The refusal of a frame with ``count`` NaN/Inf values (``part``: data or scales)."""
+    return NonFiniteWireError(
+        f"tensor {name!r} has {count} non-finite value(s) (NaN/Inf) in its {part}"
+    )
+
+
+def out_of_range_int8(name: str) -> WireFormatError:
+    """The refusal of an int8 data frame holding -128, which no codec produces."""
+    return WireFormatError(
+        f"tensor {name!r} has int8 value {-INT8_MAX - 1}, outside [-{INT8_MAX}, {INT8_MAX}]"
+    )
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import json
 from typing import Any
 
 from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
@@ -151,6 +152,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._in_head, self._in_body = False, True
         self._disarm()
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        """A body piece the app has not asked for yet is kept as httptools made it: uvicorn
+        would copy it into a bytearray, and its ``receive`` copy that into new bytes (for
+        an upload, two copies of every byte on the event loop). Its ``receive`` hands out
+        ``bytes(cycle.body)``, which for bytes is the object itself; a second piece before
+        the app asked (rare: reading pauses past 64 KiB) takes uvicorn's way."""
+        cycle = self.cycle
+        if cycle.body or cycle.response_complete or self.parser.should_upgrade():
+            if isinstance(cycle.body, bytes):
+                cycle.body = bytearray(cycle.body)
+            super().on_body(body)
+            return
+        cycle.body = body  # type: ignore[assignment]  # uvicorn's receive takes bytes too
+        if len(body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body = True, False  # the next bytes are the next request's

@@ -36,6 +36,7 @@ from server.runs.schemas import Coverage, DataInfo, LatestMetrics, RunOut, RunOw
 from server.settings import Settings
 from server.storage import keys
 from server.storage.base import Storage
+from server.upkeep import memory
 from server.webhooks import events as webhooks
 
 log = logging.getLogger("diloco.server.runs")
@@ -126,6 +127,7 @@ async def create(
             seed=seed,
             init=init_file,
         )
+        memory.settle_if_imported()  # building version 0's model imported its modules
         config = cfg.pinned().model_dump(mode="json") | {"seed": seed}  # recorded, drawn or given
         config["data"]["path"] = data_name  # the server's copy lives in storage, not at this path
         run = Run(

@@ -31,13 +31,14 @@ from diloco.protocol.messages import UploadTarget
 from server.http.errors import MalformedUpload, NotFound, StorageFailed
 from server.metrics import DIRECT_UPLOAD_BYTES
 from server.rounds import ingest
+from server.rounds.streaming import FEED_BYTES
 from server.settings import Settings
 from server.storage import keys
 from server.storage.base import BlobMissing, Storage
 from server.storage.s3 import MAX_SIGNED_S
 
 API = "/api/v1"
-READ_BYTES = ingest.FEED_BYTES  # one GET body read per decode batch
+READ_BYTES = FEED_BYTES  # one GET body read per decode batch
 
 
 def upload_target(

@@ -5,7 +5,8 @@ Order of work, so that a bad upload costs little and leaves nothing behind:
    round open, lease held, or a retry), then the size;
 2. the body streams into a temp blob and through a ``ContributionDecoder`` at the same time,
    whose sink, an ``UploadInspector``, checks and measures every tensor piece by piece
-   (no tensor is ever held: memory is a few chunks per upload, not a tensor);
+   (no tensor is ever held: memory is a few chunks per upload, not a tensor), on worker
+   threads (``server.rounds.streaming``);
 3. as soon as the header is in (before any tensor byte is looked at), it is checked
    against the URL and the round (``admit_claim``) and the run's model and codec;
 4. the blob is committed (fsync + rename) and the row inserted in one short transaction
@@ -44,8 +45,6 @@ from diloco.wire.contribution import (
     ContributionDecoder,
     ContributionHeader,
     ContributionMeta,
-    NonFiniteWireError,
-    WireFormatError,
 )
 from diloco.wire.exchange import codec_for
 from diloco.wire.header import dtype_name
@@ -53,7 +52,6 @@ from server.http.errors import (
     DuplicateContribution,
     LengthRequired,
     MalformedUpload,
-    NonFiniteUpload,
     UploadTooLarge,
     WrongCodec,
     WrongTensors,
@@ -73,16 +71,14 @@ from server.rounds.admission import (
     upload_facts,
 )
 from server.rounds.models import Contribution
+from server.rounds.streaming import stream_to_blob
 from server.runs import coverage
 from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage import keys
 from server.storage.base import BlobWriter, Storage
 
-# decode in batches of at least this size, off the event loop (1 MiB cost 25% more CPU)
-FEED_BYTES = 4 << 20
-
-__all__ = ["FEED_BYTES", "Accepted", "check_model", "receive"]
+__all__ = ["Accepted", "check_model", "receive"]
 
 
 def check_model(header: ContributionHeader, *, cfg: RunConfig) -> None:
@@ -119,80 +115,6 @@ def _claim(header: ContributionHeader) -> UploadClaim:
         tokens=meta.tokens,
         inner_steps=meta.inner_steps,
     )
-
-
-async def _stream_to_blob(
-    stream: AsyncIterator[bytes],
-    writer: BlobWriter,
-    decoder: ContributionDecoder,
-    inspection: UploadInspector,
-    *,
-    limit: int,
-) -> None:
-    """Write and decode the body: the decoder judges the header as soon as it has arrived
-    (its ``on_header``, before any tensor is looked at), then streams every tensor through
-    ``inspection`` (its sink: finite, the norm, the payload's digest) without holding one.
-
-    Three stages run at once, each on a batch of chunks (at least FEED_BYTES): the event
-    loop receives batch k+2 while a worker thread writes and decodes batch k+1 (the blob,
-    the body's sha256, the tensors' scan) and another digests batch k's payload (the
-    second hash of the same bytes: ``inspection`` was made with ``digest_later``). So the
-    body arrives at the transport's pace; memory per upload is three batches, whatever the
-    tensor sizes. Chunks are used as received (``bytes``): no copies.
-    """
-
-    def consume(chunks: list[bytes]) -> list[bytes | memoryview]:
-        for chunk in chunks:
-            writer.write(chunk)
-            decoder.feed(chunk)
-        return inspection.digest_work()
-
-    consuming: asyncio.Future[list[bytes | memoryview]] | None = None
-    hashing: asyncio.Future[None] | None = None
-
-    async def handoff(batch: list[bytes] | None) -> None:
-        """Pass the decoded batch's digest work on, then ``batch`` (None: none) to decode."""
-        nonlocal consuming, hashing
-        if consuming is not None:
-            work = await consuming
-            if hashing is not None:
-                await hashing  # digests in order
-            hashing = asyncio.ensure_future(asyncio.to_thread(inspection.digest, work))
-        consuming = (
-            None if batch is None else asyncio.ensure_future(asyncio.to_thread(consume, batch))
-        )
-
-    received = 0
-    batch: list[bytes] = []
-    batched = 0
-    try:
-        async for chunk in stream:
-            received += len(chunk)
-            if received > limit:
-                raise UploadTooLarge(f"the body is over this round's {limit}-byte limit")
-            batch.append(chunk)
-            batched += len(chunk)
-            if batched >= FEED_BYTES:
-                await handoff(batch)
-                batch, batched = [], 0
-        await handoff(batch or None)
-        await handoff(None)
-        if hashing is not None:
-            await hashing
-        decoder.finish()
-    except NonFiniteWireError as err:
-        raise NonFiniteUpload(f"rejected: {err}") from None
-    except WireFormatError as err:
-        raise MalformedUpload(f"not a valid contribution body: {err}") from None
-    finally:  # the blob is aborted next: not while being written
-        running = [f for f in (consuming, hashing) if f is not None and not f.done()]
-        if running:
-            await asyncio.wait(running)
-        for f in running:
-            if not f.cancelled():
-                f.exception()  # retrieved: the error that stopped the loop is the answer
-    if decoder.header is None:
-        raise MalformedUpload("the body ended before its header")
 
 
 async def receive(
@@ -236,9 +158,11 @@ async def receive(
     # the run's codec: check_model refuses any other before a tensor byte is looked at
     codec = codec_for(cfg.compression).describe()
     inspection = UploadInspector(codec, digest_later=True)
-    decoder = ContributionDecoder(max_bytes=limit, on_header=check_header, sink=inspection)
+    decoder = ContributionDecoder(
+        max_bytes=limit, on_header=check_header, sink=inspection, digest_later=True
+    )
     with (landing or storage.writer)(key) as writer:
-        await _stream_to_blob(stream, writer, decoder, inspection, limit=limit)
+        await stream_to_blob(stream, writer, decoder, inspection, limit=limit)
         sha = decoder.body_sha256
         assert sha is not None  # finish() returned: the trailer matched
         if existing is not None:  # a retry: identical is fine, anything else is a conflict

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -131,36 +132,33 @@ class Sweeper:
         if self._scoring is None and not self._closing:  # never beside a close: memory
             self._scoring = asyncio.create_task(self._score(), name="score")
 
+    async def _evaluate(self) -> None:
+        """Evaluate pending versions, one after the other, while there are any."""
+        try:
+            await _drain(
+                "evaluating pending versions",
+                lambda: version_eval.evaluate_next(
+                    self.sessions, self.storage, self.settings, self.eval_executor, self.faults
+                ),
+            )
+        finally:
+            self._evaluating = None
+
     async def _score(self) -> None:
         """Score arrived uploads, one after the other, while there are any and no close
         runs in this process: a score holds the model three times in memory, and none
         starts beside a close (one in progress when a close starts ends first, in seconds;
         the close does not wait for it)."""
         try:
-            while not self._closing and await arrival_scores.score_next(
-                self.sessions, self.storage, self.score_executor, self.faults
-            ):
-                pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the database went away, say: the next sweep starts it again
-            log.exception("scoring arrived uploads failed; the next sweep retries")
+            await _drain(
+                "scoring arrived uploads",
+                lambda: arrival_scores.score_next(
+                    self.sessions, self.storage, self.score_executor, self.faults
+                ),
+                until=lambda: bool(self._closing),
+            )
         finally:
             self._scoring = None
-
-    async def _evaluate(self) -> None:
-        """Evaluate pending versions, one after the other, while there are any."""
-        try:
-            while await version_eval.evaluate_next(
-                self.sessions, self.storage, self.settings, self.eval_executor, self.faults
-            ):
-                pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the database went away, say: the next sweep starts it again
-            log.exception("evaluating pending versions failed; the next sweep retries")
-        finally:
-            self._evaluating = None
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)
@@ -237,6 +235,22 @@ class Sweeper:
                     now=now,
                 )
                 log.info("run %s round %d: %s", run_id, index, decision.reason)
+
+
+async def _drain(
+    what: str,
+    step: Callable[[], Awaitable[bool]],
+    until: Callable[[], bool] = lambda: False,
+) -> None:
+    """``step`` again and again while it finds work (and ``until`` says go on); a failure
+    is logged, and the next sweep starts it again (the database went away, say)."""
+    try:
+        while not until() and await step():
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s failed; the next sweep retries", what)
 
 
 def lower_priority(nice: int) -> None:
