@@ -10,8 +10,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from diloco.protocol.messages import ErrorCode
-from diloco.protocol.rules import (
+from diloco.protocol.outcome import (
     TRAIN_FLOPS_PER_PARAM_TOKEN,
+    close_effects,
+    close_retry_at,
+    decide_after_exclusions,
+    decide_after_guard,
+    judge_step,
+    should_judge,
+)
+from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
     admit_join,
@@ -19,12 +27,6 @@ from diloco.protocol.rules import (
     admit_retry,
     admit_upload,
     assign_lease,
-    close_effects,
-    close_retry_at,
-    decide_after_exclusions,
-    decide_after_guard,
-    judge_step,
-    should_judge,
     upload_weight,
 )
 from diloco.protocol.state import (

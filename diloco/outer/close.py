@@ -56,7 +56,7 @@ from diloco.outer.attempt import (
 from diloco.outer.checks import Check, check_uploads
 from diloco.outer.robust import Share, SourceUnreadable
 from diloco.outer.scoring import Score, Scorer, chosen
-from diloco.protocol.rules import (
+from diloco.protocol.outcome import (
     decide_after_exclusions,
     decide_after_guard,
     judge_step,

@@ -45,13 +45,13 @@ from safetensors.torch import save as safetensors_save
 from diloco.config import RunConfig
 from diloco.model.gpt import LanguageModel
 from diloco.outer.scoring import Windows
+from diloco.protocol.outcome import close_effects
 from diloco.protocol.rules import (
     admit_claim,
     admit_heartbeat,
     admit_join,
     admit_upload,
     assign_lease,
-    close_effects,
     decide_close,
 )
 from diloco.protocol.sizing import StepBounds, size_lease

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from diloco.faults import InjectedFault
-from diloco.protocol.rules import close_retry_at
+from diloco.protocol.outcome import close_retry_at
 from diloco.protocol.state import RetryPolicy, RoundState
 from server.metrics import CLOSE_FAILURES
 from server.rounds.models import Round

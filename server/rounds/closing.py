@@ -13,7 +13,7 @@ many worker processes share the database.
    critical path (``server.rounds.version_eval``).
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
-   ``diloco.protocol.rules.close_effects``. A worker whose claim was taken over publishes
+   ``diloco.protocol.outcome.close_effects``. A worker whose claim was taken over publishes
    nothing.
 
 A close that fails is recorded on the round (``error_code``, ``error``) and tried again
@@ -37,8 +37,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.faults import FaultInjector
 from diloco.outer.checks import RECENT_CHANGES
 from diloco.protocol.audit import CreditStatus
+from diloco.protocol.outcome import close_effects
 from diloco.protocol.reputation import VERIFY_CODES
-from diloco.protocol.rules import close_effects
 from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint

@@ -29,7 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
-from diloco.protocol.rules import decide_close, step_totals
+from diloco.protocol.outcome import step_totals
+from diloco.protocol.rules import decide_close
 from diloco.protocol.state import (
     Aggregated,
     ClosePolicy,
