@@ -74,7 +74,7 @@ def suspect(median_cosines: Mapping[str, float]) -> str | None:
 
     Why: the random draw finds a trusted account that turns to freeloading only slowly (1 −
     (1 − f)³ within three rounds: 14% at f = 0.05). Work trained from a stale base points
-    away from the round's (bench/attacks.py's setting: mostly 0.23–0.82 of its round's
+    away from the round's (bench/attacks.py's setting: mostly 0.23–0.87 of its round's
     median, honest work's lowest 0.85–1.0; docs/verification.md), so the round's least aligned
     upload is the one worth a replay; honest work that happens to be it passes and loses
     nothing."""
