@@ -61,6 +61,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.loopback import Answer, http_request  # noqa: E402
+from bench.server_metrics import evals_done, metric_count, metric_sums, metrics, poll  # noqa: E402
 from bench.server_round import SIZES  # noqa: E402
 from bench.transport import (  # noqa: E402
     ADMIN,
@@ -72,12 +73,7 @@ from bench.transport import (  # noqa: E402
     create_run,
     diloco_server,
     download,
-    evals_done,
     join,
-    metric_count,
-    metric_sums,
-    metrics,
-    poll,
     safetensors_shapes,
     upload,
 )

@@ -42,18 +42,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loopback import mbps, plain_http_mbps, raw_tcp_mbps  # noqa: E402
+from bench.server_metrics import evals_done, metric_count, metric_sums, metrics, poll  # noqa: E402
 from bench.transport import (  # noqa: E402
     API,
     contribution_body,
     create_run,
     diloco_server,
     download,
-    evals_done,
     join,
-    metric_count,
-    metric_sums,
-    metrics,
-    poll,
     rss_mib,
     safetensors_shapes,
     upload,

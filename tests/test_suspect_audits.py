@@ -21,6 +21,7 @@ from client.reveals import Revealer
 from diloco.atomic import atomic_write
 from diloco.config import parse_config
 from diloco.protocol.audit import suspect
+from diloco.simulate.attacks import tamper_delta
 from diloco.wire.contribution import encode_contribution
 from diloco.wire.exchange import encode_delta
 from diloco.wire.header import ReplayRecord
@@ -56,11 +57,8 @@ def test_the_start_of_the_upload_before_is_kept_too(tmp_path: Path) -> None:
 def _mixed(work, seed: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """A fifth of the honest Δ under noise of its norm: it points the right way, a little
     (the cheap checks pass it), far less than honest work does."""
-    gen = torch.Generator().manual_seed(seed)
-    noise = {n: torch.randn(d.shape, generator=gen) for n, d in work.delta.items()}
-    size = torch.cat([d.flatten() for d in work.delta.values()]).norm()
-    scale = size / torch.cat([x.flatten() for x in noise.values()]).norm()
-    return {n: 0.2 * d + noise[n] * scale for n, d in work.delta.items()}
+    noise = tamper_delta("noise", work.delta, seed=seed)
+    return {n: 0.2 * d + noise[n] for n, d in work.delta.items()}
 
 
 def test_a_close_audits_its_least_aligned_upload_and_its_volunteer_sends_the_start(

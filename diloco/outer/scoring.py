@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -104,21 +104,11 @@ class Score:
 
     def figures(self) -> dict[str, float]:
         """As the server stores a score taken on arrival (``from_figures`` reads it back)."""
-        return {
-            "own_gain": self.own_gain,
-            "other_gain": self.other_gain,
-            "own_base": self.own_base,
-            "other_base": self.other_base,
-        }
+        return asdict(self)
 
     @classmethod
     def from_figures(cls, figures: Mapping[str, float]) -> Score:
-        return cls(
-            float(figures["own_gain"]),
-            float(figures["other_gain"]),
-            float(figures["own_base"]),
-            float(figures["other_base"]),
-        )
+        return cls(**{f.name: float(figures[f.name]) for f in fields(cls)})
 
     def reason(self) -> str:
         return (

@@ -28,12 +28,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from datetime import UTC, datetime
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from diloco.config.rounds import AuditSection
 from diloco.faults import FaultInjector
 from diloco.outer.checks import RECENT_CHANGES
 from diloco.protocol.audit import CreditStatus
@@ -186,23 +188,7 @@ async def _publish(
             )
         await _exclude(session, result)
         session.add(checkpoints_service.row_for(result.files, run_id=claim.run_id, eval_loss=None))
-        if effects.credit:  # bulk UPDATE by primary key: credit, and what the step made of it
-            status = await escrow.at_close(session, claim.run_id, cfg.audit, effects.credit)
-            await session.execute(
-                update(Contribution),
-                [
-                    {
-                        "id": cid,
-                        "credit": 0.0 if status[cid] == CreditStatus.FORFEITED else flops,
-                        "credit_status": status[cid],
-                        "aggregated_at": now,
-                        "cosine": result.shares[cid].cosine,
-                        "clip_factor": result.shares[cid].clip,
-                        "checks": _figures(result, cid),
-                    }
-                    for cid, flops in effects.credit.items()
-                ],
-            )
+        await _credit(session, claim.run_id, cfg.audit, result, effects.credit, now)
         await audit_draw.suspect_at_close(
             session, cfg, run_id=claim.run_id, median_cosines=_alignment(result), now=now
         )
@@ -243,6 +229,37 @@ async def _review(session: AsyncSession, result: OuterResult, now: datetime) -> 
             select(Contribution.contributor_id).where(Contribution.id.in_(failed))
         )
         await quarantine.review(session, list(who), now)
+
+
+async def _credit(
+    session: AsyncSession,
+    run_id: str,
+    audit: AuditSection,
+    result: OuterResult,
+    credit: Mapping[str, float],
+    now: datetime,
+) -> None:
+    """Each contribution the step took: its credit (pending an audit where the run's
+    escrow says so: ``server.rounds.escrow``) and what the step made of it, by a bulk
+    UPDATE by primary key."""
+    if not credit:
+        return
+    status = await escrow.at_close(session, run_id, audit, credit)
+    await session.execute(
+        update(Contribution),
+        [
+            {
+                "id": cid,
+                "credit": 0.0 if status[cid] == CreditStatus.FORFEITED else flops,
+                "credit_status": status[cid],
+                "aggregated_at": now,
+                "cosine": result.shares[cid].cosine,
+                "clip_factor": result.shares[cid].clip,
+                "checks": _figures(result, cid),
+            }
+            for cid, flops in credit.items()
+        ],
+    )
 
 
 async def _exclude(session: AsyncSession, result: OuterResult) -> None:

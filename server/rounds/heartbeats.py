@@ -15,12 +15,13 @@ is created, so each process reads a run's ``[rounds]`` once and keeps it.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 
 from diloco.config import RoundsSection
-from diloco.protocol.messages import HeartbeatOut
+from diloco.protocol.messages import HeartbeatIn, HeartbeatOut
 from diloco.protocol.rules import admit_heartbeat
 from diloco.protocol.state import HeartbeatFacts, Refusal, RoundState, RunStatus
 from server.auth import hash_token
@@ -118,4 +119,22 @@ async def heartbeat(
         round_state=rnd.state,
         deadline=rnd.deadline,
         heartbeat_interval_s=pulse.interval_for(rounds),
+    )
+
+
+async def answer(
+    state: Any, *, token: str, run_id: str, index: int, beat: HeartbeatIn
+) -> HeartbeatOut:
+    """``heartbeat`` with the app's pools and pulse (``state``: ``app.state``), as the route
+    and its fast lane (``server.rounds.lane``) both answer it."""
+    return await heartbeat(
+        pool=state.fast_pool,
+        pulse=state.pulse,
+        token=token,
+        run_id=run_id,
+        index=index,
+        lease_id=beat.lease_id,
+        step=beat.step,
+        loss=beat.loss,
+        now=datetime.now(UTC),
     )

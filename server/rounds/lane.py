@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -107,17 +106,12 @@ def _parsed(
 async def _answer(
     scope: Scope, run_id: str, index: int, beat: HeartbeatIn, auth: bytes
 ) -> Response:
-    state = scope["app"].state
-    out = await heartbeats.heartbeat(
-        pool=state.fast_pool,
-        pulse=state.pulse,
+    out = await heartbeats.answer(
+        scope["app"].state,
         token=bearer_of(auth.decode("latin-1")),
         run_id=run_id,
         index=index,
-        lease_id=beat.lease_id,
-        step=beat.step,
-        loss=beat.loss,
-        now=datetime.now(UTC),
+        beat=beat,
     )
     return Response(out.model_dump_json(by_alias=True), media_type="application/json")
 

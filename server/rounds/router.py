@@ -73,16 +73,8 @@ async def heartbeat(
     """Keep your lease live while you train (contributor token); the answer's
     ``heartbeat_interval_s`` is how often to heartbeat from now on. 409 ``round_closed``,
     ``no_lease`` or ``run_not_active``: stop training for this round."""
-    return await heartbeats.heartbeat(
-        pool=request.app.state.fast_pool,
-        pulse=request.app.state.pulse,
-        token=bearer_token(request),
-        run_id=run_id,
-        index=index,
-        lease_id=body.lease_id,
-        step=body.step,
-        loss=body.loss,
-        now=datetime.now(UTC),
+    return await heartbeats.answer(
+        request.app.state, token=bearer_token(request), run_id=run_id, index=index, beat=body
     )
 
 
