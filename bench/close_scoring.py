@@ -102,7 +102,8 @@ def close(
     started = time.perf_counter()
     closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
     seconds = time.perf_counter() - started
-    assert closed.committed and not closed.excluded, closed.excluded
+    assert closed.committed and closed.pending is not None and not closed.excluded
+    closed.pending.commit_rest()
     return seconds, closed.seconds.get("score", 0.0)
 
 

@@ -7,7 +7,8 @@ except 408 (``request_timeout``: the request stalled and the server dropped it) 
 are tried again even when the call is not idempotent; a 429 only when the server said
 when (``Retry-After``) and that fits in the retry policy's total time, and never sooner.
 Connection errors, timeouts and 5xx answers are retried with exponential backoff and
-jitter (``backoff_delay``), within a bounded number of attempts and total time.
+jitter (``backoff_delay``), within a bounded number of attempts and total time, and never
+sooner than a 5xx's ``Retry-After`` says (``503 checkpoint_pending`` sends one).
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ async def with_retries(
                     raise  # the server did not say when, or not within our budget
             elif not (err.status == 503 or (idempotent and err.status >= 500)):
                 raise
+            else:  # a 503 may say when (checkpoint_pending does)
+                asked = err.retry_after_s
             last: Exception = err
         except RetryableError as err:
             last = err.cause

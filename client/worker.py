@@ -202,9 +202,11 @@ class _Worker:
             try:
                 params, shard = await self.fetcher.inputs(lease, cfg.model.block_size)
             except ApiError as err:
-                if err.code != DOWNLOAD_URL_REFUSED:
+                if err.code not in (DOWNLOAD_URL_REFUSED, ErrorCode.CHECKPOINT_PENDING):
                     raise
                 self.say.warn(f"{err.detail}")  # the next join brings fresh URLs
+                # a version whose full file is being written: when the server said
+                await asyncio.sleep(err.retry_after_s or 0)
                 return
             ahead = await self.overlap.take(lease)  # its version is here: stop training ahead
             if (why := pace.refusal(cfg, self.rate)) is not None:

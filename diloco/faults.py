@@ -37,8 +37,16 @@ POINTS = frozenset(
         "close.aggregate",  # the contributions are summed (the pass: files not yet committed)
         "close.step",  # the outer step is applied (the same pass)
         "close.eval",  # the step is judged (evaluated on the judging sample when finite)
-        "close.write",  # the version's files are written (fsynced), not yet published
+        # the version's delta is durable (fsynced, in the store), its parameters and outer
+        # state written, not committed; not yet published
+        "close.write",
         "close.publish",  # the transaction that publishes the version has committed
+        # the closer committed the version's parameters and outer state; the row not yet
+        # marked (server.rounds.full_files)
+        "close.full",
+        # a rebuild of a version's parameters and outer state ran and matched the published
+        # sha256s; not yet committed
+        "full.rebuild",
         "eval.version",  # a published version's eval loss is about to be measured
         "score.arrival",  # an arrived upload is about to be scored by the loss
         "volunteer.upload",  # a volunteer is about to upload its contribution

@@ -204,7 +204,8 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
             list(history), 1, versions.paths(index),
         )  # fmt: skip
         closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
-        assert closed.committed and not closed.excluded
+        assert closed.committed and closed.pending is not None and not closed.excluded
+        assert closed.pending.commit_rest() == closed.params_sha256
         versions.published(index, closed.judge_loss)
         history = [*history, *(u.norm for u in uploads)]
 

@@ -126,7 +126,8 @@ def close(  # type: ignore[no-untyped-def]
         out.abort()
         return result, None, None
     out.params.settle()
-    sha, delta_sha = out.commit()
+    sha, delta_sha = out.commit_delta()
+    assert out.commit_rest() == sha
     return result, sha, delta_sha
 
 

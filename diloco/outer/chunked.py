@@ -221,19 +221,27 @@ class Hyper:
 
 @dataclass
 class Outputs:
-    """Where a stepping pass writes the new version (temp files until committed)."""
+    """Where a stepping pass writes the new version (temp files until committed), committed
+    in two steps: the delta first (what returning volunteers need, on the close's critical
+    path), the parameters and the outer state after (``commit_rest``, off it)."""
 
     params: TensorFileWriter
     state: TensorFileWriter
     delta: TensorFileWriter
 
-    def commit(self) -> tuple[str, str]:
-        """fsync and rename all three; the sha256 of the params and the delta files."""
+    def commit_delta(self) -> tuple[str, str]:
+        """fsync and rename the delta; the sha256 of the params file (as written, not yet
+        committed) and of the delta file."""
+        return self.params.sha256(), self.delta.commit()
+
+    def commit_rest(self) -> str:
+        """fsync and rename the parameters and the outer state; the params file's sha256."""
         sha = self.params.commit()
         self.state.commit()
-        return sha, self.delta.commit()
+        return sha
 
     def abort(self) -> None:
+        """Remove what is not committed (a committed file stays)."""
         for w in (self.params, self.state, self.delta):
             w.abort()
 

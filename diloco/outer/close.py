@@ -30,7 +30,11 @@ differ.
   ``decide_after_exclusions`` then says whether the others still make a step.
 
 Given the same inputs it writes the same bytes, so a close that a crash interrupts is
-simply done again.
+simply done again, and a version whose parameters and outer state were lost before they
+were committed is rebuilt by running its last try again (``diloco.outer.rebuild``). The
+close commits the delta (what a returning volunteer needs) and hands the parameters and
+the outer state back written but not committed (``Closed.pending``): the caller commits
+them off its critical path.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from diloco.outer.attempt import (
     try_step,
 )
 from diloco.outer.checks import Check, check_uploads
+from diloco.outer.chunked import Outputs
 from diloco.outer.robust import Share, SourceUnreadable
 from diloco.outer.scoring import Score, Scorer, chosen
 from diloco.protocol.outcome import (
@@ -85,12 +90,16 @@ class Closed:
     verdict: StepVerdict | None  # the guard's word on the published step
     shares: dict[str, Share]  # what each aggregated contribution put in
     # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
-    # judge, write (fsync and rename); tries added up
+    # judge, write (the delta's fsync and rename); tries added up
     seconds: dict[str, float]
     checks: dict[str, Check]  # every upload's, from the last try that had it in its pass
     # the published change θ_new − θ_base where the round sampled (check_seed), for the next
     # rounds' copy check; None when not committed
     change_sample: torch.Tensor | None
+    # when committed: the delta is committed (fsync, rename), the parameters and the outer
+    # state are written but not yet committed; the caller commits them
+    # (``Outputs.commit_rest``: off its critical path) or aborts them
+    pending: Outputs | None = None
 
 
 def close_round(
@@ -179,7 +188,12 @@ def _close(
             "run %s round %d: %s; trying again without %s",
             inputs.run_id, inputs.version, verdict.reason, culprit.id,
         )  # fmt: skip
-    params_sha, delta_sha = tried.out.commit()
+    # the delta first: what returning volunteers need; the rest is the caller's to commit
+    try:
+        params_sha, delta_sha = tried.out.commit_delta()
+    except BaseException:
+        tried.out.abort()
+        raise
     clock.lap("write")
     return Closed(
         dict(out.reasons),
@@ -196,6 +210,7 @@ def _close(
         clock.seconds,
         out.final_checks(),
         tried.change_sample,
+        tried.out,
     )
 
 

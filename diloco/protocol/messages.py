@@ -80,6 +80,9 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     UNSAFE_PUBLIC_URL = "unsafe_public_url"
     UNAVAILABLE = "unavailable"
+    # 503, with Retry-After: a version published with its delta whose parameters file is not
+    # yet durable (a returning volunteer catches up by the delta meanwhile)
+    CHECKPOINT_PENDING = "checkpoint_pending"
     WHEEL_UNAVAILABLE = "wheel_unavailable"
     STORAGE_FAILED = "storage_failed"
 

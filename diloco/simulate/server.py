@@ -197,6 +197,8 @@ class RoundDesk:
             versions.unchanged(index)
             stepped = Stepped({}, None, None, left_out, closed.checks, rejected=closed.verdict)
         else:
+            assert closed.pending is not None
+            closed.pending.commit_rest()  # the server commits them after publishing
             versions.published(index, closed.judge_loss, closed.change_sample)
             stepped = Stepped(
                 closed.shares, closed.update_norm, closed.judge_loss, left_out, closed.checks

@@ -140,17 +140,25 @@ class TensorFileWriter:
             self._hasher.submit(lambda: None).result()
             self._hasher = None
 
-    def commit(self) -> str:
-        """fsync, rename into place; the file's sha256."""
+    def sha256(self) -> str:
+        """The file's sha256, once every write is done, without committing it ("" without
+        a digest)."""
         if self._fd is None:
             raise RuntimeError(f"{self.path.name} is already committed or aborted")
+        self.settle()
+        if self._digest and self._hashed != self.nbytes:  # written out of order: reread
+            self._sha = hashlib.sha256()
+            for at in range(0, self.nbytes, 1 << 22):
+                self._sha.update(os.pread(self._fd, min(1 << 22, self.nbytes - at), at))
+            self._hashed = self.nbytes
+        return self._sha.hexdigest() if self._digest else ""
+
+    def commit(self) -> str:
+        """fsync, rename into place; the file's sha256."""
+        sha = self.sha256()
+        assert self._fd is not None
         fd, self._fd = self._fd, None
         try:
-            self.settle()
-            if self._digest and self._hashed != self.nbytes:  # written out of order: reread
-                self._sha = hashlib.sha256()
-                for at in range(0, self.nbytes, 1 << 22):
-                    self._sha.update(os.pread(fd, min(1 << 22, self.nbytes - at), at))
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -158,7 +166,7 @@ class TensorFileWriter:
             raise
         os.close(fd)
         atomic.commit(self._tmp, self.path)
-        return self._sha.hexdigest() if self._digest else ""
+        return sha
 
     @property
     def temp_path(self) -> Path:

@@ -22,7 +22,8 @@ SELECT l.contributor_id, run.chunk_len, run.shards::text AS shards, run.config::
        run.dataset_id, run.token_dtype,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
        l.id, l.shard, l.unit, l.seed, l.expires_at, l.inner_steps,
-       c.version, c.sha256, c.nbytes, c.files_deleted_at
+       c.version, c.sha256, c.nbytes, c.files_deleted_at,
+       c.full_files_at IS NOT NULL AS full_durable
 FROM leases l
 JOIN runs run ON run.id = l.run_id
 JOIN rounds r ON r.run_id = l.run_id AND r.index = l.round_index

@@ -2,7 +2,18 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text, func, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    func,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from server.db import Base
@@ -12,12 +23,21 @@ class Checkpoint(Base):
     """A published global model version. Its files: the parameters (what volunteers
     download; ``sha256`` is its ETag), the outer state (Nesterov momentum and the delta
     residual: what a restarted server continues from) and, from version 1, the int8 delta
-    from the version before (what a returning volunteer downloads instead)."""
+    from the version before (what a returning volunteer downloads instead).
+
+    A close publishes the version once its delta is durable; the parameters and the outer
+    state (its full files) follow, off the close's critical path
+    (``server.rounds.full_files``): ``full_files_at`` is NULL until they are durable."""
 
     __tablename__ = "checkpoints"
     __table_args__ = (
         Index(
             "ix_checkpoints_eval_pending", "created_at", postgresql_where=text("eval_loss IS NULL")
+        ),
+        Index(
+            "ix_checkpoints_full_pending",
+            "created_at",
+            postgresql_where=text("full_files_at IS NULL"),
         ),
     )
 
@@ -40,3 +60,11 @@ class Checkpoint(Base):
     # retention (server.upkeep.retention) deleted its three files; the row stays, its downloads
     # answer 410 gone. Set before the files go
     files_deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+    # when the parameters and the outer state became durable; None: pending (the delta is
+    # published, they are being committed or rebuilt: server.rounds.full_files)
+    full_files_at: Mapped[datetime | None] = mapped_column(default=None)
+    # the process committing or rebuilding them holds the version until then
+    full_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    # what a rebuild of them needs besides the run's config and the base version
+    # (server.rounds.full_files.Recipe); None for version 0
+    rebuild: Mapped[dict | None] = mapped_column(JSON, default=None)

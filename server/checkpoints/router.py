@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -37,10 +38,12 @@ async def checkpoint(
     run_id: RunId, version: CheckpointVersion, request: Request, session: SessionDep
 ) -> Response:
     """The model parameters of a version (or ``latest``) as safetensors; 410 ``gone`` for a
-    version the run's retention policy deleted."""
+    version the run's retention policy deleted, 503 ``checkpoint_pending`` (Retry-After) for
+    one whose parameters are not yet durable (``server.rounds.full_files``)."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
-    row = service.check_retained(await service.get(session=session, run_id=run_id, version=wanted))
+    row = await service.get(session=session, run_id=run_id, version=wanted)
+    row = service.check_full(service.check_retained(row))
     return serve_blob(
         request,
         row.params_key,
@@ -96,8 +99,10 @@ async def catch_up(
 ) -> CatchUpPlan:
     """How a volunteer holding version ``from`` gets this version (or ``latest``): the
     deltas in order when each exists (retention deleted none of them) and together they
-    are smaller than the full file, else the full checkpoint; 410 ``gone`` when the version
-    asked for is itself deleted."""
+    are smaller than the full file, or whatever their size while its parameters are not
+    yet durable, else the full checkpoint (whose URL, while they are pending, is this
+    server's: it answers 503 ``checkpoint_pending`` until they are); 410 ``gone`` when the
+    version asked for is itself deleted."""
     wanted = checkpoint_version(version)
     await runs_service.get(session=session, run_id=run_id)
     row = service.check_retained(await service.get(session=session, run_id=run_id, version=wanted))
@@ -116,7 +121,8 @@ async def catch_up(
         if (ref := _delta_ref(run_id, r, settings, storage)) is not None
     }
     sizes = {v: ref.nbytes for v, ref in refs.items()}
-    chosen = plan_catch_up(from_version, row.version, full_nbytes=row.nbytes, delta_nbytes=sizes)
+    full_nbytes = row.nbytes if row.full_files_at is not None else sys.maxsize  # pending
+    chosen = plan_catch_up(from_version, row.version, full_nbytes=full_nbytes, delta_nbytes=sizes)
     deltas = [refs[v] for v in chosen or []]
     return CatchUpPlan(
         version=row.version,
@@ -124,8 +130,12 @@ async def catch_up(
         kind="deltas" if chosen else "full",
         deltas=deltas,
         full=CheckpointRef(
-            url=read_url(
-                settings, storage, row.params_key, f"{API}/runs/{run_id}/checkpoints/{row.version}"
+            url=service.params_url(
+                settings,
+                storage,
+                run_id=run_id,
+                version=row.version,
+                durable=row.full_files_at is not None,
             ),
             sha256=row.sha256,
             nbytes=row.nbytes,

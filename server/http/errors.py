@@ -219,6 +219,13 @@ class TooManyUploads(RetryLater):
     code = ErrorCode.TOO_MANY_UPLOADS
 
 
+class CheckpointPending(RetryLater):
+    # a version published with its delta, its parameters not yet durable
+    # (server.rounds.full_files): the full file exists within seconds
+    status = 503
+    code = ErrorCode.CHECKPOINT_PENDING
+
+
 class HeaderTooLarge(HubError):
     # the request line and headers are over max_header_bytes (server.http.connection)
     status = 431

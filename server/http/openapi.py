@@ -115,7 +115,11 @@ ERRORS: dict[str, Errors] = {
         404: ("run_not_found", "not_found"),
         507: ("storage_failed",),
     },
-    "GET /api/v1/runs/{run_id}/checkpoints/{version}": VERSION_FILE,
+    # its parameters not yet durable: with Retry-After (server.rounds.full_files)
+    "GET /api/v1/runs/{run_id}/checkpoints/{version}": {
+        **VERSION_FILE,
+        503: ("checkpoint_pending",),
+    },
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/delta": VERSION_FILE,
     "GET /api/v1/runs/{run_id}/checkpoints/{version}/catch-up": {
         404: ("run_not_found", "not_found"),

@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config import RunConfig
@@ -31,6 +31,7 @@ from diloco.faults import FaultInjector
 from diloco.outer.scoring import Score, Scorer
 from diloco.protocol.state import RoundState
 from server.checkpoints import service as checkpoints_service
+from server.checkpoints.models import Checkpoint
 from server.metrics import SCORE_SECONDS
 from server.rounds.close_inputs import lease_data
 from server.rounds.models import Contribution, Round
@@ -106,6 +107,11 @@ async def _claim(session: AsyncSession, now: datetime) -> Contribution | None:
             | (Contribution.score_claim_expires_at < now),
             Round.state == RoundState.OPEN,
             Run.status == RunStatus.ACTIVE,
+            exists().where(  # scored against its base, once that is durable (full_files)
+                Checkpoint.run_id == Contribution.run_id,
+                Checkpoint.version == Contribution.base_version,
+                Checkpoint.full_files_at.is_not(None),
+            ),
         )
         .order_by(Contribution.created_at, Contribution.id)
         .limit(1)

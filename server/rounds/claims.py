@@ -14,13 +14,14 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import case, or_, select, update
+from sqlalchemy import case, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
 from diloco.faults import InjectedFault
 from diloco.protocol.outcome import close_retry_at
 from diloco.protocol.state import RetryPolicy, RoundState
+from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_FAILURES
 from server.rounds.models import Round
 from server.settings import Settings
@@ -44,14 +45,23 @@ class Claim:
 async def claim_next(
     *, sessions: async_sessionmaker[AsyncSession], settings: Settings, now: datetime
 ) -> Claim | None:
-    """Claim one closing round that is free (or whose claim expired) and due; None if none."""
+    """Claim one closing round that is free (or whose claim expired) and due, and whose base
+    version's full files are durable; None if none. A round whose base was published with
+    its full files pending (``server.rounds.full_files``) stays closing, unclaimed, until
+    they are: its close reads them (``close_inputs.read_inputs``)."""
     token = secrets.token_hex(8)
+    base_full = exists().where(
+        Checkpoint.run_id == Round.run_id,
+        Checkpoint.version == Round.base_version,
+        Checkpoint.full_files_at.is_not(None),
+    )
     due = (
         select(Round.run_id, Round.index)
         .where(
             Round.state == RoundState.CLOSING,
             or_(Round.claim_expires_at.is_(None), Round.claim_expires_at <= now),
             or_(Round.retry_at.is_(None), Round.retry_at <= now),
+            base_full,
         )
         .order_by(Round.retry_at.asc().nulls_first(), Round.opened_at)
         .limit(1)

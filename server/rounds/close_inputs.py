@@ -48,6 +48,11 @@ async def read_inputs(
         base = await checkpoints_service.get(
             session=session, run_id=claim.run_id, version=rnd.base_version
         )
+        if base.full_files_at is None:  # claim_next waits for them: a bug if not
+            raise RuntimeError(
+                f"run {claim.run_id} round {claim.index}: its base version {base.version}'s "
+                "full files are not yet durable"
+            )
         # the clipping's reference when the round has few: the run's latest aggregated norms
         history = list(
             await session.scalars(

@@ -8,13 +8,17 @@ many worker processes share the database.
 2. **Compute** (``server.rounds.outer_step``, in a thread): no transaction, row lock or
    pooled connection is held while the contributions are summed, the step applied and
    the version's files written (temp name, fsync, rename: a rewrite after a crash writes
-   the same bytes). Every step is judged on a small fixed sample before it is published
-   (``diloco.outer.close``); the version's full eval loss is measured after publishing, off the
-   critical path (``server.rounds.version_eval``).
+   the same bytes): the delta committed, the parameters and outer state only written.
+   Every step is judged on a small fixed sample before it is published
+   (``diloco.outer.close``); the version's full eval loss is measured after publishing, off
+   the critical path (``server.rounds.version_eval``).
 3. **Publish** (one short transaction, guarded by the claim token): the round closed with
    its figures, the checkpoint row, credit, the run's status and the next round, all from
    ``diloco.protocol.outcome.close_effects``. A worker whose claim was taken over publishes
    nothing.
+4. **Full files** (off the critical path: the next round is open): the version's parameters
+   and outer state committed, and the row marked (``server.rounds.full_files``, which also
+   rebuilds them when this process dies first). The next round's close waits for them.
 
 A close that fails is recorded on the round (``error_code``, ``error``) and tried again
 with backoff; it never stops another round's close. A close whose step used the work of a
@@ -30,7 +34,7 @@ import functools
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Executor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -45,7 +49,7 @@ from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
-from server.rounds import audit_draw, bans, claims, escrow, quarantine
+from server.rounds import audit_draw, bans, claims, escrow, full_files, quarantine
 from server.rounds import service as rounds_service
 from server.rounds.claims import BannedInStep, Claim, claim_next
 from server.rounds.close_inputs import pack_sample, read_inputs
@@ -89,26 +93,24 @@ async def close_claimed(
     on the round (retried later) instead of raised."""
     started = datetime.now(UTC)
     renewal = asyncio.create_task(claims.renew(sessions, settings, claim))
+    pending: full_files.Pending | None = None  # the version's full files, not yet committed
+    handed = False
     try:
         inputs, aggregated = await read_inputs(sessions, claim)
         faults.hit("close.claim")
-        result = await asyncio.get_running_loop().run_in_executor(
-            executor,
-            functools.partial(
-                apply_outer_step,
-                storage,
-                inputs,
-                faults=faults,
-            ),
-        )
+        step = functools.partial(apply_outer_step, storage, inputs, faults=faults)
+        result = await asyncio.get_running_loop().run_in_executor(executor, step)
+        pending = result.pending
         if result.files is None:
             assert result.decision is not None
             await _reopen(sessions, claim, result)
             return False
         kept = [a for a in aggregated if a.contribution_id not in result.excluded]
-        code = await _publish(sessions, claim, result, kept)
+        hold = datetime.now(UTC) + timedelta(seconds=settings.claim_ttl_s)
+        code = await _publish(sessions, claim, result, kept, hold)
         if code is not None:
             faults.hit("close.publish")
+        handed = code is not None  # published: its full files are committed next
     except asyncio.CancelledError:
         raise
     except BannedInStep as err:  # not a failure: computed again at once, without them
@@ -125,9 +127,18 @@ async def close_claimed(
         renewal.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await renewal
+        if pending is not None and not handed:
+            pending.discard()  # not published; or failed after publishing: a rebuild does it
     if code is None:
         return False
-    _observe(claim, code, result, (datetime.now(UTC) - started).total_seconds())
+    to_delta = (datetime.now(UTC) - started).total_seconds()
+    assert pending is not None
+    durable = await full_files.commit_published(
+        sessions=sessions, settings=settings, executor=executor, faults=faults,
+        run_id=claim.run_id, version=claim.index, pending=pending,
+    )  # fmt: skip
+    to_full = (datetime.now(UTC) - started).total_seconds() if durable else None
+    _observe(claim, code, result, to_delta, to_full)
     return True
 
 
@@ -136,10 +147,12 @@ async def _publish(
     claim: Claim,
     result: OuterResult,
     aggregated: list[Aggregated],
+    hold: datetime,
 ) -> str | None:
-    """closing -> closed, the version published and the next round open, in one short
-    transaction; the round's close code, or None when the claim is no longer ours."""
-    assert result.files is not None
+    """closing -> closed, the version published (its full files pending, held by this
+    process until ``hold``: ``server.rounds.full_files``) and the next round open, in one
+    short transaction; the round's close code, or None when the claim is no longer ours."""
+    assert result.files is not None and result.recipe is not None
     now = datetime.now(UTC)
     async with sessions() as session, session.begin():
         run = await runs_service.get(session=session, run_id=claim.run_id, lock="update")
@@ -187,7 +200,14 @@ async def _publish(
                 "while the step computed; computing it again without them"
             )
         await _exclude(session, result)
-        session.add(checkpoints_service.row_for(result.files, run_id=claim.run_id, eval_loss=None))
+        session.add(
+            checkpoints_service.row_for(
+                result.files,
+                run_id=claim.run_id,
+                eval_loss=None,
+                pending=(result.recipe.to_json(), hold),
+            )
+        )
         await _credit(session, claim.run_id, cfg.audit, result, effects.credit, now)
         await audit_draw.suspect_at_close(
             session, cfg, run_id=claim.run_id, median_cosines=_alignment(result), now=now
@@ -319,9 +339,17 @@ async def _reopen(
     log.warning("run %s: %s", claim.run_id, decision.reason)
 
 
-def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> None:
+def _observe(
+    claim: Claim, code: str, result: OuterResult, seconds: float, to_full: float | None
+) -> None:
+    """The close's figures: ``seconds`` from the claim to the version published (its delta
+    durable: the critical path), ``to_full`` to its full files durable (None: they failed,
+    a rebuild makes them)."""
     ROUNDS_CLOSED.labels(code).inc()
     CLOSE_SECONDS.observe(seconds)
+    CLOSE_STAGE_SECONDS.labels("to_delta").observe(seconds)
+    if to_full is not None:
+        CLOSE_STAGE_SECONDS.labels("to_full").observe(to_full)
     for stage, spent in result.seconds.items():
         CLOSE_STAGE_SECONDS.labels(stage).observe(spent)
     judged = (
@@ -329,14 +357,17 @@ def _observe(claim: Claim, code: str, result: OuterResult, seconds: float) -> No
         if result.judge_loss is None
         else f"judged {result.judge_loss:.4f} against the base's {result.base_judge_loss:.4f}"
     )
+    full = "failed: a rebuild makes them" if to_full is None else f"{to_full:.2f} s"
     log.info(
-        "run %s round %d closed (%s): %s, eval pending, update norm %.4g, %.2f s (attempt %d)",
+        "run %s round %d closed (%s): %s, eval pending, update norm %.4g, delta published in "
+        "%.2f s, full files durable %s (attempt %d)",
         claim.run_id,
         claim.index,
         code,
         judged,
         result.update_norm or float("nan"),
         seconds,
+        full,
         claim.attempt,
     )
 

@@ -37,6 +37,7 @@ from diloco.protocol.state import (
     RunStatus,
 )
 from server.auth import UNKNOWN_TOKEN, banned, banned_from_run, hash_token
+from server.checkpoints import service as checkpoints_service
 from server.http.errors import (
     HubError,
     Internal,
@@ -79,7 +80,8 @@ SELECT me.id AS contributor_id, run.status AS run_status, run.seed AS run_seed, 
        run.dataset_id, run.token_dtype,
        r.index, r.state, r.opened_at, r.deadline, r.extensions,
        l.id AS lease_id, l.shard, l.unit, l.seed, l.last_heartbeat, l.expires_at,
-       c.version, c.sha256, c.nbytes, run.invite_hash IS NOT NULL AS private,
+       c.version, c.sha256, c.nbytes, c.full_files_at IS NOT NULL AS full_durable,
+       run.invite_hash IS NOT NULL AS private,
        EXISTS (SELECT 1 FROM run_members m WHERE m.run_id = $3
                AND m.contributor_id = me.id) AS member,
        (SELECT b.reason FROM run_bans b WHERE b.run_id = $3
@@ -284,7 +286,6 @@ def lease_answer(
     shard = shards[lease["shard"]]
     version, index = row["version"], lease["shard"]
     dataset = row["dataset_id"]
-    checkpoint_key = keys.version(run_id, version).params
     return Lease(
         lease_id=lease["id"],
         run_id=run_id,
@@ -292,8 +293,8 @@ def lease_answer(
         base_version=rnd.base_version,
         checkpoint=CheckpointRef(
             version=version,
-            url=read_url(
-                settings, storage, checkpoint_key, f"{API}/runs/{run_id}/checkpoints/{version}"
+            url=checkpoints_service.params_url(
+                settings, storage, run_id=run_id, version=version, durable=row["full_durable"]
             ),
             sha256=row["sha256"],
             nbytes=row["nbytes"],

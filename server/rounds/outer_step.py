@@ -7,8 +7,9 @@ aggregate, outer step, int8 delta with error feedback, every step judged before 
 published — is ``diloco.outer.close.close_round``, the very code ``diloco simulate`` runs; here
 it reads the base version and the contributions staged from storage (on disk: the blobs'
 own files; on object storage: fetched to scratch, in parallel) and writes the version's
-three files where ``Stage.publish`` puts them in the store, durable before any row names
-them.
+three files where ``Stage.publish`` puts them in the store. The delta is durable before any
+row names it; the parameters and the outer state are handed back written, and committed
+after the version is published (``server.rounds.full_files``).
 
 The judge is a small fixed sample: the first ``[aggregation] judge_windows`` eval windows
 of the run's validation data (``server.checkpoints.evals.evaluate_file``), the same tokens
@@ -32,12 +33,13 @@ from diloco.config import RunConfig
 from diloco.data.text import lease_stream, read_lease_tokens
 from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
-from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
+from diloco.outer.close import Closed, CloseInputs, Upload, VersionPaths, close_round
 from diloco.outer.robust import Share
 from diloco.outer.scoring import Score, Windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.rounds import full_files
 from server.runs import data as run_data
 from server.storage import keys
 from server.storage.base import Storage
@@ -99,64 +101,57 @@ class OuterResult:
     base_judge_loss: float | None  # the base version's, on the same sample
     shares: dict[str, Share]  # what each aggregated contribution put in
     # by stage: load, pass (and its parts pass_read, pass_sum, pass_step, pass_write),
-    # judge, write (fsync and rename); tries added up
+    # judge, write (the delta's fsync and rename); tries added up
     seconds: dict[str, float]
     checks: dict[str, Check]  # every contribution's (diloco.outer.checks)
     change_sample: torch.Tensor | None  # the published change, sampled (None: no step)
+    # the version's parameters and outer state, written, not committed (None: no step)
+    pending: full_files.Pending | None = None
+    recipe: full_files.Recipe | None = None  # what a rebuild of them needs (None: no step)
 
 
 def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjector) -> OuterResult:
     """Stage the round's files, close it (``diloco.outer.close.close_round``: no files and
     a decision to reopen when too few contributions are left for a step, the unreadable or
-    the ones the guard blamed left out) and publish the version's files; no row is written
-    here."""
+    the ones the guard blamed left out) and put the version's delta into the store; the
+    parameters and the outer state come back written, not committed (``OuterResult.pending``:
+    the caller commits them after publishing, ``server.rounds.full_files``). No row is
+    written here."""
     at = keys.version(inputs.run_id, inputs.version)
-    with Stage(storage) as stage:
-        stage.inputs([inputs.base_params_key, inputs.base_state_key])
-        blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
-        own, score_sample = _score_data(storage, stage, inputs)
-        close = CloseInputs(
-            run_id=inputs.run_id,
-            version=inputs.version,
-            cfg=inputs.cfg,
-            base_params=stage.input(inputs.base_params_key),
-            base_state=stage.input(inputs.base_state_key),
-            uploads=[
-                Upload(c.id, blobs[c.blob_key], c.weight, c.norm, own.get(c.id), c.score)
-                for c in inputs.contributions
-            ],
-            history=inputs.history,
-            quorum=inputs.quorum,
-            out=VersionPaths(
-                stage.output(at.params), stage.output(at.state), stage.output(at.delta)
-            ),
-            check_seed=inputs.check_seed,
-            recent=inputs.recent,
-            score_sample=score_sample,
-        )
-        judge = _judge(storage, inputs)
-        base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
-        closed = close_round(close, evaluate=judge, base_judge_loss=base_loss, hit=faults.hit)
-        if closed.base_judge_loss is not None:  # measured by this close: kept for a retry
-            base_loss = closed.base_judge_loss
-            JUDGED.put(inputs.run_id, inputs.version - 1, base_loss)
+    stage = Stage(storage)
+    pending = None
+    try:
+        closed, base_loss = _close(storage, stage, inputs, at, faults)
         if not closed.committed:
             return OuterResult(
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
                 base_loss, {}, closed.seconds, closed.checks, None,
             )  # fmt: skip
-        assert closed.params_sha256 is not None and closed.delta_sha256 is not None
-        stage.publish()  # object storage: the three files go up, durable before any row names them
+        assert closed.pending is not None and closed.delta_sha256 is not None
+        assert closed.params_sha256 is not None
+        pending = full_files.Pending(stage, closed.pending, at)
+        stage.publish(
+            [at.delta]
+        )  # object storage: the delta goes up, durable before a row names it
+        faults.hit("close.write")
+    except BaseException:
+        if pending is not None:
+            pending.discard()
+        raise
+    finally:
+        if pending is None:
+            stage.close()
     files = checkpoints_service.version_files(
-        storage,
         run_id=inputs.run_id,
         version=inputs.version,
         sha256=closed.params_sha256,
+        nbytes=closed.pending.params.nbytes,
         delta_sha256=closed.delta_sha256,
+        delta_nbytes=closed.pending.delta.nbytes,
     )
     if closed.judge_loss is not None:  # the next close's base
         JUDGED.put(inputs.run_id, inputs.version, closed.judge_loss)
-    faults.hit("close.write")
+    kept = [(c.id, c.weight, c.norm) for c in inputs.contributions if c.id not in closed.excluded]
     return OuterResult(
         closed.excluded,
         closed.exclusion_codes,
@@ -169,7 +164,42 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         closed.seconds,
         closed.checks,
         closed.change_sample,
+        pending,
+        full_files.Recipe(kept, list(inputs.history)),
     )
+
+
+def _close(
+    storage: Storage, stage: Stage, inputs: StepInputs, at: keys.VersionKeys, faults: FaultInjector
+) -> tuple[Closed, float | None]:
+    """``close_round`` on the round's files, staged; and the base version's judging loss."""
+    stage.inputs([inputs.base_params_key, inputs.base_state_key])
+    blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
+    own, score_sample = _score_data(storage, stage, inputs)
+    close = CloseInputs(
+        run_id=inputs.run_id,
+        version=inputs.version,
+        cfg=inputs.cfg,
+        base_params=stage.input(inputs.base_params_key),
+        base_state=stage.input(inputs.base_state_key),
+        uploads=[
+            Upload(c.id, blobs[c.blob_key], c.weight, c.norm, own.get(c.id), c.score)
+            for c in inputs.contributions
+        ],
+        history=inputs.history,
+        quorum=inputs.quorum,
+        out=VersionPaths(stage.output(at.params), stage.output(at.state), stage.output(at.delta)),
+        check_seed=inputs.check_seed,
+        recent=inputs.recent,
+        score_sample=score_sample,
+    )
+    judge = _judge(storage, inputs)
+    base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
+    closed = close_round(close, evaluate=judge, base_judge_loss=base_loss, hit=faults.hit)
+    if closed.base_judge_loss is not None:  # measured by this close: kept for a retry
+        base_loss = closed.base_judge_loss
+        JUDGED.put(inputs.run_id, inputs.version - 1, base_loss)
+    return closed, base_loss
 
 
 def _score_data(

@@ -14,6 +14,8 @@ lease release may let a round close):
 4. **score**: the uploads of open rounds by the loss, one at a time as they arrive, on a
    thread of their own (``server.rounds.arrival_scores``): what the close would otherwise
    compute after the deadline.
+5. **rebuild**: a published version whose full files its closer did not make durable (it
+   died, or failed), one at a time, on the close threads (``server.rounds.full_files``).
 
 Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
 the guarded transitions and claims make each round close exactly once.
@@ -35,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Action, RoundState
-from server.rounds import arrival_scores, version_eval
+from server.rounds import arrival_scores, full_files, version_eval
 from server.rounds import service as rounds_service
 from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
@@ -62,6 +64,7 @@ class Sweeper:
         self._closing: set[asyncio.Task[bool]] = set()
         self._evaluating: asyncio.Task[None] | None = None
         self._scoring: asyncio.Task[None] | None = None
+        self._rebuilding: asyncio.Task[None] | None = None
         # the closes' compute, on threads of their own at a lower OS priority, so that the
         # requests this process serves meanwhile get the CPU first (no request waits on a
         # close); their GIL share is small: the compute is torch and file I/O
@@ -101,7 +104,8 @@ class Sweeper:
                 with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
         finally:
-            tasks = [*self._closing, *(t for t in (self._evaluating, self._scoring) if t)]
+            side = (self._evaluating, self._scoring, self._rebuilding)
+            tasks = [*self._closing, *(t for t in side if t)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -129,6 +133,8 @@ class Sweeper:
             task.add_done_callback(self._closed)
         if self._evaluating is None:
             self._evaluating = asyncio.create_task(self._evaluate(), name="evaluate")
+        if self._rebuilding is None:
+            self._rebuilding = asyncio.create_task(self._rebuild(), name="rebuild")
         if self._scoring is None and not self._closing:  # never beside a close: memory
             self._scoring = asyncio.create_task(self._score(), name="score")
 
@@ -143,6 +149,18 @@ class Sweeper:
             )
         finally:
             self._evaluating = None
+
+    async def _rebuild(self) -> None:
+        """Rebuild the full files of versions whose closer left them, one after the other."""
+        try:
+            await _drain(
+                "rebuilding full files",
+                lambda: full_files.finish_next(
+                    self.sessions, self.storage, self.settings, self.executor, self.faults
+                ),
+            )
+        finally:
+            self._rebuilding = None  # the mark notifies the round workers: a close waits
 
     async def _score(self) -> None:
         """Score arrived uploads, one after the other, while there are any and no close

@@ -6,7 +6,8 @@ with the eval loss pending (NULL); the round worker then measures it here
 round that published it. The dashboard shows "pending" in between. Any process of the round
 worker role may do it: one claims a pending version for ``EVAL_CLAIM_S``
 (``eval_claim_expires_at``), and a version whose evaluator died is claimed again once that
-expires; a failed eval is logged and tried again after ``close_retry_base_s``.
+expires; a failed eval is logged and tried again after ``close_retry_base_s``. A version
+whose parameters are not yet durable (``server.rounds.full_files``) waits for them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ async def evaluate_next(
             select(Checkpoint.run_id, Checkpoint.version)
             .where(
                 Checkpoint.eval_loss.is_(None),
+                Checkpoint.full_files_at.is_not(None),  # its parameters are durable
                 (Checkpoint.eval_claim_expires_at.is_(None))
                 | (Checkpoint.eval_claim_expires_at < now),
             )

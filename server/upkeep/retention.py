@@ -5,14 +5,17 @@
   milestone_every == 0``, version 0 included) loses its three files (parameters, outer
   state, delta); its row stays with ``files_deleted_at`` set and its downloads answer
   ``410 gone``. Never retired, whatever the policy says: the latest version, the base of a
-  round not yet closed (its close reads it), and a version whose eval loss is still pending
-  (``server.checkpoints.evals`` reads its parameters). ``keep_last = 0`` keeps every version.
+  round not yet closed (its close reads it), a version whose eval loss is still pending
+  (``server.checkpoints.evals`` reads its parameters), a version whose full files are still
+  pending and its base (``server.rounds.full_files`` rebuilds them from it).
+  ``keep_last = 0`` keeps every version.
 - A contribution's blob goes once its round is closed and ``contribution_grace_s`` has
   passed since; its row (sha256, nbytes, norm, payload_sha256...) stays with
   ``blob_deleted_at`` set, so the ledger can still be checked against what was recorded.
   An audited contribution's blob (``server.audits``) is kept while its audit is undecided,
   and for good once it failed (the evidence); once it passed it goes as any other. The base
-  version of an audit not yet decided is kept.
+  version of an audit not yet decided is kept. So are the blobs of a round whose version's
+  full files are pending (a rebuild reads them).
 
 The decision is the pure ``plan(now=..., ...)``; the janitor (``server.upkeep.janitor``) calls
 ``apply`` on each pass with the blobs it listed.
@@ -41,7 +44,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy import Exists, and_, exists, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import aliased
 
@@ -65,7 +68,7 @@ class Version:
     version: int
     keys: tuple[str, ...]  # its files: parameters, state and (from version 1) delta
     retired: bool = False  # files_deleted_at is set
-    eval_pending: bool = False
+    eval_pending: bool = False  # also while its full files are: its eval waits for them
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def keeps(
     if version >= latest:
         return "the latest version"
     if version in open_bases:
-        return "the base of a round not yet closed"
+        return "the base of a round not yet closed, an audit or a rebuild"
     if version > latest - policy.keep_last:
         return f"one of the last {policy.keep_last}"
     if policy.milestone_every and version % policy.milestone_every == 0:
@@ -114,6 +117,8 @@ def plan(
     """What one run's retention removes now. ``versions``: the run's checkpoint rows (the
     latest among them); ``open_bases``: base versions of its rounds not yet closed;
     ``blobs``: its contribution rows; ``present``: the keys now in the store."""
+    # open_bases also holds the bases of undecided audits and of versions whose full files
+    # are pending (server.rounds.full_files)
     latest = max((v.version for v in versions), default=0)
     retire: list[tuple[int, str]] = []
     finish: list[tuple[str, str]] = []
@@ -215,7 +220,8 @@ async def _versions(
     c = Checkpoint
     listed = list(present)
     rows = await session.execute(
-        select(c.version, c.params_key, c.state_key, c.delta_key, c.files_deleted_at, c.eval_loss)
+        select(c.version, c.params_key, c.state_key, c.delta_key, c.files_deleted_at)
+        .add_columns(c.eval_loss, c.full_files_at)
         .where(c.run_id == run_id)
         .where(
             c.files_deleted_at.is_(None)
@@ -229,9 +235,9 @@ async def _versions(
             version=v,
             keys=tuple(k for k in (params, state, delta) if k),
             retired=deleted is not None,
-            eval_pending=loss is None,
+            eval_pending=loss is None or full is None,
         )
-        for v, params, state, delta, deleted, loss in rows
+        for v, params, state, delta, deleted, loss, full in rows
     ]
     bases = await session.scalars(
         select(Round.base_version).where(Round.run_id == run_id, Round.state != "closed")
@@ -241,7 +247,10 @@ async def _versions(
             Audit.run_id == run_id, Audit.status.not_in(list(DECIDED))
         )
     )
-    return versions, set(bases) | set(audited)
+    rebuilt = await session.scalars(  # a rebuild of pending full files reads their base
+        select(c.version - 1).where(c.run_id == run_id, c.full_files_at.is_(None))
+    )
+    return versions, set(bases) | set(audited) | set(rebuilt)
 
 
 async def _blobs(
@@ -258,6 +267,7 @@ async def _blobs(
         .where(c.blob_deleted_at.is_(None) | c.blob_key.in_(list(present)))
         # an audit not yet decided replays it; a failed one keeps it as the evidence
         .where(~exists().where(Audit.contribution_id == c.id, Audit.status != AuditStatus.PASSED))
+        .where(~_rebuild_reads(c))
     )
     return [
         Blob(cid, key, closed_at if state == "closed" else None, retired=deleted is not None)
@@ -277,8 +287,15 @@ async def _mark_versions(
     marked = await session.execute(
         update(c)
         .where(c.run_id == run_id, c.version.in_(versions), c.files_deleted_at.is_(None))
-        .where(c.eval_loss.is_not(None))
+        .where(c.eval_loss.is_not(None), c.full_files_at.is_not(None))
         .where(exists().where(newer.run_id == run_id, newer.version > c.version))
+        .where(  # a rebuild of the next version's full files reads this one
+            ~exists().where(
+                newer.run_id == run_id,
+                newer.version == c.version + 1,
+                newer.full_files_at.is_(None),
+            )
+        )
         .where(
             ~exists().where(
                 Round.run_id == run_id, Round.state != "closed", Round.base_version == c.version
@@ -308,11 +325,22 @@ async def _mark_blobs(
                 Round.closed_at <= closed_by,
             )
         )
+        .where(~_rebuild_reads(c))
         .values(blob_deleted_at=now)
         .returning(c.id, c.blob_key)
         .execution_options(synchronize_session=False)
     )
     return [(cid, key) for cid, key in marked]
+
+
+def _rebuild_reads(c: type[Contribution]) -> Exists:
+    """The contribution's round published a version whose full files are still pending: a
+    rebuild of them reads its blob (``server.rounds.full_files``)."""
+    return exists().where(
+        Checkpoint.run_id == c.run_id,
+        Checkpoint.version == c.merged_into_round,
+        Checkpoint.full_files_at.is_(None),
+    )
 
 
 def _delete(storage: Storage, removals: Iterable[tuple[str, Sequence[str], str]]) -> None:
