@@ -1,14 +1,19 @@
 """Crashes and failures at every stage boundary of a close, with real server processes on a
 real Postgres, armed with the fault injector (``DILOCO_FAULTS``).
 
-For each stage (claim, aggregate, eval, write, publish): the server closing round 1 dies
-there (SIGKILL); a restarted server (no faults) finishes the round. Then:
+For each stage (claim, aggregate, eval, write: the delta durable, publish: the version
+published with its full files pending, full: its full files committed, the row not yet
+marked): the server closing round 1 dies there (SIGKILL); a restarted server (no faults)
+finishes the round, or, after publish, makes its full files durable (``server.rounds.
+full_files``: rebuilt from the stored uploads after publish, found and marked after full).
+Then:
 - the published parameters and the outer momentum are ``torch.equal`` to a reference
   computed in this process from the same uploads with the same library calls;
 - the step was applied once: one checkpoint row per version, round 2 trains from version 1;
 - every upload acknowledged with a 2xx is counted in the step and credited.
 And a close that *fails* at each stage in turn (an exception, not a crash) is recorded on
-the round, retried with backoff, and publishes the same bits in the end.
+the round, retried with backoff, and publishes the same bits in the end; so does a rebuild
+that fails, and one that dies (a third server finishes it).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from tests.support.live import ServerProcess, wait_for
 # Each a distinct position in the close. There is no "step" stage: the pass that aggregates
 # is the pass that steps (``close.step`` is hit right after ``close.aggregate``, with nothing
 # between), so killing there proved nothing the aggregate stage does not.
-STAGES = ["claim", "aggregate", "eval", "write", "publish"]
+STAGES = ["claim", "aggregate", "eval", "write", "publish", "full"]
+PUBLISHED = {"publish", "full"}  # the stages after the publishing transaction
+FAILING = STAGES[:-1]  # a close failing after it publishes never reaches "full"
 QUICK = {"claim_ttl_s": 2, "close_retry_base_s": 0.2, "close_retry_max_s": 0.5}
 
 
@@ -134,8 +141,10 @@ def test_a_server_killed_at_each_stage_of_a_close_publishes_the_exact_step_after
 
     # Assert: the exact step, once, with both uploads
     round1 = _assert_published_once_and_exact(http, survivor, database_url, run, expected)
-    if stage == "publish":  # it died after publishing: nothing was redone
+    if stage in PUBLISHED:  # it died after publishing: the close was not redone
         assert round1["close_attempts"] == 1 and round1["error"] is None
+        how = "rebuilt and committed" if stage == "publish" else "found committed"
+        assert f"version 1: full files {how}" in survivor.output()
     else:  # the restarted server took the dead one's claim over once it expired
         assert round1["close_attempts"] == 2
         assert round1["error"]["code"] == "claim_expired", round1
@@ -144,8 +153,9 @@ def test_a_server_killed_at_each_stage_of_a_close_publishes_the_exact_step_after
 def test_a_close_failing_at_each_stage_in_turn_is_retried_and_publishes_the_exact_step(
     database_url, tmp_path: Path, started
 ):
-    # Prepare: every stage fails once, so each attempt gets one stage further
-    faults = ",".join(f"close.{stage}=fail" for stage in STAGES)
+    # Prepare: every stage fails once, so each attempt gets one stage further; the last one
+    # fails once published, and the rebuild of its full files fails once too
+    faults = ",".join([*(f"close.{stage}=fail" for stage in FAILING), "full.rebuild=fail"])
     server = ServerProcess(
         data_dir=tmp_path / "srv", database_url=database_url, faults=faults, **QUICK
     )
@@ -160,13 +170,48 @@ def test_a_close_failing_at_each_stage_in_turn_is_retried_and_publishes_the_exac
     round1 = _assert_published_once_and_exact(
         http, server, database_url, run, reference_step(run, base, works)
     )
-    assert round1["close_attempts"] == len(STAGES), round1
+    assert round1["close_attempts"] == len(FAILING), round1
     assert round1["error"]["code"] == "injected_fault"
     assert (
         round1["error"]["detail"]
-        == f"attempt {len(STAGES) - 1}: InjectedFault: fault injected at close.write (hit 1)"
+        == f"attempt {len(FAILING) - 1}: InjectedFault: fault injected at close.write (hit 1)"
     )
     assert round1["error"]["retry_at"] is None  # closed: nothing left to retry
     log = server.output()
-    for attempt, stage in enumerate(STAGES[:-1], start=1):
+    for attempt, stage in enumerate(FAILING[:-1], start=1):
         assert f"attempt {attempt}: InjectedFault: fault injected at close.{stage}" in log
+    assert "rebuilding its full files failed (InjectedFault" in log
+    assert "version 1: full files rebuilt and committed" in log
+
+
+def test_a_rebuild_that_dies_is_finished_by_another_server_with_the_exact_step(
+    database_url, tmp_path: Path, started
+):
+    # Prepare: the closer dies once it has published (its full files never committed)
+    data_dir = tmp_path / "srv"
+    closer = ServerProcess(
+        data_dir=data_dir, database_url=database_url, faults="close.publish=die", **QUICK
+    )
+    started.append(closer)
+    http = closer.wait_ready().client()
+    run, base, works = _round_one_with_two_uploads(http)
+    expected = reference_step(run, base, works)
+    wait_for(lambda: not closer.alive(), timeout=90, what="the closer to die once published")
+
+    # Execute: a second server dies rebuilding them (the pass run again and checked, not
+    # committed); a third one, with no faults, rebuilds them again
+    rebuilder = ServerProcess(
+        data_dir=data_dir, database_url=database_url, faults="full.rebuild=die", **QUICK
+    )
+    started.append(rebuilder)
+    rebuilder.wait_ready()
+    wait_for(lambda: not rebuilder.alive(), timeout=90, what="the rebuilder to die")
+    assert "fault injected: dying at full.rebuild" in rebuilder.output()
+    survivor = ServerProcess(data_dir=data_dir, database_url=database_url, **QUICK)
+    started.append(survivor)
+    http = survivor.wait_ready().client()
+
+    # Assert: the exact step, once; the survivor rebuilt the files
+    round1 = _assert_published_once_and_exact(http, survivor, database_url, run, expected)
+    assert round1["close_attempts"] == 1 and round1["error"] is None
+    assert "version 1: full files rebuilt and committed" in survivor.output()

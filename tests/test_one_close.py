@@ -133,6 +133,8 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
             RUN, index, cfg, base.params, base.state, stored, list(history), 1, seed, recent
         )
         result = apply_outer_step(storage, inputs, faults=FaultInjector())
+        assert result.pending is not None
+        result.pending.commit()  # the server's closer commits them after publishing
         stepped = desk.close(versions, evaluate=judge, history=list(history), quorum=1)
 
         # Assert: the same guard decision, bit for bit the same version files

@@ -168,7 +168,7 @@ async def finish_next(
     hold = asyncio.create_task(_renew(sessions, settings, job.run_id, job.version))
     started = time.perf_counter()
     try:
-        await asyncio.get_running_loop().run_in_executor(
+        rebuilt = await asyncio.get_running_loop().run_in_executor(
             executor, _rebuild_and_commit, storage, job, faults
         )
     except asyncio.CancelledError:
@@ -186,7 +186,8 @@ async def finish_next(
             await hold
     await _mark(sessions, job.run_id, job.version)
     CLOSE_STAGE_SECONDS.labels("rebuild").observe(time.perf_counter() - started)
-    log.info("run %s version %d: full files rebuilt and committed", job.run_id, job.version)
+    how = "rebuilt and committed" if rebuilt else "found committed, not yet marked"
+    log.info("run %s version %d: full files %s", job.run_id, job.version, how)
     return True
 
 
@@ -219,11 +220,11 @@ async def _claim(session: AsyncSession, settings: Settings, now: datetime) -> _J
     return _Job(row.run_id, row.version, cfg, row, base, blobs, recipe.history)
 
 
-def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> None:
-    """The version's full files in the store: rebuilt and committed, or found there."""
+def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> bool:
+    """The version's full files in the store: rebuilt and committed (True), or found there."""
     at = keys.version(job.run_id, job.version)
     if storage.exists(at.params) and storage.exists(at.state):  # committed, not yet marked
-        return
+        return False
     with Stage(storage) as stage, tempfile.TemporaryDirectory(dir=storage.scratch_dir) as tmp:
         paths = stage.inputs([job.base.params_key, job.base.state_key])
         blobs = stage.inputs([key for _, key, _, _ in job.blobs], missing_ok=True)
@@ -248,6 +249,7 @@ def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> N
             stage.publish([at.params, at.state])
         finally:
             out.abort()
+    return True
 
 
 async def _mark(sessions: async_sessionmaker[AsyncSession], run_id: str, version: int) -> None:

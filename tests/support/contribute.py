@@ -117,7 +117,9 @@ class Work:
 
 
 def fetch_params(http: httpx.Client, url: str) -> dict[str, torch.Tensor]:
-    r = http.get(url)
+    """A version's parameters: a lease's URL is the bucket's, or this server's while they
+    are pending (it redirects to the bucket once they are durable)."""
+    r = http.get(url, follow_redirects=True)
     assert r.status_code == 200, r.text
     return safetensors_load(r.content)
 

@@ -164,8 +164,30 @@ class ServerProcess(Proc):
         wait_healthy(self, self.url, timeout=timeout)
         return self
 
-    def client(self, timeout: float = 60) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+    def client(self, timeout: float = 60, *, wait_pending: bool = True) -> httpx.Client:
+        """A client of this server. ``wait_pending``: it waits out ``503 checkpoint_pending``
+        (a version's parameters in the moments between its publishing and their commit:
+        ``server.rounds.full_files``) as the volunteer client does, only sooner than its
+        Retry-After; a test about that answer turns it off."""
+        transport = _WaitsPending() if wait_pending else None
+        return httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+
+
+class _WaitsPending(httpx.HTTPTransport):
+    """Asks again, every 50 ms for up to a minute, while the answer is ``503
+    checkpoint_pending``."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        deadline = time.monotonic() + 60
+        while True:
+            response = super().handle_request(request)
+            if response.status_code != 503 or time.monotonic() > deadline:
+                return response
+            response.read()
+            if b'"checkpoint_pending"' not in response.content:
+                return response
+            response.close()
+            time.sleep(0.05)
 
 
 def admin_headers() -> dict[str, str]:
