@@ -19,6 +19,8 @@ that fails, and one that dies (a third server finishes it).
 from __future__ import annotations
 
 import asyncio
+import secrets
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +31,13 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from server.storage import keys
+from server.storage.base import Storage, open_storage
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
     Work,
     create_run,
+    fetch_params,
     read_outer_state,
     reference_step,
     register,
@@ -84,8 +88,17 @@ def _round_one_with_two_uploads(http: httpx.Client) -> tuple[dict, dict, list[Wo
     return run, base, works
 
 
+def _state_file(store: Storage | ServerProcess, key: str) -> Path:
+    """Where the outer state is: the server's data dir, or fetched from the bucket."""
+    if isinstance(store, ServerProcess):
+        return store.data_dir / "blobs" / key
+    dest = Path(tempfile.mkdtemp(prefix="crash-state-")) / "state.safetensors"
+    store.fetch(key, dest)
+    return dest
+
+
 def _assert_published_once_and_exact(
-    http: httpx.Client, server: ServerProcess, database_url: str, run: dict, expected
+    http: httpx.Client, store: Storage | ServerProcess, database_url: str, run: dict, expected
 ) -> dict:  # type: ignore[no-untyped-def]
     run_id = run["id"]
     wait_for(
@@ -94,11 +107,11 @@ def _assert_published_once_and_exact(
         what="round 1 to be published",
     )
     # the parameters volunteers download, and the state a restart continues from
-    published = safetensors_load(http.get(f"{API}/runs/{run_id}/checkpoints/1").content)
+    published = fetch_params(http, f"{API}/runs/{run_id}/checkpoints/1")
     assert published.keys() == expected.params.keys()
     for name, tensor in expected.params.items():
         assert torch.equal(published[name], tensor), name
-    state = read_outer_state(server.data_dir / "blobs" / keys.version(run_id, 1).state)
+    state = read_outer_state(_state_file(store, keys.version(run_id, 1).state))
     assert state.momentum.keys() == state.residual.keys() == expected.params.keys()
     for name in expected.params:
         assert torch.equal(state.momentum[name], expected.momentum[name]), name
@@ -184,34 +197,42 @@ def test_a_close_failing_at_each_stage_in_turn_is_retried_and_publishes_the_exac
     assert "version 1: full files rebuilt and committed" in log
 
 
+@pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_rebuild_that_dies_is_finished_by_another_server_with_the_exact_step(
-    database_url, tmp_path: Path, started
+    backend: str, request: pytest.FixtureRequest, database_url, tmp_path: Path, started
 ):
-    # Prepare: the closer dies once it has published (its full files never committed)
+    # Prepare: three servers, each with a scratch dir of its own (three hosts), on disk or
+    # on the bucket; the closer dies once it has published: its full files, written in its
+    # scratch dir or beside their keys, are never committed
+    settings: dict[str, object] = dict(QUICK)
+    if backend == "s3":
+        request.getfixturevalue("s3_env")
+        bucket = request.getfixturevalue("s3_server").bucket
+        settings["storage"] = f"s3://{bucket}/rebuild-{secrets.token_hex(4)}"
     data_dir = tmp_path / "srv"
-    closer = ServerProcess(
-        data_dir=data_dir, database_url=database_url, faults="close.publish=die", **QUICK
-    )
-    started.append(closer)
-    http = closer.wait_ready().client()
+    store = open_storage(str(settings.get("storage", "")), data_dir / "blobs")
+
+    def server(host: str, faults: str = "") -> ServerProcess:
+        proc = ServerProcess(data_dir=data_dir, database_url=database_url, faults=faults,
+                             scratch_dir=tmp_path / host, **settings)  # fmt: skip
+        started.append(proc)
+        return proc.wait_ready()
+
+    closer = server("a", "close.publish=die")
+    http = closer.client()
     run, base, works = _round_one_with_two_uploads(http)
     expected = reference_step(run, base, works)
     wait_for(lambda: not closer.alive(), timeout=90, what="the closer to die once published")
 
     # Execute: a second server dies rebuilding them (the pass run again and checked, not
     # committed); a third one, with no faults, rebuilds them again
-    rebuilder = ServerProcess(
-        data_dir=data_dir, database_url=database_url, faults="full.rebuild=die", **QUICK
-    )
-    started.append(rebuilder)
-    rebuilder.wait_ready()
+    rebuilder = server("b", "full.rebuild=die")
     wait_for(lambda: not rebuilder.alive(), timeout=90, what="the rebuilder to die")
     assert "fault injected: dying at full.rebuild" in rebuilder.output()
-    survivor = ServerProcess(data_dir=data_dir, database_url=database_url, **QUICK)
-    started.append(survivor)
-    http = survivor.wait_ready().client()
+    survivor = server("c")
+    http = survivor.client()
 
     # Assert: the exact step, once; the survivor rebuilt the files
-    round1 = _assert_published_once_and_exact(http, survivor, database_url, run, expected)
+    round1 = _assert_published_once_and_exact(http, store, database_url, run, expected)
     assert round1["close_attempts"] == 1 and round1["error"] is None
     assert "version 1: full files rebuilt and committed" in survivor.output()

@@ -121,8 +121,8 @@ def publish(
     _sql(
         hub,
         "INSERT INTO checkpoints (run_id, version, params_key, state_key, sha256, nbytes, "
-        "eval_loss, delta_key, delta_sha256, delta_nbytes) "
-        "VALUES ($1, $2, $3, $3, $4, $5, 1.0, $6, $7, $8)",
+        "eval_loss, delta_key, delta_sha256, delta_nbytes, full_files_at) "
+        "VALUES ($1, $2, $3, $3, $4, $5, 1.0, $6, $7, $8, now())",
         run_id, version, params_key, sha, nbytes,
         delta_key if delta else None, delta_sha if delta else None, delta_nbytes,
     )  # fmt: skip

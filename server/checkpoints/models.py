@@ -67,4 +67,4 @@ class Checkpoint(Base):
     full_claim_expires_at: Mapped[datetime | None] = mapped_column(default=None)
     # what a rebuild of them needs besides the run's config and the base version
     # (server.rounds.full_files.Recipe); None for version 0
-    rebuild: Mapped[dict | None] = mapped_column(JSON, default=None)
+    rebuild: Mapped[dict | None] = mapped_column(JSON(none_as_null=True), default=None)

@@ -197,6 +197,7 @@ async def _claim(session: AsyncSession, settings: Settings, now: datetime) -> _J
         select(c)
         .where(
             c.full_files_at.is_(None),
+            c.rebuild.is_not(None),  # a close's version (there is no other pending kind)
             c.full_claim_expires_at.is_(None) | (c.full_claim_expires_at < now),
         )
         .order_by(c.created_at)
@@ -208,7 +209,7 @@ async def _claim(session: AsyncSession, settings: Settings, now: datetime) -> _J
     row.full_claim_expires_at = now + timedelta(seconds=settings.claim_ttl_s)
     run = await runs_service.get(session=session, run_id=row.run_id)
     base = await session.get_one(Checkpoint, (row.run_id, row.version - 1))
-    assert row.rebuild is not None, "only a close publishes a version with pending files"
+    assert row.rebuild is not None
     recipe = Recipe.from_json(row.rebuild)
     ids = [cid for cid, _, _ in recipe.contributions]
     blob_keys = dict(
@@ -225,6 +226,8 @@ def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> b
     at = keys.version(job.run_id, job.version)
     if storage.exists(at.params) and storage.exists(at.state):  # committed, not yet marked
         return False
+    if storage.scratch_dir is not None:  # the rebuilt delta's, checked then dropped
+        storage.scratch_dir.mkdir(parents=True, exist_ok=True)
     with Stage(storage) as stage, tempfile.TemporaryDirectory(dir=storage.scratch_dir) as tmp:
         paths = stage.inputs([job.base.params_key, job.base.state_key])
         blobs = stage.inputs([key for _, key, _, _ in job.blobs], missing_ok=True)
