@@ -343,3 +343,61 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
     assert 3 <= removed("retired_leftover") - before["retired_leftover"] <= 6  # v1's three
     assert removed("retired_contribution") - before["retired_contribution"] == 6
     assert retired_versions(database_url, run_id) == RETIRED
+
+
+def test_a_version_whose_full_files_are_pending_keeps_its_base_and_its_blobs(
+    database_url: str, tmp_path: Path
+) -> None:
+    # Prepare: six rounds closed and evaluated, the server stopped; then version 5 as its
+    # closer would leave it had it died after publishing: its full files pending
+    # (server.rounds.full_files), so a rebuild will read version 4 and round 5's upload
+    server = ServerProcess(
+        data_dir=tmp_path / "srv", database_url=database_url, janitor_interval_s=600
+    )
+    store = LocalStorage(tmp_path / "srv" / "blobs")
+    config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
+    config["retention"] = POLICY
+    config["audit"] = {"fraction": 0.0}
+    try:
+        server.wait_ready()
+        with server.client() as http:
+            run_id = create_run(http, config)["id"]
+            close_rounds(http, register(http, "steady"), run_id, 6)
+        query = "SELECT count(*) AS n FROM checkpoints WHERE run_id = $1 AND eval_loss IS NULL"
+        wait_for(lambda: rows(database_url, query, run_id)[0]["n"] == 0, timeout=60, what="evals")
+    finally:
+        server.stop()
+    pending = (
+        'UPDATE checkpoints SET full_files_at = NULL, rebuild = \'{"contributions": [], '
+        '"history": []}\' WHERE run_id = $1 AND version = 5 RETURNING version'
+    )
+    assert len(rows(database_url, pending, run_id)) == 1
+    prefix = f"runs/{run_id}/"
+
+    # Execute: a retention pass
+    async def one_pass() -> None:
+        engine = make_engine(database_url)
+        try:
+            present = {b.key for b in store.list_blobs("runs/")}
+            now = datetime.now(UTC)
+            await retention.apply(make_sessionmaker(engine), store, present=present, now=now)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(one_pass())
+
+    # Assert: version 4 (its base, otherwise retired) and 5 kept, 1 and 2 retired as the
+    # policy says; round 5's blob kept, the other rounds' retired (no grace)
+    assert retired_versions(database_url, run_id) == [
+        (0, False), (1, True), (2, True), (3, False), (4, False), (5, False), (6, False)
+    ]  # fmt: skip
+    assert store.exists(f"{prefix}checkpoints/4.safetensors")
+    blobs = rows(
+        database_url,
+        "SELECT merged_into_round AS r, blob_deleted_at IS NOT NULL AS gone FROM contributions "
+        "WHERE run_id = $1 ORDER BY merged_into_round",
+        run_id,
+    )
+    assert [(b["r"], b["gone"]) for b in blobs] == [
+        (1, True), (2, True), (3, True), (4, True), (5, False), (6, True)
+    ]  # fmt: skip
