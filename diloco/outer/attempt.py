@@ -26,6 +26,7 @@ from diloco.checkpoint import (
 from diloco.config import RunConfig
 from diloco.outer.checks import RecentChange, RoundFigures, Sampler, Sampling
 from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.outer.exact import Terms
 from diloco.outer.robust import (
     Share,
     centre_pulls,
@@ -146,8 +147,9 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
     on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
     policy = inputs.cfg.aggregation
     norms = {u.id: u.norm for u in kept}
-    total = sum(u.weight for u in kept)
+    total = math.fsum(u.weight for u in kept)  # exact: the same in any order
     _, clip = clip_factors(norms, inputs.history, policy)
+    terms = Terms.of([u.weight * clip[u.id] for u in kept], list(norms.values()), total)
     coefficients = [u.weight * clip[u.id] / total for u in kept]
     n_params = sum(math.prod(shape) for shape in base.shapes.values())
     sampler = Sampler(
@@ -177,19 +179,20 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
             uploads = open_uploads()
             if policy.method != "centered_clip":
                 result = run_pass(
-                    uploads, coefficients, base.shapes, align=align, step=step, sampler=sampler
+                    uploads, terms, base.shapes, align=align, step=step, sampler=sampler
                 )
                 dots, v_sq, factors = result.dots, result.g_sq, clip
             else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
                 first = run_pass(
-                    uploads, coefficients, base.shapes, align=align, keep=True, sampler=sampler
+                    uploads, terms, base.shapes, align=align, keep=True, sampler=sampler
                 )
                 dots, v_sq = first.dots, first.g_sq
                 factors = centre_pulls(distances(norms, dots, v_sq))
-                pulls = [u.weight * factors[u.id] / total for u in kept]
-                centre = (first.kept, 1.0 - sum(pulls))
+                pulls = [u.weight * factors[u.id] for u in kept]
+                centre = (first.kept, 1.0 - math.fsum(pulls) / total)
+                pulled = Terms.of(pulls, list(norms.values()), total)
                 result = run_pass(
-                    open_uploads(), pulls, base.shapes, align=align, center=centre, step=step
+                    open_uploads(), pulled, base.shapes, align=align, center=centre, step=step
                 )
             out.params.settle()  # before its hashing thread goes
         except BaseException:

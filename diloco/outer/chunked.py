@@ -2,7 +2,8 @@
 
 For each chunk of each parameter (a whole number of int8 blocks) the pass reads the
 round's stored uploads (``os.preadv`` into small reusable buffers, never the whole
-blob), dequantises and sums them with their coefficients, measures each one's dot product
+blob), dequantises them and sums them exactly with their weights (``diloco.outer.exact``:
+the same bits in any order), measures each one's dot product
 with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
 error feedback (``diloco.wire.delta``) and writes the new parameters, momentum, residual and
 compressed delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
@@ -34,7 +35,9 @@ from pathlib import Path
 import torch
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
+from diloco.outer import exact
 from diloco.outer.checks import Sampler
+from diloco.outer.exact import Terms
 from diloco.outer.robust import SourceUnreadable
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
@@ -274,7 +277,7 @@ def _range_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def run_pass(
     uploads: Sequence[UploadFile],
-    coefficients: Sequence[float],
+    terms: Terms,
     shapes: Shapes,
     *,
     align: int,
@@ -283,12 +286,15 @@ def run_pass(
     keep: bool = False,
     sampler: Sampler | None = None,
 ) -> PassResult:
-    """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
-    the new version's files from g; with ``keep``, g itself (memory O(model)); with
-    ``sampler``, each upload's values at its sampled coordinates (``diloco.outer.checks``)."""
+    """g = Σ wᵢcᵢΔᵢ / W (+ α·center) over every parameter, summed exactly
+    (``diloco.outer.exact``: ``terms``); with ``step``, the outer step and the new version's
+    files from g; with ``keep``, g itself (memory O(model)); with ``sampler``, each upload's
+    values at its sampled coordinates (``diloco.outer.checks``)."""
     chunk = chunk_elements(len(uploads), align)
     decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
+    acc_buf = torch.empty(chunk, dtype=torch.float64)  # the chunk's sum of terms
+    term_buf = torch.empty(chunk, dtype=torch.float64)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
     result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
     order = uploads[0].order if uploads else list(shapes)  # the uploads' file order
@@ -299,18 +305,19 @@ def run_pass(
             u.start_tensor(name, numel)
         kept = torch.empty(numel, dtype=torch.float32) if keep else None
         for start, n in _range_chunks(numel, chunk):
-            g = g_buf[:n].zero_()
+            acc = acc_buf[:n].zero_()
             xs = []
             t = time.perf_counter()
-            for u, c, buf in zip(uploads, coefficients, decoded, strict=True):
+            for u, factor, buf in zip(uploads, terms.factors, decoded, strict=True):
                 q = u.chunk(name, start, n)
                 t = result.lap("read", t)
                 x = u.decode_into(q, start, buf[:n])
-                g.add_(x, alpha=c)
+                exact.add_term(acc, x, factor, term_buf[:n])
                 if sampler is not None:
                     sampler.upload(u.id, name, start, x)
                 t = result.lap("sum", t)
                 xs.append(x)
+            g = exact.value_into(g_buf[:n], acc, terms.scale, term_buf[:n])
             if center is not None:
                 g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
             for u, x in zip(uploads, xs, strict=True):
