@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -215,6 +216,12 @@ class UploadFile:
             self._fd = -1
 
 
+class FoldedSum(Protocol):
+    """A sum of terms taken before the pass (``diloco.outer.fold.SumReader``)."""
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class Hyper:
     lr: float
@@ -285,11 +292,14 @@ def run_pass(
     step: Step | None = None,
     keep: bool = False,
     sampler: Sampler | None = None,
+    folded: FoldedSum | None = None,
 ) -> PassResult:
     """g = Σ wᵢcᵢΔᵢ / W (+ α·center) over every parameter, summed exactly
     (``diloco.outer.exact``: ``terms``); with ``step``, the outer step and the new version's
     files from g; with ``keep``, g itself (memory O(model)); with ``sampler``, each upload's
-    values at its sampled coordinates (``diloco.outer.checks``)."""
+    values at its sampled coordinates (``diloco.outer.checks``); with ``folded``, the sum of
+    the terms starts from it (``diloco.outer.fold``: the terms of uploads folded as they
+    arrived) instead of from zero."""
     chunk = chunk_elements(len(uploads), align)
     decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
@@ -305,7 +315,11 @@ def run_pass(
             u.start_tensor(name, numel)
         kept = torch.empty(numel, dtype=torch.float32) if keep else None
         for start, n in _range_chunks(numel, chunk):
-            acc = acc_buf[:n].zero_()
+            acc = acc_buf[:n]
+            if folded is None:
+                acc.zero_()
+            else:
+                folded.read_into(name, start, acc)
             xs = []
             t = time.perf_counter()
             for u, factor, buf in zip(uploads, terms.factors, decoded, strict=True):
@@ -318,6 +332,8 @@ def run_pass(
                 t = result.lap("sum", t)
                 xs.append(x)
             g = exact.value_into(g_buf[:n], acc, terms.scale, term_buf[:n])
+            if sampler is not None:
+                sampler.total(name, start, g)
             if center is not None:
                 g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
             for u, x in zip(uploads, xs, strict=True):

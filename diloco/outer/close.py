@@ -46,10 +46,12 @@ import torch
 from diloco.outer.attempt import (
     Base,
     CloseInputs,
+    Folding,
     StageClock,
     Tried,
     Upload,
     VersionPaths,
+    folding,
     open_base,
     try_step,
 )
@@ -66,7 +68,7 @@ from diloco.protocol.state import Action, Decision, StepVerdict
 
 log = logging.getLogger("diloco.rounds")
 
-__all__ = ["CloseInputs", "Closed", "Upload", "VersionPaths", "close_round"]
+__all__ = ["CloseInputs", "Closed", "Folding", "Upload", "VersionPaths", "close_round", "folding"]
 
 
 @dataclass(frozen=True)
