@@ -41,6 +41,7 @@ POINTS = frozenset(
         "close.publish",  # the transaction that publishes the version has committed
         "eval.version",  # a published version's eval loss is about to be measured
         "score.arrival",  # an arrived upload is about to be scored by the loss
+        "fold.arrival",  # an arrived upload is about to be folded into its round's sum
         "volunteer.upload",  # a volunteer is about to upload its contribution
         "volunteer.step",  # a volunteer finished an inner step (in its training thread)
     }

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from diloco.config import parse_config
-from diloco.protocol.late import late_weight
+from diloco.protocol.reputation import counted_weight
 from diloco.wire import delta as deltas
 from tests.support.contribute import API, read_outer_state, reference_close
 from tests.support.corpora import TINYSHAKESPEARE
@@ -102,7 +102,7 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
     blobs = server.data_dir / "blobs"
     uploads = rows(
         database_url,
-        "SELECT round_index, blob_key, weight, staleness, norm FROM contributions "
+        "SELECT round_index, blob_key, weight, staleness, standing, norm FROM contributions "
         "WHERE run_id = $1 AND aggregated_at IS NOT NULL ORDER BY created_at, id",
         run_id,
     )
@@ -132,9 +132,13 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
         base = load_file(folder / f"{v - 1}.safetensors")
         state = read_outer_state(folder / f"{v - 1}.state.safetensors") if v > 1 else None
         mine = [u for u in uploads if u["round_index"] == v]
-        # each weighed as the server counts it (late_weight: none was late here)
+        # each weighed as the server counts it (counted_weight: its staleness, its
+        # contributor's standing then); the exact sum's grid depends on the weights themselves
         bodies = [
-            ((blobs / u["blob_key"]).read_bytes(), float(late_weight(u["weight"], u["staleness"])))
+            (
+                (blobs / u["blob_key"]).read_bytes(),
+                float(counted_weight(u["weight"], u["staleness"], u["standing"] or 1.0)),
+            )
             for u in mine
         ]
         want = reference_close(cfg, base, bodies, round=v, state=state, history=history)

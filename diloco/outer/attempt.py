@@ -134,6 +134,7 @@ class Tried:
     shares: dict[str, Share]
     figures: RoundFigures  # what the checks read
     change_sample: torch.Tensor
+    folded: int = 0  # kept uploads whose terms were summed on arrival (diloco.outer.fold)
 
 
 def open_base(inputs: CloseInputs) -> Base:
@@ -240,7 +241,8 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         recent=list(inputs.recent),
         reference=reference_norm(list(norms.values()), inputs.history, policy),
     )
-    return Tried(out, result, shares, figures, sampler.changes())
+    on_arrival = sum(1 for i in summing.folded_ids if i in norms)
+    return Tried(out, result, shares, figures, sampler.changes(), on_arrival)
 
 
 @dataclass(frozen=True)

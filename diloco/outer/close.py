@@ -93,6 +93,7 @@ class Closed:
     # the published change θ_new − θ_base where the round sampled (check_seed), for the next
     # rounds' copy check; None when not committed
     change_sample: torch.Tensor | None
+    folded: int = 0  # of the published step's uploads, those summed on arrival
 
 
 def close_round(
@@ -198,6 +199,7 @@ def _close(
         clock.seconds,
         out.final_checks(),
         tried.change_sample,
+        tried.folded,
     )
 
 

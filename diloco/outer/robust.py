@@ -29,6 +29,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from diloco.wire.contribution import (
     ContributionDecoder,
     WireFormatError,
 )
+
+if TYPE_CHECKING:
+    from diloco.outer.fold import FoldPlan
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -84,10 +88,9 @@ def _tensors(source: Source, shapes: Shapes, codec: dict) -> Iterator[tuple[str,
 
 
 def _exact_sum(
-    sources: Sequence[Source], scaled: Sequence[float], total: float, shapes: Shapes, codec: dict
+    sources: Sequence[Source], terms: Terms, shapes: Shapes, codec: dict
 ) -> dict[str, torch.Tensor]:
-    """Σ scaledᵢ·Δᵢ / total, summed exactly as the chunked pass sums (``diloco.outer.exact``)."""
-    terms = Terms.of(scaled, [s.norm for s in sources], total)
+    """Σ termsᵢ · scale, summed exactly as the chunked pass sums (``diloco.outer.exact``)."""
     acc = {n: torch.zeros(math.prod(shape), dtype=torch.float64) for n, shape in shapes.items()}
     for source, factor in zip(sources, terms.factors, strict=True):
         seen = 0
@@ -181,19 +184,28 @@ def robust_aggregate(
     codec: dict,
     policy: AggregationSection,
     history: Sequence[float] = (),
+    fold: FoldPlan | None = None,
 ) -> Aggregate:
-    """The round's update from ``sources`` as ``policy.method`` says (module docstring).
-    Raises ``SourceUnreadable`` for the first source that cannot be read back; the caller
-    leaves it out and calls again."""
+    """The round's update from ``sources`` as ``policy.method`` says (module docstring);
+    a folded round's (``fold``: ``diloco.outer.fold``) clips against its plan's limit and sums
+    on its grid. Raises ``SourceUnreadable`` for the first source that cannot be read back;
+    the caller leaves it out and calls again."""
     if not sources:
         raise AggregationError("no contributions to aggregate")
     total_weight = math.fsum(s.weight for s in sources)
     if not total_weight > 0:
         raise AggregationError("the contributions' weights add up to nothing")
-    ref, clip = clip_factors({s.id: s.norm for s in sources}, history, policy)
+    norms = [s.norm for s in sources]
+    if fold is None:
+        ref, clip = clip_factors({s.id: s.norm for s in sources}, history, policy)
+        scaled = [s.weight * clip[s.id] for s in sources]
+        terms = Terms.of(scaled, norms, total_weight)
+    else:
+        ref, clip = fold.limit / policy.clip_multiple, {s.id: fold.clip(s.norm) for s in sources}
+        terms = fold.terms([s.weight for s in sources], norms, total_weight)
 
     # pass 1: v = Σ wᵢ cᵢ Δᵢ / Σ wᵢ
-    v = _exact_sum(sources, [s.weight * clip[s.id] for s in sources], total_weight, shapes, codec)
+    v = _exact_sum(sources, terms, shapes, codec)
 
     # pass 2: each one's dot product with v: its cosine, and (centred clipping) its distance
     v_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in v.values())
@@ -213,7 +225,7 @@ def robust_aggregate(
     # pass 3: v + Σ wᵢ sᵢ (Δᵢ − v) / Σ wᵢ, sᵢ = min(1, τ / ‖Δᵢ − v‖), τ the median distance
     pull = centre_pulls(dist)
     pulls = [s.weight * pull[s.id] for s in sources]
-    moved = _exact_sum(sources, pulls, total_weight, shapes, codec)
+    moved = _exact_sum(sources, Terms.of(pulls, norms, total_weight), shapes, codec)
     kept = math.fsum(pulls) / total_weight
     for name, centre in v.items():
         moved[name].add_(centre, alpha=1.0 - kept)  # v + Σ wᵢsᵢΔᵢ/W − (Σ wᵢsᵢ/W) v

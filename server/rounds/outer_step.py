@@ -32,12 +32,14 @@ from diloco.config import RunConfig
 from diloco.data.text import lease_stream, read_lease_tokens
 from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
-from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round
+from diloco.outer.close import CloseInputs, Upload, VersionPaths, close_round, folding
 from diloco.outer.robust import Share
 from diloco.outer.scoring import Score, Windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.metrics import CLOSE_FOLDED
+from server.rounds.fold_sums import folds_for
 from server.runs import data as run_data
 from server.storage import keys
 from server.storage.base import Storage
@@ -111,7 +113,9 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     the ones the guard blamed left out) and publish the version's files; no row is written
     here."""
     at = keys.version(inputs.run_id, inputs.version)
-    with Stage(storage) as stage:
+    folds = folds_for(storage)
+    folder = folds.folder(inputs.run_id, inputs.version)
+    with folds.lock(inputs.run_id, inputs.version), Stage(storage) as stage:
         stage.inputs([inputs.base_params_key, inputs.base_state_key])
         blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
         own, score_sample = _score_data(storage, stage, inputs)
@@ -133,10 +137,12 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             check_seed=inputs.check_seed,
             recent=inputs.recent,
             score_sample=score_sample,
+            fold=folding(inputs.cfg, inputs.history, folder if folder.exists() else None),
         )
         judge = _judge(storage, inputs)
         base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
         closed = close_round(close, evaluate=judge, base_judge_loss=base_loss, hit=faults.hit)
+        CLOSE_FOLDED.inc(closed.folded)
         if closed.base_judge_loss is not None:  # measured by this close: kept for a retry
             base_loss = closed.base_judge_loss
             JUDGED.put(inputs.run_id, inputs.version - 1, base_loss)

@@ -21,6 +21,7 @@ from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
 from diloco.config import RunConfig, parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
+from diloco.outer.fold import FoldPlan
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.outer.robust import Source, robust_aggregate
@@ -256,7 +257,7 @@ def reference_close(
     round ``round``'s lr from the base version's momentum and residual (``state``; none for
     round 1), published through the run's delta codec (``diloco.wire.delta``). ``history``:
     the norms of the run's earlier aggregated contributions, the clipping's reference in a
-    small round."""
+    small round, and a folded round's (``diloco.outer.fold``)."""
     shapes = {n: tuple(p.shape) for n, p in base.items()}
     codec = codec_for(cfg.compression).describe()
     sources = []
@@ -267,8 +268,9 @@ def reference_close(
             inspector.add(name, tensor)
         sources.append(Source(str(i), float(weight), inspector.norm, lambda body=body: [body]))
     aggregate = robust_aggregate(
-        sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=list(history)
-    )
+        sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=list(history),
+        fold=FoldPlan.of_run(cfg, history),
+    )  # fmt: skip
     return outer_reference(
         base,
         aggregate.delta,
