@@ -208,3 +208,21 @@ def test_a_build_is_kept_and_found_again(tmp_path):
 
     assert again == first and again.stat().st_mtime_ns == made
     assert [p.name for p in Path(tmp_path).iterdir()] == [first.name]  # no temp left behind
+
+
+def test_the_step_the_pass_calls_takes_the_kernel_for_int8_with_the_plain_bits(lib, monkeypatch):
+    values = kernels.awkward_chunk(3 * 64 + 5, seed=7)
+    results = []
+    for loaded in (lib, None):
+        monkeypatch.setattr(kernels, "library", lambda loaded=loaded: loaded)
+        work = [values[k].clone() for k in ("theta", "m", "r")] + [torch.empty(197) for _ in "ud"]
+
+        done = kernels.step(Hyper(0.7, 0.9, True), Int8Codec(64), values["g"], work,
+                            has_momentum=True)  # fmt: skip
+
+        assert done is not None
+        taken = "fused" if done.residual.data_ptr() == work[2].data_ptr() else "plain"
+        results.append((taken, done, {"theta": work[0], "m": work[1]}))
+    (fused_by, fused, fw), (plain_by, plain, pw) = results
+    assert (fused_by, plain_by) == ("fused", "plain")
+    assert kernels.same(plain, fused, pw, fw)

@@ -174,7 +174,7 @@ class Published:
     """A chunk's step: its delta's codes and scales, the decoded change and the residual
     (θ and m are updated in place)."""
 
-    data: torch.Tensor  # int8 codes, one a value
+    data: torch.Tensor  # the codec's data: int8 codes, or diloco.wire.lowbit's packed bytes
     scales: torch.Tensor  # fp32, one a block
     change: torch.Tensor  # decode(codes): what θ took
     residual: torch.Tensor  # d − change
@@ -260,8 +260,7 @@ def step(
     when it loaded, ``plain_step`` otherwise. The same bits either way."""
     n = g.numel()
     theta, m, r, u, d = (w[:n] for w in work)
-    lib = library() if isinstance(codec, Int8Codec) else None
-    if lib is not None and isinstance(codec, Int8Codec):
+    if isinstance(codec, Int8Codec) and (lib := library()) is not None:
         return fused_step(lib, hp, codec, g, theta, m, r, u, has_momentum=has_momentum)
     return plain_step(hp, codec, g, theta, m, r, (u, d), has_momentum=has_momentum)
 
@@ -360,28 +359,12 @@ def agrees(lib: ctypes.CDLL) -> bool:
     ):
         hp = Hyper(0.7, 0.9, nesterov)
         a, b = awkward_chunk(n, seed), awkward_chunk(n, seed)
+        spare = (torch.empty(n), torch.empty(n))
         want = plain_step(
-            hp,
-            codec,
-            a["g"],
-            a["theta"],
-            a["m"],
-            a["r"],
-            (torch.empty(n), torch.empty(n)),
-            has_momentum=momentum,
+            hp, codec, a["g"], a["theta"], a["m"], a["r"], spare, has_momentum=momentum
         )
-        got = fused_step(
-            lib,
-            hp,
-            codec,
-            b["g"],
-            b["theta"],
-            b["m"],
-            b["r"],
-            torch.empty(n),
-            has_momentum=momentum,
-            threads=threads,
-        )
+        args = (lib, hp, codec, b["g"], b["theta"], b["m"], b["r"], torch.empty(n))
+        got = fused_step(*args, has_momentum=momentum, threads=threads)
         if want is None or got is None or not same(want, got, a, b):
             return False
     return True
