@@ -36,12 +36,12 @@ from typing import Protocol
 import torch
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
-from diloco.outer import exact
+from diloco.outer import exact, kernels
 from diloco.outer.checks import Sampler
 from diloco.outer.exact import Terms
 from diloco.outer.robust import SourceUnreadable
 from diloco.wire import delta as deltas
-from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
+from diloco.wire.codec import Int8Codec, codec_from_description
 from diloco.wire.contribution import DIGEST_BYTES, ContributionDecoder, WireFormatError
 from diloco.wire.header import MAX_HEADER_BYTES, PREFIX
 from diloco.wire.lowbit import LowBitCodec, SparseCodec
@@ -358,9 +358,10 @@ def run_pass(
 def _step_chunk(
     step: Step, name: str, start: int, g: torch.Tensor, work: list[torch.Tensor], res: PassResult
 ) -> bool:
-    """The outer step on one chunk (module docstring); False when it is not finite."""
+    """The outer step on one chunk (module docstring; ``diloco.outer.kernels``: fused for
+    the int8 delta codec when it can be built here); False when it is not finite."""
     n = g.numel()
-    theta, m, r, u, d = (w[:n] for w in work)
+    theta, m, r = (w[:n] for w in work[:3])
     hp, state = step.hyper, step.state
     t = time.perf_counter()
     step.params.read_into(name, start, theta)
@@ -371,31 +372,19 @@ def _step_chunk(
     else:
         r.zero_()
     t = res.lap("read", t)
-    if state.has_momentum:
-        m.mul_(hp.momentum).add_(g)
-    else:
-        m.copy_(g)
-    if hp.nesterov:
-        torch.add(g, m, alpha=hp.momentum, out=u)
-    else:
-        u.copy_(m)
-    torch.add(r, u, alpha=-hp.lr, out=d)
-    try:  # an overflow anywhere above (g, m, u) shows in d
-        encoded, change = deltas.publish_change(d, step.codec)
-    except NonFiniteError:
+    done = kernels.step(hp, step.codec, g, work, has_momentum=state.has_momentum)
+    if done is None:
         return False
-    deltas.apply_change(theta, change)
-    d.sub_(change)  # the residual carried into the next round
     if step.sampler is not None:
-        step.sampler.change(name, start, change)
-    res.change_sq += float(torch.dot(change, change))
+        step.sampler.change(name, start, done.change)
+    res.change_sq += float(torch.dot(done.change, done.change))
     t = res.lap("step", t)
     out = step.out
     out.params.write(name, start, theta)
     out.state.write(MOMENTUM_PREFIX + name, start, m)
-    out.state.write(RESIDUAL_PREFIX + name, start, d)
+    out.state.write(RESIDUAL_PREFIX + name, start, done.residual)
     at, scale_at = deltas.piece_offsets(step.codec, start)
-    out.delta.write(deltas.DATA + name, at, encoded.data)
-    out.delta.write(deltas.SCALES + name, scale_at, encoded.scales)
+    out.delta.write(deltas.DATA + name, at, done.data)
+    out.delta.write(deltas.SCALES + name, scale_at, done.scales)
     res.lap("write", t)
     return True
