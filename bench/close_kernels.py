@@ -22,7 +22,6 @@ change, residual, θ, m and ‖change‖²): the "same bits" column.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from doc_sections import replace_section  # noqa: E402
 
+from bench.server_round import copy_bandwidth  # noqa: E402
 from diloco.outer import kernels  # noqa: E402
 from diloco.outer.chunked import CHUNK_ELEMENTS, Hyper  # noqa: E402
 from diloco.wire.codec import Int8Codec  # noqa: E402
@@ -51,23 +51,6 @@ Step = Callable[[torch.Tensor, list[torch.Tensor]], kernels.Published | None]
 def step_bytes(n: int) -> int:
     """What the step must read and write for ``n`` values (module docstring)."""
     return 16 * n + 12 * n + n + 4 * CODEC.n_blocks(n)
-
-
-def copy_bandwidth(threads: int) -> float:
-    """Bytes a second torch moves copying 512 MiB on ``threads`` threads (the best of 3)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(128 << 20)
-        dst = torch.empty_like(src)
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - start)
-        return 2 * src.numel() * 4 / best
-    finally:
-        torch.set_num_threads(before)
 
 
 def plain(g: torch.Tensor, work: list[torch.Tensor]) -> kernels.Published | None:

@@ -11,21 +11,18 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from safetensors.torch import load_file
 
 from diloco.config import parse_config
 from tests.conftest import server_run_config
 from tests.support.contribute import (
     API,
+    assert_reference_closes,
     create_run,
-    read_outer_state,
-    reference_close,
     register,
     train,
     upload,
 )
 from tests.support.live import ServerProcess, wait_for
-from tests.test_compressed_run import rows
 
 VOLUNTEERS = ("a", "b", "c")
 
@@ -59,40 +56,6 @@ def run_two_rounds(
     return http, run_id, http.get(f"{API}/runs/{run_id}").json()
 
 
-def assert_reference(server: ServerProcess, database_url: str, run_id: str, run: dict) -> None:
-    """Every version is the reference close of its round's stored uploads (weighed as the
-    server counts them, clipped against the history round 2 had), bit for bit."""
-    from diloco.protocol.reputation import counted_weight
-
-    cfg = parse_config(run["config"])
-    blobs = server.data_dir / "blobs"
-    folder = blobs / "runs" / run_id / "checkpoints"
-    uploads = rows(
-        database_url,
-        "SELECT round_index, blob_key, weight, staleness, standing, norm FROM contributions "
-        "WHERE run_id = $1 AND aggregated_at IS NOT NULL ORDER BY created_at, id",
-        run_id,
-    )
-    history: list[float] = []
-    for v in (1, 2):
-        base = load_file(folder / f"{v - 1}.safetensors")
-        state = read_outer_state(folder / f"{v - 1}.state.safetensors") if v > 1 else None
-        mine = [u for u in uploads if u["round_index"] == v]
-        bodies = [
-            (
-                (blobs / u["blob_key"]).read_bytes(),
-                float(counted_weight(u["weight"], u["staleness"], u["standing"] or 1.0)),
-            )
-            for u in mine
-        ]
-        want = reference_close(cfg, base, bodies, round=v, state=state, history=history)
-        published = load_file(folder / f"{v}.safetensors")
-        assert published.keys() == want.params.keys()
-        for k, t in want.params.items():
-            assert t.equal(published[k]), (v, k)
-        history += [u["norm"] for u in mine]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("faults", ["", "fold.arrival=fail*100"], ids=["folded", "folds fail"])
 def test_a_folded_round_publishes_the_reference_close(database_url, tmp_path, faults):
@@ -108,6 +71,7 @@ def test_a_folded_round_publishes_the_reference_close(database_url, tmp_path, fa
             )
             # round 2's first two uploads (at least) were summed on arrival
             assert metric(http, "diloco_close_folded_uploads_total") >= 2
-        assert_reference(server, database_url, run_id, run)
+        cfg = parse_config(run["config"])
+        assert assert_reference_closes(database_url, server.data_dir / "blobs", run_id, cfg) == 2
     finally:
         server.stop()
