@@ -36,6 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.doc_sections import replace_section  # noqa: E402
 from bench.server_round import SIZES, copy_bandwidth  # noqa: E402
 from bench.transport import contribution_body  # noqa: E402
 from diloco.config import parse_config  # noqa: E402
@@ -81,7 +82,7 @@ def norm_of(body: bytes, shapes: dict, codec: dict) -> float:
     return inspector.norm
 
 
-def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> None:
+def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> list[str]:
     cfg = config(shape)
     shapes = parameter_shapes(cfg.model)
     n = sum(math.prod(s) for s in shapes.values())
@@ -131,22 +132,27 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> N
     bw = copy_bandwidth()
     bound = 34 * n / bw
     bound_delta = 22 * n / bw
-    print(f"\n{label}: {n:,} parameters, {k} int8 uploads; copy bandwidth {bw / 1e9:.1f} GB/s")
-    print("| measure | seconds | limit (same run) | ratio |")
-    print("|---|---|---|---|")
-    print(f"| close reading every upload | {all_s:.3f} | | |")
-    print(f"| fold, per upload (median of {len(fold_s)}) | {statistics.median(fold_s):.3f} | "
-          f"| |")  # fmt: skip
-    print(f"| folds, all {len(fold_s)} (during the round) | {sum(fold_s):.3f} | | |")
-    print(f"| close after the deadline, folded | {folded_s:.3f} | bound 34 B/param "
-          f"{bound:.3f} s | {folded_s / bound:.2f}x |")  # fmt: skip
-    print(f"| | | bound 22 B/param (delta only) {bound_delta:.3f} s | "
-          f"{folded_s / bound_delta:.2f}x |")  # fmt: skip
-    parts = ", ".join(f"{s} {v:.3f}" for s, v in sorted(folded_stages.items()))
-    print(f"| its stages | {parts} | | |")
-    parts = ", ".join(f"{s} {v:.3f}" for s, v in sorted(all_stages.items()))
-    print(f"| stages, reading every upload | {parts} | | |")
-    print(f"| speed-up after the deadline | {all_s / folded_s:.1f}x | | |")
+    lines = [
+        f"\n{label}: {n:,} parameters, {k} int8 uploads; copy bandwidth {bw / 1e9:.1f} GB/s\n",
+        "| measure | seconds | limit (same run) | ratio |",
+        "|---|---|---|---|",
+        f"| close reading every upload | {all_s:.3f} | | |",
+        f"| fold, per upload (median of {len(fold_s)}) | {statistics.median(fold_s):.3f} | | |",
+        f"| folds, all {len(fold_s)} (during the round) | {sum(fold_s):.3f} | | |",
+        f"| close after the deadline, folded | {folded_s:.3f} | bound 34 B/param {bound:.3f} s "
+        f"| {folded_s / bound:.2f}x |",
+        f"| | | bound 22 B/param (delta only) {bound_delta:.3f} s "
+        f"| {folded_s / bound_delta:.2f}x |",
+        f"| its stages | {_stages(folded_stages)} | | |",
+        f"| stages, reading every upload | {_stages(all_stages)} | | |",
+        f"| speed-up after the deadline | {all_s / folded_s:.1f}x | | |",
+    ]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _stages(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{s} {v:.3f}" for s, v in sorted(seconds.items()))
 
 
 def fold_all(cfg, versions, uploads, plan, folder) -> list[float]:  # type: ignore[no-untyped-def]
@@ -173,11 +179,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="10M,50M,150M")
     p.add_argument("--uploads", type=int, default=8)
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = p.parse_args()
     torch.set_num_threads(1)  # as the server's close runs
+    lines = []
     for label in args.sizes.split(","):
         with tempfile.TemporaryDirectory(prefix="fold-bench-") as work:
-            bench_size(label, SIZES[label], args.uploads, Path(work))
+            lines += bench_size(label, SIZES[label], args.uploads, Path(work))
+    key = f"fold-close-{args.uploads}"
+    command = f"python bench/fold_close.py --sizes {args.sizes} --uploads {args.uploads}"
+    title = f"## The close after the deadline, uploads folded as they arrived ({args.uploads})"
+    replace_section(args.doc, key, f"{title}\n\n```\n{command}\n```\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -339,3 +339,19 @@ def test_close_kernels_bench_prints_each_step_beside_its_bound_with_the_same_bit
     assert "plain torch, 1 thread(s)" in steps and "fused, 1 thread(s)" in steps, steps
     assert all(" GB/s) | " in row and row.endswith("| yes |") for row in rows), rows
     assert "<!-- begin close-kernels -->" in doc.read_text()
+
+
+def test_fold_close_bench_closes_a_folded_round_to_the_same_bytes_beside_its_bound(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/fold_close.py", "--sizes", "tiny", "--uploads", "3",
+         "--doc", str(doc)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    # the script asserts the folded close published the bytes of the one that read all
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| fold, per upload (median of 2) |" in out
+    assert "| close after the deadline, folded |" in out and "bound 34 B/param" in out
+    assert "<!-- begin fold-close-3 -->" in doc.read_text()
