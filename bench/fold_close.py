@@ -92,16 +92,14 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> l
     del params
     lease = {"round": 1, "base_version": 0}
     codec = codec_from_description({"kind": "int8", "block_size": 4096}).describe()
-    distinct = min(k, 8)  # bodies drawn once, reused: the fold and the close read each anew
-    bodies = [contribution_body(RUN, lease, shapes, i) for i in range(distinct)]
-    norms = [norm_of(b, shapes, codec) for b in bodies]
     uploads = []
-    for i in range(k):
+    for i in range(k):  # each a Δ of its own: copies would be left out by the checks
+        body = contribution_body(RUN, lease, shapes, i)
         path = work / f"u{i}.bin"
-        path.write_bytes(bodies[i % distinct])
-        uploads.append(Upload(f"c{i}", path, 2048.0 * (1 + i % 3), norms[i % distinct]))
-    del bodies
-    history = [statistics.median(norms)] * 3
+        path.write_bytes(body)
+        uploads.append(Upload(f"c{i}", path, 2048.0 * (1 + i % 3), norm_of(body, shapes, codec)))
+    del body
+    history = [statistics.median(u.norm for u in uploads)] * 3
     plan = FoldPlan.of_run(cfg, history)
     assert plan is not None
 
