@@ -88,26 +88,23 @@ class Figures:
 # ---------------------------------------------------------------- limits, in this process
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second torch moves copying a 512 MiB buffer (read + write counted), on
-    every core: the machine's bound, whatever the server uses."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+def copy_bandwidth(threads: int | None = None) -> float:
+    """Bytes per second torch moves copying a 512 MiB buffer (read + write counted, the best
+    of 3), on ``threads`` threads (None: every core: the machine's bound, whatever the
+    server uses)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
-        return _copy_bandwidth()
+        src = torch.ones(128 << 20)
+        dst = torch.empty_like(src)
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return 2 * src.numel() * 4 / best
     finally:
-        torch.set_num_threads(threads)
-
-
-def _copy_bandwidth() -> float:
-    src = torch.ones(128 << 20)
-    dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best
+        torch.set_num_threads(before)
 
 
 def pass_bytes(n: int, k: int, upload_nbytes: int, delta_nbytes: int) -> int:

@@ -49,6 +49,7 @@ POINTS = frozenset(
         "full.rebuild",
         "eval.version",  # a published version's eval loss is about to be measured
         "score.arrival",  # an arrived upload is about to be scored by the loss
+        "fold.arrival",  # an arrived upload is about to be folded into its round's sum
         "volunteer.upload",  # a volunteer is about to upload its contribution
         "volunteer.step",  # a volunteer finished an inner step (in its training thread)
     }

@@ -56,6 +56,17 @@ EVAL_SECONDS = Histogram(
     "Time to measure a published version's eval loss (after publishing)",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+FOLD_SECONDS = Histogram(
+    "diloco_fold_seconds",
+    "Time to fold one upload into its round's running sum as it arrives (off the close's "
+    "critical path)",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CLOSE_FOLDED = Counter(
+    "diloco_close_folded_uploads_total",
+    "Uploads a published step summed as they arrived (server.rounds.folding): the close "
+    "did not read them again",
+)
 SCORE_SECONDS = Histogram(
     "diloco_arrival_score_seconds",
     "Time to score one upload by the loss as it arrives (off the close's critical path)",

@@ -324,3 +324,34 @@ def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tm
     assert down["int8 (the default)"] > down["int2"] > down["int4"]
     assert down["int4"] > down["sparse (64 of 4096, 2 bits)"]
     assert "- int2: " in doc and "(limit +0.5%)" in doc and "(limit +1.5%)" in doc
+
+
+def test_close_kernels_bench_prints_each_step_beside_its_bound_with_the_same_bits(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/close_kernels.py", "--sizes", "tiny", "--doc", str(doc)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| tiny |")]
+    steps = [row.split(" | ")[1] for row in rows]
+    assert "plain torch, 1 thread(s)" in steps and "fused, 1 thread(s)" in steps, steps
+    assert all(" GB/s) | " in row and row.endswith("| yes |") for row in rows), rows
+    assert "<!-- begin close-kernels -->" in doc.read_text()
+
+
+def test_fold_close_bench_closes_a_folded_round_to_the_same_bytes_beside_its_bound(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/fold_close.py", "--sizes", "tiny", "--uploads", "3",
+         "--doc", str(doc)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    # the script asserts the folded close published the bytes of the one that read all
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| fold, per upload (median of 2) |" in out
+    assert "| close after the deadline, folded |" in out and "bound 34 B/param" in out
+    assert "<!-- begin fold-close-3 -->" in doc.read_text()

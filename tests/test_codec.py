@@ -76,6 +76,24 @@ def test_an_all_zero_block_decodes_to_exact_zeros_beside_nonzero_blocks() -> Non
     assert bool(torch.isfinite(decoded).all())
 
 
+@pytest.mark.parametrize("blocks", [1, 3, 40])
+def test_an_all_zero_blocks_scale_is_plus_zero_whatever_its_zeros_signs_and_neighbours(
+    blocks: int,
+) -> None:
+    # Prepare: block 0 is all -0, block 1 (when there) -0 and +0 in turn, the rest random
+    t = torch.randn(blocks * 64, generator=torch.Generator().manual_seed(0))
+    t[:64] = -0.0
+    t[64:128:2], t[65:128:2] = -0.0, 0.0
+
+    # Execute
+    e = Int8Codec(64).encode(t)
+
+    # Assert: +0, not -0 (which decodes to -0 and adds to θ = -0 as -0, not +0)
+    zero_blocks = 1 if blocks == 1 else 2
+    assert not torch.signbit(e.scales[:zero_blocks]).any()
+    assert not torch.signbit(Int8Codec(64).decode(e)[: 64 * zero_blocks]).any()
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("codec", [Int8Codec(4), NoneCodec()], ids=["int8", "none"])
 def test_non_finite_values_are_rejected_with_their_count(

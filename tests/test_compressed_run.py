@@ -9,22 +9,18 @@ loss falls round over round."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 from pathlib import Path
-from typing import Any
 
-import asyncpg
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from diloco.config import parse_config
-from diloco.protocol.late import late_weight
 from diloco.wire import delta as deltas
-from tests.support.contribute import API, read_outer_state, reference_close
+from tests.support.contribute import API, assert_reference_closes
 from tests.support.corpora import TINYSHAKESPEARE
+from tests.support.pg import rows
 from tests.support.volunteers import evaluated_rounds, live_run
 
 ROUNDS = 4
@@ -60,17 +56,6 @@ kind = "sparse"
     return path
 
 
-def rows(database_url: str, query: str, *args: object) -> list[dict[str, Any]]:
-    async def go() -> list[dict[str, Any]]:
-        conn = await asyncpg.connect(database_url.replace("+asyncpg", ""))
-        try:
-            return [dict(r) for r in await conn.fetch(query, *args)]
-        finally:
-            await conn.close()
-
-    return asyncio.run(go())
-
-
 def served(text: str, kind: str) -> float:
     found = re.search(rf'^diloco_served_bytes_total\{{kind="{kind}"\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
@@ -102,7 +87,7 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
     blobs = server.data_dir / "blobs"
     uploads = rows(
         database_url,
-        "SELECT round_index, blob_key, weight, staleness, norm FROM contributions "
+        "SELECT round_index, blob_key, weight, staleness, standing, norm FROM contributions "
         "WHERE run_id = $1 AND aggregated_at IS NOT NULL ORDER BY created_at, id",
         run_id,
     )
@@ -125,23 +110,14 @@ def test_a_sparse_run_with_two_volunteers_sends_little_and_closes_exactly(
     assert sum(p.stat().st_size for p in delta_files[:-1]) * 2 == served(metrics, "delta")
     assert served(metrics, "delta") / returning <= 0.3 * n
 
-    # every version is the reference close of its round's stored uploads, bit for bit
-    folder = blobs / "runs" / run_id / "checkpoints"
-    history: list[float] = []
-    for v in range(1, ROUNDS + 1):
-        base = load_file(folder / f"{v - 1}.safetensors")
-        state = read_outer_state(folder / f"{v - 1}.state.safetensors") if v > 1 else None
-        mine = [u for u in uploads if u["round_index"] == v]
-        # each weighed as the server counts it (late_weight: none was late here)
-        bodies = [
-            ((blobs / u["blob_key"]).read_bytes(), float(late_weight(u["weight"], u["staleness"])))
-            for u in mine
-        ]
-        want = reference_close(cfg, base, bodies, round=v, state=state, history=history)
-        published = load_file(folder / f"{v}.safetensors")
-        assert all(torch.equal(published[k], want.params[k]) for k in want.params), v
-        assert deltas.read_delta(delta_files[v - 1], {k: tuple(t.shape) for k, t in base.items()})
-        history += [float(u["norm"]) for u in mine]
+    # every version is the reference close of its round's stored uploads, bit for bit, and
+    # its delta reads back
+    assert assert_reference_closes(database_url, blobs, run_id, cfg) == ROUNDS
+    shapes = {
+        k: tuple(t.shape) for k, t in load_file(delta_files[0].parent / "0.safetensors").items()
+    }
+    for path in delta_files:
+        assert deltas.read_delta(path, shapes)
 
     # the eval loss falls round over round (from version 0's, when it was measured)
     losses = [

@@ -13,6 +13,7 @@ from diloco.config import ModelSection
 from diloco.model.architectures import build_model
 from diloco.outer import chunked
 from diloco.outer.chunked import UploadFile
+from diloco.outer.exact import Terms, weighted_sum
 from diloco.outer.inspection import UploadInspector
 from diloco.wire.codec import EncodedTensor, codec_from_description
 from diloco.wire.contribution import (
@@ -187,12 +188,12 @@ def test_the_close_sums_packed_uploads_range_by_range_as_the_whole_tensors_would
         uploads.append(UploadFile(f"con_{i}", path, shapes, codec.describe()))
         decoded.append({n: codec.decode(e) for n, e in encoded.items()})
 
-    result = chunked.run_pass(uploads, coefficients, shapes, align=100, keep=True)
+    norms = [math.sqrt(sum(float(t.double().square().sum()) for t in d.values())) for d in decoded]
+    terms = Terms.of(coefficients, norms, math.fsum(coefficients))
+    result = chunked.run_pass(uploads, terms, shapes, align=100, keep=True)
 
-    for name, shape in shapes.items():
-        g = torch.zeros(shape)
-        for c, d in zip(coefficients, decoded, strict=True):
-            g.add_(d[name], alpha=c)
+    for name in shapes:
+        g = weighted_sum([d[name] for d in decoded], terms)
         assert torch.equal(result.kept[name], g), name
     for u in uploads:
         u.close()

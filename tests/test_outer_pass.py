@@ -24,11 +24,12 @@ from diloco.checkpoint import (
 from diloco.config import AggregationSection, CompressionSection
 from diloco.outer import chunked as outer_pass
 from diloco.outer.chunked import Hyper, Outputs, Step, UploadFile, run_pass
+from diloco.outer.exact import Terms
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Source, SourceUnreadable, robust_aggregate
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec
-from diloco.wire.contribution import ContributionMeta, encode_contribution
+from diloco.wire.contribution import ContributionMeta, WireFormatError, encode_contribution
 from diloco.wire.exchange import encode_delta
 from diloco.wire.lowbit import LowBitCodec, SparseCodec
 from diloco.wire.tensorfile import Entry, TensorFileError, TensorFileReader, TensorFileWriter
@@ -113,6 +114,9 @@ def close(  # type: ignore[no-untyped-def]
         ),
     )
     uploads = [UploadFile(str(i), p, SHAPES, CODEC, hasher) for i, p in enumerate(paths)]
+    terms = Terms.of(
+        coefficients, [norm_of(b, damaged=1.0) for b in bodies], math.fsum(coefficients)
+    )
     step = Step(
         HYPER,
         TensorFileReader(folder / "base.safetensors"),
@@ -121,7 +125,7 @@ def close(  # type: ignore[no-untyped-def]
         out,
     )
     align = math.lcm(deltas.alignment(codec), BLOCK)
-    result = run_pass(uploads, coefficients, SHAPES, align=align, step=step)
+    result = run_pass(uploads, terms, SHAPES, align=align, step=step)
     if not result.finite:  # as the close does: a step that is not finite is not published
         out.abort()
         return result, None, None
@@ -146,7 +150,7 @@ def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum, de
 
     # Assert: the files hold the reference step, bit for bit
     sources = [
-        Source(str(i), w, 1.0, lambda b=b: [b])
+        Source(str(i), w, norm_of(b), lambda b=b: [b])
         for i, (b, w) in enumerate(zip(bodies, coefficients, strict=True))
     ]
     mean = robust_aggregate(
@@ -174,16 +178,31 @@ def test_the_pass_publishes_exactly_the_whole_tensor_step(tmp_path, momentum, de
     assert result.finite and result.change_sq > 0
 
 
-def _dot(body: bytes, v: dict[str, torch.Tensor]) -> float:
+def _decoded(body: bytes) -> dict[str, torch.Tensor]:
     from diloco.wire.codec import codec_from_description
     from diloco.wire.contribution import decode_contribution
 
     _, encoded = decode_contribution(body, SHAPES, codec=CODEC)
     decode = codec_from_description(CODEC).decode
+    return {n: decode(e) for n, e in encoded.items()}
+
+
+def _dot(body: bytes, v: dict[str, torch.Tensor]) -> float:
     return sum(
-        float(torch.dot(decode(e).reshape(-1).double(), v[n].reshape(-1).double()))
-        for n, e in encoded.items()
+        float(torch.dot(x.reshape(-1).double(), v[n].reshape(-1).double()))
+        for n, x in _decoded(body).items()
     )
+
+
+def norm_of(body: bytes, *, damaged: float | None = None) -> float:
+    """‖Δ‖ of an upload, as the inspector measures it at ingest; ``damaged`` for a body that
+    does not decode (the pass refuses it, whatever its norm)."""
+    try:
+        return math.sqrt(_dot(body, _decoded(body)))
+    except WireFormatError:
+        if damaged is None:
+            raise
+        return damaged
 
 
 @pytest.mark.parametrize("delta", list(DELTA_CODECS))
@@ -212,6 +231,22 @@ def test_an_upload_with_its_tensors_in_another_order_is_summed_and_verified_alik
     _, sha_reversed, _ = close(tmp_path, [upload_body(1), reversed_body], [0.5, 0.5])
     _, sha_ordered, _ = close(ordered, [upload_body(1), upload_body(0)], [0.5, 0.5])
     assert sha_reversed == sha_ordered
+
+
+def test_the_pass_publishes_the_same_bytes_whatever_the_uploads_order(tmp_path):
+    # the sum is exact (diloco.outer.exact): uploads of very different sizes and weights,
+    # added in every order, give one version, bit for bit
+    bodies = [upload_body(seed) for seed in range(3)]
+    bodies.append(upload_body(7))  # 8x the first one's values
+    weights = [0.1, 3.0, 0.7, 1.3]
+    seen = set()
+    for k, order in enumerate(([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1])):
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        base_version(folder, momentum=True)
+        _, sha, delta_sha = close(folder, [bodies[i] for i in order], [weights[i] for i in order])
+        seen.add((sha, delta_sha, (folder / "new.state").read_bytes()))
+    assert len(seen) == 1
 
 
 @pytest.mark.parametrize("damage", ["trailer", "data", "truncated", "missing"])

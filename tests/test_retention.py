@@ -11,7 +11,6 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
@@ -23,6 +22,7 @@ from server.upkeep.retention import Blob, Version, keeps, plan
 from tests.conftest import server_run_config
 from tests.support.contribute import API, close_rounds, create_run, register
 from tests.support.live import ServerProcess, wait_for
+from tests.support.pg import rows
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 
@@ -137,18 +137,6 @@ def test_the_retention_section_is_validated_and_defaults_delete_no_version() -> 
 
 
 # ---------------------------------------------------------------- a live server
-
-
-async def _rows(url: str, query: str, *args: object) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(url.replace("+asyncpg", ""))
-    try:
-        return list(await conn.fetch(query, *args))
-    finally:
-        await conn.close()
-
-
-def rows(url: str, query: str, *args: object) -> list[asyncpg.Record]:
-    return asyncio.run(_rows(url, query, *args))
 
 
 def retired_versions(database_url: str, run_id: str) -> list[tuple[int, bool]]:

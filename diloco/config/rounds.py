@@ -76,6 +76,12 @@ class AggregationSection(_Section):
     # contributions than this adds the norms of the run's last `history` aggregated ones
     reference_min: int = Field(3, ge=1, le=1000)
     history: int = Field(32, ge=0, le=10_000)
+    # clipped_mean rounds are summed as their uploads arrive (diloco.outer.fold): once the
+    # run has reference_min aggregated norms, a round clips against clip_multiple times the
+    # median of the last `history` of them, fixed when it opens, rather than against its own
+    # median; checks' dot products are then taken on the round's sample. false: every round
+    # clips against its own median and the close reads every upload
+    fold: bool = True
     # the guard: every step is evaluated before it is published, on the first
     # judge_windows eval windows of the validation data (the same tokens each time, so the
     # base and the step are compared alike; the full eval of a published version comes

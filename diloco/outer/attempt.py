@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from diloco.checkpoint import (
 from diloco.config import RunConfig
 from diloco.outer.checks import RecentChange, RoundFigures, Sampler, Sampling
 from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.outer.exact import Terms
+from diloco.outer.fold import FoldPlan, FoldState
 from diloco.outer.robust import (
     Share,
     centre_pulls,
@@ -83,6 +86,22 @@ class CloseInputs:
     # the windows every scored upload is also measured on (the validation data's first
     # score_windows); None: no upload is scored
     score_sample: Windows | None = None
+    # a round whose sum is taken as its uploads arrive (diloco.outer.fold); None: not one
+    fold: Folding | None = None
+
+
+@dataclass(frozen=True)
+class Folding:
+    """A folded round: its plan, and where its running sum may be (None: nowhere here)."""
+
+    plan: FoldPlan
+    folder: Path | None = None
+
+
+def folding(cfg: RunConfig, history: Sequence[float], folder: Path | None = None) -> Folding | None:
+    """A round's ``Folding`` when ``cfg`` and ``history`` make it a folded one."""
+    plan = FoldPlan.of_run(cfg, history)
+    return None if plan is None else Folding(plan, folder)
 
 
 @dataclass
@@ -115,6 +134,7 @@ class Tried:
     shares: dict[str, Share]
     figures: RoundFigures  # what the checks read
     change_sample: torch.Tensor
+    folded: int = 0  # kept uploads whose terms were summed on arrival (diloco.outer.fold)
 
 
 def open_base(inputs: CloseInputs) -> Base:
@@ -146,50 +166,56 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
     on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
     policy = inputs.cfg.aggregation
     norms = {u.id: u.norm for u in kept}
-    total = sum(u.weight for u in kept)
-    _, clip = clip_factors(norms, inputs.history, policy)
-    coefficients = [u.weight * clip[u.id] / total for u in kept]
+    summing = _summing(inputs, base, kept)
     n_params = sum(math.prod(shape) for shape in base.shapes.values())
     sampler = Sampler(
         base.shapes,
-        [
-            Sampling.for_round(n_params, s)
-            for s in [inputs.check_seed, *(r.seed for r in inputs.recent)]
-        ],
+        [Sampling.for_round(n_params, s) for s in summing.seeds],
     )
+    for i in summing.folded_ids:
+        if i in norms:  # folded and kept: sampled when it was folded
+            assert summing.state is not None
+            sampler.put(i, summing.state.samples(i))
     with contextlib.ExitStack() as stack:
         hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
         out = outputs(inputs, base, hasher)
+        folded = None
+        if summing.state is not None:
+            folded = stack.enter_context(contextlib.closing(summing.state.open_sum()))
 
-        def open_uploads() -> list[UploadFile]:  # read from the start, hashed from the start
+        def open_uploads(which: list[Upload]) -> list[UploadFile]:  # read, hashed, from the start
             return [
                 stack.enter_context(
                     contextlib.closing(
                         UploadFile(u.id, u.path, base.shapes, base.upload_codec, hasher)
                     )
                 )
-                for u in kept
+                for u in which
             ]
 
         step = Step(base.hyper, base.params, base.state, base.delta_codec, out, sampler)
         align = base.align()
         try:
-            uploads = open_uploads()
+            uploads = open_uploads(summing.read)
             if policy.method != "centered_clip":
                 result = run_pass(
-                    uploads, coefficients, base.shapes, align=align, step=step, sampler=sampler
-                )
-                dots, v_sq, factors = result.dots, result.g_sq, clip
+                    uploads, summing.terms, base.shapes, align=align, step=step,
+                    sampler=sampler, folded=folded,
+                )  # fmt: skip
+                dots, v_sq, factors = result.dots, result.g_sq, summing.clip
+                if inputs.fold is not None:  # not every upload was read: on the sample
+                    dots = sampler.dots(list(norms), n_params)
             else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
                 first = run_pass(
-                    uploads, coefficients, base.shapes, align=align, keep=True, sampler=sampler
+                    uploads, summing.terms, base.shapes, align=align, keep=True, sampler=sampler
                 )
                 dots, v_sq = first.dots, first.g_sq
                 factors = centre_pulls(distances(norms, dots, v_sq))
-                pulls = [u.weight * factors[u.id] / total for u in kept]
-                centre = (first.kept, 1.0 - sum(pulls))
+                pulls = [u.weight * factors[u.id] for u in kept]
+                centre = (first.kept, 1.0 - math.fsum(pulls) / summing.terms.total)
+                pulled = Terms.of(pulls, list(norms.values()), summing.terms.total)
                 result = run_pass(
-                    open_uploads(), pulls, base.shapes, align=align, center=centre, step=step
+                    open_uploads(kept), pulled, base.shapes, align=align, center=centre, step=step
                 )
             out.params.settle()  # before its hashing thread goes
         except BaseException:
@@ -204,17 +230,58 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         u.id: Share(u.weight, u.norm, factors[u.id], cosine(u.norm, dots[u.id], v_norm), dist[u.id])
         for u in kept
     }
+    total = summing.terms.total
     figures = RoundFigures(
         ids=[u.id for u in kept],
         norms=norms,
-        coefficients={u.id: c for u, c in zip(kept, coefficients, strict=True)},
+        coefficients={u.id: u.weight * summing.clip[u.id] / total for u in kept},
         dots=dots,
         g_sq=v_sq,
         samples=sampler.uploads(),
         recent=list(inputs.recent),
         reference=reference_norm(list(norms.values()), inputs.history, policy),
     )
-    return Tried(out, result, shares, figures, sampler.changes())
+    on_arrival = sum(1 for i in summing.folded_ids if i in norms)
+    return Tried(out, result, shares, figures, sampler.changes(), on_arrival)
+
+
+@dataclass(frozen=True)
+class _Summing:
+    """How a try takes the round's sum: the uploads its pass reads with their terms (the kept
+    ones not folded, then the folded ones left out, subtracted), and the folded sum it starts
+    from (None: from zero)."""
+
+    terms: Terms
+    read: list[Upload]
+    clip: dict[str, float]  # each kept upload's clip factor
+    seeds: list[int]  # the samplings': the round's own, then the recent changes'
+    state: FoldState | None = None
+    folded_ids: list[str] = field(default_factory=list)
+
+
+def _summing(inputs: CloseInputs, base: Base, kept: list[Upload]) -> _Summing:
+    norms = {u.id: u.norm for u in kept}
+    total = math.fsum(u.weight for u in kept)  # exact: the same in any order
+    seeds = [inputs.check_seed, *(r.seed for r in inputs.recent)]
+    if inputs.fold is None:
+        _, clip = clip_factors(norms, inputs.history, inputs.cfg.aggregation)
+        scaled = [u.weight * clip[u.id] for u in kept]
+        return _Summing(Terms.of(scaled, list(norms.values()), total), kept, clip, seeds)
+    plan = inputs.fold.plan
+    clip = {u.id: plan.clip(u.norm) for u in kept}
+    state, ids = None, None
+    if inputs.fold.folder is not None:
+        state = FoldState(inputs.fold.folder, base.shapes)
+        ids = state.usable(plan, seeds)
+    by_id = {u.id: u for u in inputs.uploads}
+    if ids is None or any(i not in by_id for i in ids):  # from the stored uploads alone
+        state, ids = None, []
+    add = [u for u in kept if u.id not in ids]
+    taken_out = [by_id[i] for i in ids if i not in norms]
+    factors = [plan.factor(u.weight, u.norm) for u in add]
+    factors += [-plan.factor(u.weight, u.norm) for u in taken_out]  # round(−y) = −round(y)
+    terms = Terms(plan.unit, tuple(factors), total)
+    return _Summing(terms, add + taken_out, clip, seeds, state, list(ids))
 
 
 def outputs(inputs: CloseInputs, base: Base, hasher: ThreadPoolExecutor) -> Outputs:

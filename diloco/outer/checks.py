@@ -92,6 +92,7 @@ class Sampler:
             at += math.prod(shape)
         self._uploads: dict[str, list[list[tuple[int, torch.Tensor]]]] = {}
         self._change: list[tuple[int, torch.Tensor]] = []
+        self._total: list[tuple[int, torch.Tensor]] = []
 
     def upload(self, upload_id: str, name: str, start: int, x: torch.Tensor) -> None:
         at = self.offsets[name] + start
@@ -99,9 +100,25 @@ class Sampler:
         for got, sampling in zip(pieces, self.samplings, strict=True):
             got.append((at, sampling.take(x, at)))
 
+    def put(self, upload_id: str, samples: Sequence[torch.Tensor]) -> None:
+        """An upload's samples taken before (``diloco.outer.fold``), one per sampling."""
+        self._uploads[upload_id] = [[(0, t)] for t in samples]
+
     def change(self, name: str, start: int, change: torch.Tensor) -> None:
         at = self.offsets[name] + start
         self._change.append((at, self.samplings[0].take(change, at)))
+
+    def total(self, name: str, start: int, g: torch.Tensor) -> None:
+        """The round's sum g, at the round's own sampling."""
+        at = self.offsets[name] + start
+        self._total.append((at, self.samplings[0].take(g, at)))
+
+    def dots(self, ids: Sequence[str], n_params: int) -> dict[str, float]:
+        """⟨Δᵢ, g⟩ estimated on the round's own sample (scaled by n_params / its size): a
+        folded round's, whose uploads the close does not all read again."""
+        g = _ordered(self._total).double()
+        scale = n_params / max(1, g.numel())
+        return {i: scale * float(torch.dot(_ordered(self._uploads[i][0]).double(), g)) for i in ids}
 
     def uploads(self) -> dict[str, list[torch.Tensor]]:
         """Each upload's samples, one tensor per sampling, in global order."""

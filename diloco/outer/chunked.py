@@ -2,7 +2,8 @@
 
 For each chunk of each parameter (a whole number of int8 blocks) the pass reads the
 round's stored uploads (``os.preadv`` into small reusable buffers, never the whole
-blob), dequantises and sums them with their coefficients, measures each one's dot product
+blob), dequantises them and sums them exactly with their weights (``diloco.outer.exact``:
+the same bits in any order), measures each one's dot product
 with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
 error feedback (``diloco.wire.delta``) and writes the new parameters, momentum, residual and
 compressed delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
@@ -30,14 +31,17 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX, OuterStateFile
+from diloco.outer import exact, kernels
 from diloco.outer.checks import Sampler
+from diloco.outer.exact import Terms
 from diloco.outer.robust import SourceUnreadable
 from diloco.wire import delta as deltas
-from diloco.wire.codec import Int8Codec, NonFiniteError, codec_from_description
+from diloco.wire.codec import Int8Codec, codec_from_description
 from diloco.wire.contribution import DIGEST_BYTES, ContributionDecoder, WireFormatError
 from diloco.wire.header import MAX_HEADER_BYTES, PREFIX
 from diloco.wire.lowbit import LowBitCodec, SparseCodec
@@ -212,6 +216,12 @@ class UploadFile:
             self._fd = -1
 
 
+class FoldedSum(Protocol):
+    """A sum of terms taken before the pass (``diloco.outer.fold.SumReader``)."""
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class Hyper:
     lr: float
@@ -282,7 +292,7 @@ def _range_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def run_pass(
     uploads: Sequence[UploadFile],
-    coefficients: Sequence[float],
+    terms: Terms,
     shapes: Shapes,
     *,
     align: int,
@@ -290,13 +300,19 @@ def run_pass(
     step: Step | None = None,
     keep: bool = False,
     sampler: Sampler | None = None,
+    folded: FoldedSum | None = None,
 ) -> PassResult:
-    """g = Σ cᵢ·Δᵢ (+ α·center) over every parameter; with ``step``, the outer step and
-    the new version's files from g; with ``keep``, g itself (memory O(model)); with
-    ``sampler``, each upload's values at its sampled coordinates (``diloco.outer.checks``)."""
+    """g = Σ wᵢcᵢΔᵢ / W (+ α·center) over every parameter, summed exactly
+    (``diloco.outer.exact``: ``terms``); with ``step``, the outer step and the new version's
+    files from g; with ``keep``, g itself (memory O(model)); with ``sampler``, each upload's
+    values at its sampled coordinates (``diloco.outer.checks``); with ``folded``, the sum of
+    the terms starts from it (``diloco.outer.fold``: the terms of uploads folded as they
+    arrived) instead of from zero."""
     chunk = chunk_elements(len(uploads), align)
     decoded = [torch.empty(chunk, dtype=torch.float32) for _ in uploads]  # kept for the dots
     g_buf = torch.empty(chunk, dtype=torch.float32)
+    acc_buf = torch.empty(chunk, dtype=torch.float64)  # the chunk's sum of terms
+    term_buf = torch.empty(chunk, dtype=torch.float64)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
     result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
     order = uploads[0].order if uploads else list(shapes)  # the uploads' file order
@@ -307,18 +323,25 @@ def run_pass(
             u.start_tensor(name, numel)
         kept = torch.empty(numel, dtype=torch.float32) if keep else None
         for start, n in _range_chunks(numel, chunk):
-            g = g_buf[:n].zero_()
+            acc = acc_buf[:n]
+            if folded is None:
+                acc.zero_()
+            else:
+                folded.read_into(name, start, acc)
             xs = []
             t = time.perf_counter()
-            for u, c, buf in zip(uploads, coefficients, decoded, strict=True):
+            for u, factor, buf in zip(uploads, terms.factors, decoded, strict=True):
                 q = u.chunk(name, start, n)
                 t = result.lap("read", t)
                 x = u.decode_into(q, start, buf[:n])
-                g.add_(x, alpha=c)
+                exact.add_term(acc, x, factor, term_buf[:n])
                 if sampler is not None:
                     sampler.upload(u.id, name, start, x)
                 t = result.lap("sum", t)
                 xs.append(x)
+            g = exact.value_into(g_buf[:n], acc, terms.scale, term_buf[:n])
+            if sampler is not None:
+                sampler.total(name, start, g)
             if center is not None:
                 g.add_(center[0][name].view(-1)[start : start + n], alpha=center[1])
             for u, x in zip(uploads, xs, strict=True):
@@ -343,9 +366,10 @@ def run_pass(
 def _step_chunk(
     step: Step, name: str, start: int, g: torch.Tensor, work: list[torch.Tensor], res: PassResult
 ) -> bool:
-    """The outer step on one chunk (module docstring); False when it is not finite."""
+    """The outer step on one chunk (module docstring; ``diloco.outer.kernels``: fused for
+    the int8 delta codec when it can be built here); False when it is not finite."""
     n = g.numel()
-    theta, m, r, u, d = (w[:n] for w in work)
+    theta, m, r = (w[:n] for w in work[:3])
     hp, state = step.hyper, step.state
     t = time.perf_counter()
     step.params.read_into(name, start, theta)
@@ -356,31 +380,19 @@ def _step_chunk(
     else:
         r.zero_()
     t = res.lap("read", t)
-    if state.has_momentum:
-        m.mul_(hp.momentum).add_(g)
-    else:
-        m.copy_(g)
-    if hp.nesterov:
-        torch.add(g, m, alpha=hp.momentum, out=u)
-    else:
-        u.copy_(m)
-    torch.add(r, u, alpha=-hp.lr, out=d)
-    try:  # an overflow anywhere above (g, m, u) shows in d
-        encoded, change = deltas.publish_change(d, step.codec)
-    except NonFiniteError:
+    done = kernels.step(hp, step.codec, g, work, has_momentum=state.has_momentum)
+    if done is None:
         return False
-    deltas.apply_change(theta, change)
-    d.sub_(change)  # the residual carried into the next round
     if step.sampler is not None:
-        step.sampler.change(name, start, change)
-    res.change_sq += float(torch.dot(change, change))
+        step.sampler.change(name, start, done.change)
+    res.change_sq += float(torch.dot(done.change, done.change))
     t = res.lap("step", t)
     out = step.out
     out.params.write(name, start, theta)
     out.state.write(MOMENTUM_PREFIX + name, start, m)
-    out.state.write(RESIDUAL_PREFIX + name, start, d)
+    out.state.write(RESIDUAL_PREFIX + name, start, done.residual)
     at, scale_at = deltas.piece_offsets(step.codec, start)
-    out.delta.write(deltas.DATA + name, at, encoded.data)
-    out.delta.write(deltas.SCALES + name, scale_at, encoded.scales)
+    out.delta.write(deltas.DATA + name, at, done.data)
+    out.delta.write(deltas.SCALES + name, scale_at, done.scales)
     res.lap("write", t)
     return True

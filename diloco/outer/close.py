@@ -50,10 +50,12 @@ import torch
 from diloco.outer.attempt import (
     Base,
     CloseInputs,
+    Folding,
     StageClock,
     Tried,
     Upload,
     VersionPaths,
+    folding,
     open_base,
     try_step,
 )
@@ -71,7 +73,7 @@ from diloco.protocol.state import Action, Decision, StepVerdict
 
 log = logging.getLogger("diloco.rounds")
 
-__all__ = ["CloseInputs", "Closed", "Upload", "VersionPaths", "close_round"]
+__all__ = ["CloseInputs", "Closed", "Folding", "Upload", "VersionPaths", "close_round", "folding"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Closed:
     # the published change θ_new − θ_base where the round sampled (check_seed), for the next
     # rounds' copy check; None when not committed
     change_sample: torch.Tensor | None
+    folded: int = 0  # of the published step's uploads, those summed on arrival
     # when committed: the delta is committed (fsync, rename), the parameters and the outer
     # state are written but not yet committed; the caller commits them
     # (``Outputs.commit_rest``: off its critical path) or aborts them
@@ -210,6 +213,7 @@ def _close(
         clock.seconds,
         out.final_checks(),
         tried.change_sample,
+        tried.folded,
         tried.out,
     )
 

@@ -29,16 +29,22 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.config import AggregationSection
+from diloco.outer import exact
+from diloco.outer.exact import Terms
 from diloco.outer.optimizer import AggregationError
 from diloco.wire.codec import codec_from_description
 from diloco.wire.contribution import (
     ContributionDecoder,
     WireFormatError,
 )
+
+if TYPE_CHECKING:
+    from diloco.outer.fold import FoldPlan
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -81,15 +87,24 @@ def _tensors(source: Source, shapes: Shapes, codec: dict) -> Iterator[tuple[str,
         raise SourceUnreadable(source.id, f"its stored upload is damaged: {err}") from None
 
 
-def _accumulate(
-    into: dict[str, torch.Tensor], source: Source, scale: float, shapes: Shapes, codec: dict
-) -> None:
-    seen = 0
-    for name, x in _tensors(source, shapes, codec):
-        into[name].add_(x.view(into[name].shape), alpha=scale)
-        seen += 1
-    if seen != len(into):
-        raise SourceUnreadable(source.id, f"its stored upload has {seen} of {len(into)} tensors")
+def _exact_sum(
+    sources: Sequence[Source], terms: Terms, shapes: Shapes, codec: dict
+) -> dict[str, torch.Tensor]:
+    """Σ termsᵢ · scale, summed exactly as the chunked pass sums (``diloco.outer.exact``)."""
+    acc = {n: torch.zeros(math.prod(shape), dtype=torch.float64) for n, shape in shapes.items()}
+    for source, factor in zip(sources, terms.factors, strict=True):
+        seen = 0
+        for name, x in _tensors(source, shapes, codec):
+            work = torch.empty_like(acc[name])
+            exact.add_term(acc[name], x.reshape(-1), factor, work)
+            seen += 1
+        if seen != len(acc):
+            why = f"its stored upload has {seen} of {len(acc)} tensors"
+            raise SourceUnreadable(source.id, why)
+    out = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    for n, a in acc.items():
+        exact.value_into(out[n].view(-1), a, terms.scale, torch.empty_like(a))
+    return out
 
 
 def _dot(source: Source, v: Mapping[str, torch.Tensor], shapes: Shapes, codec: dict) -> float:
@@ -169,21 +184,28 @@ def robust_aggregate(
     codec: dict,
     policy: AggregationSection,
     history: Sequence[float] = (),
+    fold: FoldPlan | None = None,
 ) -> Aggregate:
-    """The round's update from ``sources`` as ``policy.method`` says (module docstring).
-    Raises ``SourceUnreadable`` for the first source that cannot be read back; the caller
-    leaves it out and calls again."""
+    """The round's update from ``sources`` as ``policy.method`` says (module docstring);
+    a folded round's (``fold``: ``diloco.outer.fold``) clips against its plan's limit and sums
+    on its grid. Raises ``SourceUnreadable`` for the first source that cannot be read back;
+    the caller leaves it out and calls again."""
     if not sources:
         raise AggregationError("no contributions to aggregate")
-    total_weight = sum(s.weight for s in sources)
+    total_weight = math.fsum(s.weight for s in sources)
     if not total_weight > 0:
         raise AggregationError("the contributions' weights add up to nothing")
-    ref, clip = clip_factors({s.id: s.norm for s in sources}, history, policy)
+    norms = [s.norm for s in sources]
+    if fold is None:
+        ref, clip = clip_factors({s.id: s.norm for s in sources}, history, policy)
+        scaled = [s.weight * clip[s.id] for s in sources]
+        terms = Terms.of(scaled, norms, total_weight)
+    else:
+        ref, clip = fold.limit / policy.clip_multiple, {s.id: fold.clip(s.norm) for s in sources}
+        terms = fold.terms([s.weight for s in sources], norms, total_weight)
 
     # pass 1: v = Σ wᵢ cᵢ Δᵢ / Σ wᵢ
-    v = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
-    for s in sources:
-        _accumulate(v, s, s.weight * clip[s.id] / total_weight, shapes, codec)
+    v = _exact_sum(sources, terms, shapes, codec)
 
     # pass 2: each one's dot product with v: its cosine, and (centred clipping) its distance
     v_sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in v.values())
@@ -202,10 +224,9 @@ def robust_aggregate(
 
     # pass 3: v + Σ wᵢ sᵢ (Δᵢ − v) / Σ wᵢ, sᵢ = min(1, τ / ‖Δᵢ − v‖), τ the median distance
     pull = centre_pulls(dist)
-    moved = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}
-    for s in sources:
-        _accumulate(moved, s, s.weight * pull[s.id] / total_weight, shapes, codec)
-    kept = sum(s.weight * pull[s.id] for s in sources) / total_weight
+    pulls = [s.weight * pull[s.id] for s in sources]
+    moved = _exact_sum(sources, Terms.of(pulls, norms, total_weight), shapes, codec)
+    kept = math.fsum(pulls) / total_weight
     for name, centre in v.items():
         moved[name].add_(centre, alpha=1.0 - kept)  # v + Σ wᵢsᵢΔᵢ/W − (Σ wᵢsᵢ/W) v
     shares = {

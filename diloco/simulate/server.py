@@ -29,7 +29,7 @@ from pathlib import Path
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
 from diloco.outer.checks import Check
-from diloco.outer.close import CloseInputs, Upload, close_round
+from diloco.outer.close import CloseInputs, Upload, close_round, folding
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
 from diloco.outer.scoring import Windows
@@ -181,6 +181,7 @@ class RoundDesk:
             check_seed=versions.check_seed(index),
             recent=list(versions.recent),
             score_sample=score_sample,
+            fold=folding(self.cfg, history),
         )
         try:
             closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)

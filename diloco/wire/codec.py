@@ -124,7 +124,9 @@ class Int8Codec:
         head, tail = _split_blocks(flat, self.block_size)  # (B, bs), (N - B*bs,)
 
         # Per-block absmax; amax of max/-min avoids materialising |x| for the whole tensor.
-        absmax = torch.maximum(head.amax(dim=1), -head.amin(dim=1))  # (B,)
+        # abs_: an all-zero block's max is +0 or -0 by the reduction's order (which moves with
+        # the number of blocks and threads); its scale, and the change it decodes to, is +0.
+        absmax = torch.maximum(head.amax(dim=1), -head.amin(dim=1)).abs_()  # (B,)
         if tail.numel():
             absmax = torch.cat([absmax, tail.abs().amax().reshape(1)])  # (n_blocks,)
         # amax propagates NaN and keeps Inf: every value is finite iff every absmax is

@@ -11,6 +11,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from diloco.config import RunConfig
 from diloco.outer.checks import RECENT_CHANGES, RecentChange
 from diloco.outer.scoring import Score
 from diloco.protocol.state import Aggregated
@@ -53,32 +54,9 @@ async def read_inputs(
                 f"run {claim.run_id} round {claim.index}: its base version {base.version}'s "
                 "full files are not yet durable"
             )
-        # the clipping's reference when the round has few: the run's latest aggregated norms
-        history = list(
-            await session.scalars(
-                select(Contribution.norm)
-                .where(
-                    Contribution.run_id == claim.run_id,
-                    Contribution.aggregated_at.is_not(None),
-                    Contribution.norm.is_not(None),
-                )
-                .order_by(Contribution.aggregated_at.desc())
-                .limit(cfg.aggregation.history)
-            )
-        )
+        history = await norm_history(session, claim.run_id, cfg)
         leases = await lease_data(session, run, [c for c in rows if c.staleness == 0])
-        recent = (
-            await session.execute(
-                select(Round.index, Round.check_seed, Round.change_sample)
-                .where(
-                    Round.run_id == claim.run_id,
-                    Round.index < claim.index,
-                    Round.change_sample.is_not(None),
-                )
-                .order_by(Round.index.desc())
-                .limit(RECENT_CHANGES)
-            )
-        ).all()
+        recent = await recent_changes(session, claim.run_id, claim.index)
     inputs = StepInputs(
         run_id=claim.run_id,
         version=claim.index,
@@ -96,16 +74,50 @@ async def read_inputs(
             )
             for c in rows
         ],
-        history=[h for h in history if h is not None],
+        history=history,
         quorum=cfg.rounds.quorum,
         check_seed=rnd.check_seed,
-        recent=[
-            RecentChange(index, seed, unpack_sample(sample))
-            for index, seed, sample in reversed(recent)
-            if sample is not None
-        ],
+        recent=recent,
     )
     return inputs, [rounds_service.aggregated(c) for c in rows]
+
+
+async def norm_history(session: AsyncSession, run_id: str, cfg: RunConfig) -> list[float]:
+    """The norms of the run's latest aggregated contributions, newest first: the clipping's
+    reference when a round has few, and a folded round's (``diloco.outer.fold``). It changes
+    only when a round of the run closes, so it is the same all the while a round is open."""
+    history = await session.scalars(
+        select(Contribution.norm)
+        .where(
+            Contribution.run_id == run_id,
+            Contribution.aggregated_at.is_not(None),
+            Contribution.norm.is_not(None),
+        )
+        .order_by(Contribution.aggregated_at.desc(), Contribution.id)
+        .limit(cfg.aggregation.history)
+    )
+    return [h for h in history if h is not None]
+
+
+async def recent_changes(session: AsyncSession, run_id: str, index: int) -> list[RecentChange]:
+    """The run's last published changes before round ``index``, sampled, oldest first."""
+    recent = (
+        await session.execute(
+            select(Round.index, Round.check_seed, Round.change_sample)
+            .where(
+                Round.run_id == run_id,
+                Round.index < index,
+                Round.change_sample.is_not(None),
+            )
+            .order_by(Round.index.desc())
+            .limit(RECENT_CHANGES)
+        )
+    ).all()
+    return [
+        RecentChange(i, seed, unpack_sample(sample))
+        for i, seed, sample in reversed(recent)
+        if sample is not None
+    ]
 
 
 async def lease_data(

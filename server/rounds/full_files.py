@@ -45,13 +45,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
-from diloco.outer.attempt import CloseInputs, Upload, VersionPaths
+from diloco.outer.attempt import CloseInputs, Upload, VersionPaths, folding
 from diloco.outer.chunked import Outputs
 from diloco.outer.rebuild import rebuild
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_STAGE_SECONDS
 from server.rounds import notify
-from server.rounds.models import Contribution
+from server.rounds.models import Contribution, Round
 from server.runs import service as runs_service
 from server.settings import Settings
 from server.storage import keys
@@ -149,6 +149,7 @@ class _Job:
     base: Checkpoint  # version − 1's
     blobs: list[tuple[str, str, float, float]]  # (id, blob key, weight, norm), in order
     history: list[float]
+    check_seed: int  # its round's (diloco.outer.checks)
 
 
 async def finish_next(
@@ -218,7 +219,11 @@ async def _claim(session: AsyncSession, settings: Settings, now: datetime) -> _J
     )  # fmt: skip
     blobs = [(cid, blob_keys[cid], w, n) for cid, w, n in recipe.contributions]
     cfg = runs_service.run_config(run)
-    return _Job(row.run_id, row.version, cfg, row, base, blobs, recipe.history)
+    seed = await session.scalar(
+        select(Round.check_seed).where(Round.run_id == row.run_id, Round.index == row.version)
+    )
+    assert seed is not None
+    return _Job(row.run_id, row.version, cfg, row, base, blobs, recipe.history, seed)
 
 
 def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> bool:
@@ -243,6 +248,10 @@ def _rebuild_and_commit(storage: Storage, job: _Job, faults: FaultInjector) -> b
             out=VersionPaths(
                 stage.output(at.params), stage.output(at.state), Path(tmp) / "delta.safetensors"
             ),
+            check_seed=job.check_seed,
+            # a folded round's terms, from its plan, every upload read (its running sum, if
+            # any, is the closer's): the exact sum is the same bits either way
+            fold=folding(job.cfg, job.history),
         )
         assert job.row.delta_sha256 is not None
         out = rebuild(inputs, params_sha256=job.row.sha256, delta_sha256=job.row.delta_sha256)

@@ -33,13 +33,15 @@ from diloco.config import RunConfig
 from diloco.data.text import lease_stream, read_lease_tokens
 from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
-from diloco.outer.close import Closed, CloseInputs, Upload, VersionPaths, close_round
+from diloco.outer.close import Closed, CloseInputs, Upload, VersionPaths, close_round, folding
 from diloco.outer.robust import Share
 from diloco.outer.scoring import Score, Windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
+from server.metrics import CLOSE_FOLDED
 from server.rounds import full_files
+from server.rounds.fold_sums import folds_for
 from server.runs import data as run_data
 from server.storage import keys
 from server.storage.base import Storage
@@ -121,7 +123,10 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     stage = Stage(storage)
     pending = None
     try:
-        closed, base_loss = _close(storage, stage, inputs, at, faults)
+        folds = folds_for(storage)  # a fold and its round's close never overlap
+        with folds.lock(inputs.run_id, inputs.version):
+            folder = folds.folder(inputs.run_id, inputs.version)
+            closed, base_loss = _close(storage, stage, inputs, at, faults, folder)
         if not closed.committed:
             return OuterResult(
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
@@ -130,9 +135,8 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         assert closed.pending is not None and closed.delta_sha256 is not None
         assert closed.params_sha256 is not None
         pending = full_files.Pending(stage, closed.pending, at)
-        stage.publish(
-            [at.delta]
-        )  # object storage: the delta goes up, durable before a row names it
+        # object storage: the delta goes up, durable before a row names it
+        stage.publish([at.delta])
         faults.hit("close.write")
     except BaseException:
         if pending is not None:
@@ -170,9 +174,15 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
 
 
 def _close(
-    storage: Storage, stage: Stage, inputs: StepInputs, at: keys.VersionKeys, faults: FaultInjector
+    storage: Storage,
+    stage: Stage,
+    inputs: StepInputs,
+    at: keys.VersionKeys,
+    faults: FaultInjector,
+    folder: Path,
 ) -> tuple[Closed, float | None]:
-    """``close_round`` on the round's files, staged; and the base version's judging loss."""
+    """``close_round`` on the round's files, staged (its running sum in ``folder``, if this
+    process folded it: ``server.rounds.folding``); and the base version's judging loss."""
     stage.inputs([inputs.base_params_key, inputs.base_state_key])
     blobs = stage.inputs((c.blob_key for c in inputs.contributions), missing_ok=True)
     own, score_sample = _score_data(storage, stage, inputs)
@@ -192,10 +202,12 @@ def _close(
         check_seed=inputs.check_seed,
         recent=inputs.recent,
         score_sample=score_sample,
+        fold=folding(inputs.cfg, inputs.history, folder if folder.exists() else None),
     )
     judge = _judge(storage, inputs)
     base_loss = JUDGED.get(inputs.run_id, inputs.version - 1)
     closed = close_round(close, evaluate=judge, base_judge_loss=base_loss, hit=faults.hit)
+    CLOSE_FOLDED.inc(closed.folded)
     if closed.base_judge_loss is not None:  # measured by this close: kept for a retry
         base_loss = closed.base_judge_loss
         JUDGED.put(inputs.run_id, inputs.version - 1, base_loss)

@@ -14,7 +14,10 @@ lease release may let a round close):
 4. **score**: the uploads of open rounds by the loss, one at a time as they arrive, on a
    thread of their own (``server.rounds.arrival_scores``): what the close would otherwise
    compute after the deadline.
-5. **rebuild**: a published version whose full files its closer did not make durable (it
+5. **fold**: the uploads of open folded rounds into their round's running sum, one at a
+   time as they arrive, on a thread of their own (``server.rounds.folding``): the close
+   then adds only what arrived since.
+6. **rebuild**: a published version whose full files its closer did not make durable (it
    died, or failed), one at a time, on the close threads (``server.rounds.full_files``).
 
 Any number of processes (role ``all`` or ``worker``) may run this loop on one database:
@@ -37,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.faults import FaultInjector
 from diloco.protocol.state import Action, RoundState
-from server.rounds import arrival_scores, full_files, version_eval
+from server.rounds import arrival_scores, folding, full_files, version_eval
 from server.rounds import service as rounds_service
 from server.rounds.closing import Claim, claim_next, close_claimed, mark_closing
 from server.rounds.models import Round
@@ -64,6 +67,7 @@ class Sweeper:
         self._closing: set[asyncio.Task[bool]] = set()
         self._evaluating: asyncio.Task[None] | None = None
         self._scoring: asyncio.Task[None] | None = None
+        self._folding: asyncio.Task[None] | None = None
         self._rebuilding: asyncio.Task[None] | None = None
         # the closes' compute, on threads of their own at a lower OS priority, so that the
         # requests this process serves meanwhile get the CPU first (no request waits on a
@@ -86,6 +90,12 @@ class Sweeper:
             initializer=lower_priority,
             initargs=(settings.close_nice,),
         )
+        self.fold_executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="fold",
+            initializer=lower_priority,
+            initargs=(settings.close_nice,),
+        )
 
     def wake(self) -> None:
         self._wake.set()
@@ -104,12 +114,13 @@ class Sweeper:
                 with contextlib.suppress(TimeoutError):  # no wake-up: the periodic sweep
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
         finally:
-            side = (self._evaluating, self._scoring, self._rebuilding)
-            tasks = [*self._closing, *(t for t in side if t)]
+            background = (self._evaluating, self._scoring, self._folding, self._rebuilding)
+            tasks = [*self._closing, *(t for t in background if t)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for executor in (self.executor, self.eval_executor, self.score_executor):
+            executors = (self.executor, self.eval_executor, self.score_executor, self.fold_executor)
+            for executor in executors:
                 executor.shutdown(wait=False, cancel_futures=True)
 
     async def sweep(self) -> None:
@@ -137,6 +148,8 @@ class Sweeper:
             self._rebuilding = asyncio.create_task(self._rebuild(), name="rebuild")
         if self._scoring is None and not self._closing:  # never beside a close: memory
             self._scoring = asyncio.create_task(self._score(), name="score")
+        if self._folding is None:  # a few chunks of memory: beside closes too
+            self._folding = asyncio.create_task(self._fold(), name="fold")
 
     async def _evaluate(self) -> None:
         """Evaluate pending versions, one after the other, while there are any."""
@@ -177,6 +190,19 @@ class Sweeper:
             )
         finally:
             self._scoring = None
+
+    async def _fold(self) -> None:
+        """Fold arrived uploads into their rounds' sums, one after the other, while there
+        are any (a round's close and its folds never overlap: ``server.rounds.folding``)."""
+        try:
+            await _drain(
+                "folding arrived uploads",
+                lambda: folding.fold_next(
+                    self.sessions, self.storage, self.fold_executor, self.faults
+                ),
+            )
+        finally:
+            self._folding = None
 
     def _closed(self, task: asyncio.Task[bool]) -> None:
         self._closing.discard(task)

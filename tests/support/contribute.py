@@ -16,11 +16,13 @@ import httpx
 import numpy as np
 import torch
 from safetensors.torch import load as safetensors_load
+from safetensors.torch import load_file as load_params
 
 from diloco.checkpoint import MOMENTUM_PREFIX, RESIDUAL_PREFIX
 from diloco.config import RunConfig, parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
+from diloco.outer.fold import FoldPlan
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.optimizer import pseudo_gradient
 from diloco.outer.robust import Source, robust_aggregate
@@ -258,7 +260,7 @@ def reference_close(
     round ``round``'s lr from the base version's momentum and residual (``state``; none for
     round 1), published through the run's delta codec (``diloco.wire.delta``). ``history``:
     the norms of the run's earlier aggregated contributions, the clipping's reference in a
-    small round."""
+    small round, and a folded round's (``diloco.outer.fold``)."""
     shapes = {n: tuple(p.shape) for n, p in base.items()}
     codec = codec_for(cfg.compression).describe()
     sources = []
@@ -269,8 +271,9 @@ def reference_close(
             inspector.add(name, tensor)
         sources.append(Source(str(i), float(weight), inspector.norm, lambda body=body: [body]))
     aggregate = robust_aggregate(
-        sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=list(history)
-    )
+        sources, shapes=shapes, codec=codec, policy=cfg.aggregation, history=list(history),
+        fold=FoldPlan.of_run(cfg, history),
+    )  # fmt: skip
     return outer_reference(
         base,
         aggregate.delta,
@@ -339,3 +342,39 @@ def close_rounds(http: httpx.Client, token: str, run_id: str, n: int) -> None:
             return int(http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"]) == i
 
         wait_for(closed, timeout=120, what=f"round {index} to close")
+
+
+def assert_reference_closes(database_url: str, blobs: Path, run_id: str, cfg: RunConfig) -> int:
+    """Every published version of the run is, bit for bit, the reference close of its
+    round's stored uploads, each weighed as the server counts it (``counted_weight``: its
+    staleness and its contributor's standing then; the exact sum's grid depends on the
+    weights themselves) and clipped against the history the server had; the number of
+    versions checked."""
+    from tests.support.pg import rows
+
+    uploads = rows(
+        database_url,
+        "SELECT round_index, blob_key, weight, staleness, standing, norm FROM contributions "
+        "WHERE run_id = $1 AND aggregated_at IS NOT NULL ORDER BY created_at, id",
+        run_id,
+    )
+    folder = blobs / "runs" / run_id / "checkpoints"
+    history: list[float] = []
+    versions = max(u["round_index"] for u in uploads)
+    for v in range(1, versions + 1):
+        base = load_params(folder / f"{v - 1}.safetensors")
+        state = read_outer_state(folder / f"{v - 1}.state.safetensors") if v > 1 else None
+        mine = [u for u in uploads if u["round_index"] == v]
+        bodies = [
+            (
+                (blobs / u["blob_key"]).read_bytes(),
+                float(counted_weight(u["weight"], u["staleness"], u["standing"] or 1.0)),
+            )
+            for u in mine
+        ]
+        want = reference_close(cfg, base, bodies, round=v, state=state, history=history)
+        published = load_params(folder / f"{v}.safetensors")
+        assert published.keys() == want.params.keys(), v
+        assert all(torch.equal(published[k], want.params[k]) for k in want.params), v
+        history += [float(u["norm"]) for u in mine]
+    return versions

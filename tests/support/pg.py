@@ -117,3 +117,16 @@ def fresh_database(admin_url: str, *, migrated: bool = True) -> Iterator[str]:
         yield _with_database(admin_url, name)
     finally:
         _drop(admin_url, name)
+
+
+def rows(url: str, query: str, *args: object) -> list[dict]:
+    """The rows ``query`` returns on the database at ``url``, as dicts."""
+
+    async def go() -> list[dict]:
+        conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+        try:
+            return [dict(r) for r in await conn.fetch(query, *args)]
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())

@@ -1,0 +1,195 @@
+"""The close after the deadline when uploads were folded as they arrived (issue 29, item 1).
+
+For each size, K synthetic int8 uploads (real wire bodies) of one round of a clipped-mean
+run with history (a folded round, ``diloco.outer.fold``), closed by ``close_round`` in this
+process, twice on the same files:
+
+- **reads every upload**: no running sum (a close that finds none: another process, a
+  restart), the close as it was;
+- **folded**: the first K − 1 uploads folded one by one as they would arrive (each fold
+  timed), then the close adds the last one: what is left after the deadline.
+
+Both must publish the same bytes (checked). Beside them, measured in the same run: the
+bytes-moved bound of what the folded close must still do (the last upload, the running sum
+read, θ, momentum and residual read, and written with the delta: 34 bytes a parameter at
+int8; 22 once only the delta is written before publishing, item 2), at the copy bandwidth
+torch reaches here on every core.
+
+    python bench/fold_close.py [--sizes 10M,50M,150M --uploads 8]
+    python bench/fold_close.py --sizes 10M --uploads 1000   # a thousand uploads
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.doc_sections import replace_section  # noqa: E402
+from bench.server_round import SIZES, copy_bandwidth  # noqa: E402
+from bench.transport import contribution_body  # noqa: E402
+from diloco.config import parse_config  # noqa: E402
+from diloco.model.architectures import parameter_shapes  # noqa: E402
+from diloco.outer.attempt import open_base  # noqa: E402
+from diloco.outer.checks import Sampler, Sampling  # noqa: E402
+from diloco.outer.chunked import UploadFile  # noqa: E402
+from diloco.outer.close import (  # noqa: E402
+    CloseInputs,
+    Folding,
+    Upload,
+    VersionPaths,
+    close_round,
+)
+from diloco.outer.fold import FoldPlan, FoldState  # noqa: E402
+from diloco.outer.inspection import UploadInspector  # noqa: E402
+from diloco.simulate.versions import Versions  # noqa: E402
+from diloco.wire.codec import codec_from_description  # noqa: E402
+from diloco.wire.contribution import decode_contribution  # noqa: E402
+
+RUN = "run_bench"
+SEED = 3  # the round's sampling seed
+
+
+def config(shape: tuple[int, int, int]):  # type: ignore[no-untyped-def]
+    n_layer, n_embd, n_head = shape
+    raw = {
+        "name": "fold-bench",
+        "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": 128},
+        "data": {"path": "corpus.txt"},
+        "inner": {"steps": 16, "batch_size": 16},
+        "compression": {"kind": "int8", "block_size": 4096},
+        "aggregation": {"judge_windows": 0, "score_windows": 0},
+    }
+    return parse_config(raw)
+
+
+def norm_of(body: bytes, shapes: dict, codec: dict) -> float:
+    _, encoded = decode_contribution(body, shapes, codec=codec)
+    inspector = UploadInspector(codec)
+    for name, tensor in encoded.items():
+        inspector.add(name, tensor)
+    return inspector.norm
+
+
+def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> list[str]:
+    cfg = config(shape)
+    shapes = parameter_shapes(cfg.model)
+    n = sum(math.prod(s) for s in shapes.values())
+    gen = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(s, generator=gen) * 0.02 for name, s in shapes.items()}
+    versions = Versions(cfg, params, run_id=RUN)
+    del params
+    lease = {"round": 1, "base_version": 0}
+    codec = codec_from_description({"kind": "int8", "block_size": 4096}).describe()
+    uploads = []
+    for i in range(k):  # each a Δ of its own: copies would be left out by the checks
+        body = contribution_body(RUN, lease, shapes, i)
+        path = work / f"u{i}.bin"
+        path.write_bytes(body)
+        uploads.append(Upload(f"c{i}", path, 2048.0 * (1 + i % 3), norm_of(body, shapes, codec)))
+    del body
+    history = [statistics.median(u.norm for u in uploads)] * 3
+    plan = FoldPlan.of_run(cfg, history)
+    assert plan is not None
+
+    def close(folder: Path | None, name: str) -> tuple[float, dict, bytes]:
+        out = work / name
+        out.mkdir()
+        paths = VersionPaths(out / "p", out / "s", out / "d")
+        inputs = CloseInputs(
+            RUN, 1, cfg, versions.latest.params, versions.latest.state, uploads, history, 1,
+            paths, check_seed=SEED, fold=Folding(plan, folder),
+        )  # fmt: skip
+        start = time.perf_counter()
+        closed = close_round(inputs, evaluate=lambda p: 1.0)
+        seconds = time.perf_counter() - start
+        assert closed.committed and closed.pending is not None, closed.excluded
+        closed.pending.commit_rest()  # the server commits them after publishing
+        digest = paths.params.read_bytes()[-64:] + paths.delta.read_bytes()[-64:]
+        shutil.rmtree(out)
+        return seconds, closed.seconds, digest
+
+    all_s, all_stages, want = close(None, "all")
+    folder = work / "fold"
+    fold_s = fold_all(cfg, versions, uploads[:-1], plan, folder)
+    folded_s, folded_stages, got = close(folder, "folded")
+    assert got == want, "the folded close published other bytes"
+    shutil.rmtree(folder)
+    versions.cleanup()
+
+    bw = copy_bandwidth()
+    bound = 34 * n / bw
+    bound_delta = 22 * n / bw
+    lines = [
+        f"\n{label}: {n:,} parameters, {k} int8 uploads; copy bandwidth {bw / 1e9:.1f} GB/s\n",
+        "| measure | seconds | limit (same run) | ratio |",
+        "|---|---|---|---|",
+        f"| close reading every upload | {all_s:.3f} | | |",
+        f"| fold, per upload (median of {len(fold_s)}) | {statistics.median(fold_s):.3f} | | |",
+        f"| folds, all {len(fold_s)} (during the round) | {sum(fold_s):.3f} | | |",
+        f"| close after the deadline, folded | {folded_s:.3f} | bound 34 B/param {bound:.3f} s "
+        f"| {folded_s / bound:.2f}x |",
+        f"| | | bound 22 B/param (delta only) {bound_delta:.3f} s "
+        f"| {folded_s / bound_delta:.2f}x |",
+        f"| its stages | {_stages(folded_stages)} | | |",
+        f"| stages, reading every upload | {_stages(all_stages)} | | |",
+        f"| speed-up after the deadline | {all_s / folded_s:.1f}x | | |",
+    ]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _stages(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{s} {v:.3f}" for s, v in sorted(seconds.items()))
+
+
+def fold_all(cfg, versions, uploads, plan, folder) -> list[float]:  # type: ignore[no-untyped-def]
+    """Fold ``uploads`` one by one as the server's round worker does; each fold's seconds."""
+    inputs = CloseInputs(
+        RUN, 1, cfg, versions.latest.params, versions.latest.state, uploads, [], 1,
+        VersionPaths(folder, folder, folder),
+    )  # fmt: skip
+    base = open_base(inputs)
+    state = FoldState(folder, base.shapes)
+    state.start(plan, [SEED])
+    seconds = []
+    for u in uploads:
+        sampler = Sampler(base.shapes, [Sampling.for_round(state.numel, SEED)])
+        start = time.perf_counter()
+        with contextlib.closing(UploadFile(u.id, u.path, base.shapes, base.upload_codec)) as f:
+            state.fold(f, plan.factor(u.weight, u.norm), sampler, align=base.align())
+        seconds.append(time.perf_counter() - start)
+    base.close()
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="10M,50M,150M")
+    p.add_argument("--uploads", type=int, default=8)
+    p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as the server's close runs
+    lines = []
+    for label in args.sizes.split(","):
+        with tempfile.TemporaryDirectory(prefix="fold-bench-") as work:
+            lines += bench_size(label, SIZES[label], args.uploads, Path(work))
+    key = f"fold-close-{args.uploads}"
+    command = f"python bench/fold_close.py --sizes {args.sizes} --uploads {args.uploads}"
+    title = f"## The close after the deadline, uploads folded as they arrived ({args.uploads})"
+    replace_section(args.doc, key, f"{title}\n\n```\n{command}\n```\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

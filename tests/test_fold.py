@@ -1,0 +1,168 @@
+"""A round summed as its uploads arrive (``diloco.outer.fold``) publishes the very bits of a
+close that reads every upload again: whatever order they were folded in, whichever of them
+the close leaves out, and whatever state a crash left the running sum in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.outer.attempt import open_base
+from diloco.outer.checks import Sampler, Sampling
+from diloco.outer.chunked import UploadFile
+from diloco.outer.close import Closed, CloseInputs, Folding, Upload, VersionPaths, close_round
+from diloco.outer.fold import FoldPlan, FoldState
+from diloco.outer.robust import SourceUnreadable
+from diloco.simulate.server import Standings, open_round
+from diloco.simulate.versions import Versions
+from tests.test_one_close import RUN, body, config, honest_deltas, initial_params
+
+HISTORY = [0.9, 1.0, 1.1]  # norms of the run's last aggregated uploads (≈ the honest ones)
+
+
+@pytest.fixture
+def round_(tmp_path):
+    """Round 2 of a clipped-mean run: five honest uploads of norm ≈ 1, one of them twice as
+    long (clipped to the history's median), and a zero upload the checks leave out."""
+    cfg = config()
+    params = initial_params(cfg)
+    versions = Versions(cfg, params, run_id=RUN)
+    standings = Standings()
+    deltas = honest_deltas(params, 5, seed=7)
+    scale = 1.0 / float(torch.cat([t.reshape(-1) for t in deltas[0].values()]).norm())
+    deltas = [{k: t * scale for k, t in d.items()} for d in deltas]
+    deltas[3] = {k: 2 * t for k, t in deltas[3].items()}
+    deltas.append({k: torch.zeros_like(t) for k, t in deltas[0].items()})
+    uploads = []
+    for i, delta in enumerate(deltas):
+        chunks = body(cfg, delta, 2)
+        path = tmp_path / f"u{i}.bin"
+        path.write_bytes(b"".join(chunks))
+        admitted = open_round(cfg, 2, standings).admit(f"c{i}", f"v{i}", chunks)
+        assert hasattr(admitted, "source")
+        uploads.append(Upload(f"c{i}", path, admitted.source.weight, admitted.source.norm))
+    plan = FoldPlan.of_run(cfg, HISTORY)
+    assert plan is not None
+    yield cfg, versions, uploads, plan
+    versions.cleanup()
+
+
+def close(tmp_path: Path, name: str, round_, folder: Path | None) -> tuple[Closed, dict]:
+    cfg, versions, uploads, plan = round_
+    out = tmp_path / name
+    out.mkdir()
+    paths = VersionPaths(out / "p", out / "s", out / "d")
+    inputs = CloseInputs(
+        RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
+        paths, check_seed=11, fold=Folding(plan, folder),
+    )  # fmt: skip
+    closed = close_round(inputs, evaluate=lambda p: 1.0, base_judge_loss=1.0)
+    assert closed.committed and closed.pending is not None
+    closed.pending.commit_rest()  # the server commits them after publishing
+    return closed, {p.name: p.read_bytes() for p in (paths.params, paths.state, paths.delta)}
+
+
+def fold(round_, folder: Path, order: list[int]) -> FoldState:
+    """Fold the uploads ``order`` names, one after the other, as the server does on arrival."""
+    cfg, versions, uploads, plan = round_
+    inputs = CloseInputs(
+        RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
+        VersionPaths(folder, folder, folder),
+    )  # fmt: skip
+    base = open_base(inputs)
+    n_params = sum(t.numel() for t in map(torch.empty, base.shapes.values()))
+    state = FoldState(folder, base.shapes)
+    if state.usable(plan, [11]) is None:
+        state.start(plan, [11])
+    for i in order:
+        u = uploads[i]
+        sampler = Sampler(base.shapes, [Sampling.for_round(n_params, 11)])
+        with contextlib.closing(UploadFile(u.id, u.path, base.shapes, base.upload_codec)) as f:
+            state.fold(f, plan.factor(u.weight, u.norm), sampler, align=base.align())
+    base.close()
+    return state
+
+
+def test_a_folded_round_publishes_the_bits_of_one_read_again_in_any_order(tmp_path, round_):
+    # Prepare: the reference reads every upload at the close
+    want, want_files = close(tmp_path, "reference", round_, None)
+    assert want.excluded.keys() == {"c5"} and want.exclusion_codes["c5"] == "zero_update"
+    assert want.shares["c3"].clip < 1.0  # clipped against the history, not the round
+
+    for k, order in enumerate(([0, 1, 2, 3, 4, 5], [5, 3, 1], [4, 2, 0, 5])):
+        # Execute: some uploads folded as they arrived (the zero one among them: the close
+        # takes it out again), the rest added by the close
+        folder = tmp_path / f"fold{k}"
+        fold(round_, folder, order)
+        got, files = close(tmp_path, f"folded{k}", round_, folder)
+
+        # Assert: the same files, checks and shares, bit for bit
+        assert files == want_files, order
+        assert got.excluded == want.excluded and got.checks == want.checks
+        assert got.shares == want.shares and got.update_norm == want.update_norm
+
+
+def test_the_close_does_not_read_the_folded_uploads_again(tmp_path, round_):
+    # the five honest uploads folded, then their blobs gone: only the sum can give them
+    want, want_files = close(tmp_path, "reference", round_, None)
+    _, _, uploads, _ = round_
+    folder = tmp_path / "fold"
+    fold(round_, folder, [0, 1, 2, 3, 4])
+    for u in uploads[:5]:
+        u.path.unlink()
+
+    got, files = close(tmp_path, "folded", round_, folder)
+
+    assert files == want_files and got.checks == want.checks
+
+
+def test_a_sum_a_crash_cut_short_is_not_used(tmp_path, round_):
+    _want, want_files = close(tmp_path, "reference", round_, None)
+    _cfg, _versions, uploads, plan = round_
+    folder = tmp_path / "fold"
+    state = fold(round_, folder, [0, 1])
+
+    # a fold that died half-way: the sum changed, its upload not yet recorded
+    meta = (folder / "meta.json").read_text()
+    (folder / "meta.json").write_text(meta.replace('"pending": null', '"pending": "c2"'))
+    with open(folder / "sum.f64", "r+b") as f:
+        f.write(b"\x00" * 64)
+    assert state.usable(plan, [11]) is None
+    _, files = close(tmp_path, "after-crash", round_, folder)
+    assert files == want_files
+
+    # a damaged upload met while folding leaves the state pending, never half-used
+    damaged = tmp_path / "damaged"
+    state = fold(round_, damaged, [0])
+    raw = bytearray(uploads[1].path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    uploads[1].path.write_bytes(bytes(raw))
+    with pytest.raises(SourceUnreadable):
+        fold(round_, damaged, [1])
+    assert state.usable(plan, [11]) is None
+
+
+def test_a_sum_of_another_plan_or_sampling_is_not_used(tmp_path, round_):
+    _cfg, _versions, _uploads, plan = round_
+    folder = tmp_path / "fold"
+    state = fold(round_, folder, [0, 1, 2])
+    assert state.usable(plan, [11]) == ["c0", "c1", "c2"]
+    assert state.usable(plan, [12]) is None  # another round's sampling
+    other = FoldPlan(plan.limit * 2, plan.unit)
+    assert state.usable(other, [11]) is None
+    os.truncate(folder / "sum.f64", 8)
+    assert state.usable(plan, [11]) is None
+
+
+def test_only_clipped_rounds_with_history_are_folded():
+    cfg = config()
+    assert FoldPlan.of_run(cfg, HISTORY[:2]) is None  # fewer than reference_min
+    assert FoldPlan.of_run(config(method="mean"), HISTORY) is None
+    assert FoldPlan.of_run(config(method="centered_clip"), HISTORY) is None
+    assert FoldPlan.of_run(config(fold=False), HISTORY) is None
+    plan = FoldPlan.of_run(cfg, HISTORY)
+    assert plan is not None and plan.limit == cfg.aggregation.clip_multiple * 1.0
