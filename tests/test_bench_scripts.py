@@ -226,6 +226,7 @@ def test_server_round_bench_prints_every_stage_beside_its_limit(database_url):
         "ingest, per upload",
         "aggregate + step",
         "critical path",
+        "full files durable",
         "eval (after",
         "checkpoint download",
         "delta download",

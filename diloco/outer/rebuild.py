@@ -6,7 +6,9 @@ first and leaves them to its caller).
 the residual: those need the aggregate g. So the rebuild runs the published try again
 (``diloco.outer.attempt.try_step``): the same base version, the contributions the close
 kept, in the same order, with the same weights and norms and the same clipping history,
-at the same version's lr. Given the same inputs the pass writes the same bytes; the
+at the same version's lr (a folded round: with its plan, every kept upload read again, as
+the running sum stayed with the closer; ``diloco.outer.exact`` makes that the same sum).
+Given the same inputs the pass writes the same bytes; the
 rebuild checks that it did — the delta's sha256 against the published one, the
 parameters' against the recorded one — and only then hands the files over to be
 committed. The delta itself is written to ``inputs.out.delta`` (a scratch path of the
