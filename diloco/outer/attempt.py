@@ -164,18 +164,47 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
     """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
     version's files written to temp names, and what each contribution put in. sha256 runs
     on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
-    policy = inputs.cfg.aggregation
     norms = {u.id: u.norm for u in kept}
     summing = _summing(inputs, base, kept)
     n_params = sum(math.prod(shape) for shape in base.shapes.values())
-    sampler = Sampler(
-        base.shapes,
-        [Sampling.for_round(n_params, s) for s in summing.seeds],
-    )
+    sampler = Sampler(base.shapes, [Sampling.for_round(n_params, s) for s in summing.seeds])
     for i in summing.folded_ids:
         if i in norms:  # folded and kept: sampled when it was folded
             assert summing.state is not None
             sampler.put(i, summing.state.samples(i))
+    out, result, dots, v_sq, factors = _passes(inputs, base, kept, summing, sampler)
+    if inputs.fold is not None:  # not every upload was read: on the sample
+        dots = sampler.dots(list(norms), n_params)
+    clock.lap("pass")
+    for part, spent in result.seconds.items():  # where the pass's time went
+        clock.seconds[f"pass_{part}"] = clock.seconds.get(f"pass_{part}", 0.0) + spent
+    dist = distances(norms, dots, v_sq)
+    v_norm = math.sqrt(v_sq)
+    shares = {
+        u.id: Share(u.weight, u.norm, factors[u.id], cosine(u.norm, dots[u.id], v_norm), dist[u.id])
+        for u in kept
+    }
+    total = summing.terms.total
+    figures = RoundFigures(
+        ids=[u.id for u in kept],
+        norms=norms,
+        coefficients={u.id: u.weight * summing.clip[u.id] / total for u in kept},
+        dots=dots,
+        g_sq=v_sq,
+        samples=sampler.uploads(),
+        recent=list(inputs.recent),
+        reference=reference_norm(list(norms.values()), inputs.history, inputs.cfg.aggregation),
+    )
+    on_arrival = sum(1 for i in summing.folded_ids if i in norms)
+    return Tried(out, result, shares, figures, sampler.changes(), on_arrival)
+
+
+def _passes(
+    inputs: CloseInputs, base: Base, kept: list[Upload], summing: _Summing, sampler: Sampler
+) -> tuple[Outputs, PassResult, dict[str, float], float, dict[str, float]]:
+    """The try's pass (two for ``centered_clip``): the outputs written, the stepping pass's
+    result, each upload's dot product with the centre and its ‖·‖², and the factors."""
+    norms = {u.id: u.norm for u in kept}
     with contextlib.ExitStack() as stack:
         hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
         out = outputs(inputs, base, hasher)
@@ -197,14 +226,12 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         align = base.align()
         try:
             uploads = open_uploads(summing.read)
-            if policy.method != "centered_clip":
+            if inputs.cfg.aggregation.method != "centered_clip":
                 result = run_pass(
                     uploads, summing.terms, base.shapes, align=align, step=step,
                     sampler=sampler, folded=folded,
                 )  # fmt: skip
                 dots, v_sq, factors = result.dots, result.g_sq, summing.clip
-                if inputs.fold is not None:  # not every upload was read: on the sample
-                    dots = sampler.dots(list(norms), n_params)
             else:  # the clipped mean v first, then v + Σ wᵢsᵢ(Δᵢ − v)/W
                 first = run_pass(
                     uploads, summing.terms, base.shapes, align=align, keep=True, sampler=sampler
@@ -221,28 +248,7 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         except BaseException:
             out.abort()
             raise
-    clock.lap("pass")
-    for part, spent in result.seconds.items():  # where the pass's time went
-        clock.seconds[f"pass_{part}"] = clock.seconds.get(f"pass_{part}", 0.0) + spent
-    dist = distances(norms, dots, v_sq)
-    v_norm = math.sqrt(v_sq)
-    shares = {
-        u.id: Share(u.weight, u.norm, factors[u.id], cosine(u.norm, dots[u.id], v_norm), dist[u.id])
-        for u in kept
-    }
-    total = summing.terms.total
-    figures = RoundFigures(
-        ids=[u.id for u in kept],
-        norms=norms,
-        coefficients={u.id: u.weight * summing.clip[u.id] / total for u in kept},
-        dots=dots,
-        g_sq=v_sq,
-        samples=sampler.uploads(),
-        recent=list(inputs.recent),
-        reference=reference_norm(list(norms.values()), inputs.history, policy),
-    )
-    on_arrival = sum(1 for i in summing.folded_ids if i in norms)
-    return Tried(out, result, shares, figures, sampler.changes(), on_arrival)
+    return out, result, dots, v_sq, factors
 
 
 @dataclass(frozen=True)
