@@ -272,15 +272,12 @@ def test_storage_of_an_unknown_run_is_404(server: ServerProcess) -> None:
     assert r.status_code == 404 and r.json()["error"] == "run_not_found"
 
 
-def test_two_replicas_retiring_at_once_delete_each_thing_once(
-    database_url: str, tmp_path: Path
-) -> None:
-    # Prepare: six rounds closed by a server whose janitor passes only at its start, then
-    # stopped once every version's eval is in (a pending eval holds its version)
+def six_closed_rounds(database_url: str, tmp_path: Path) -> tuple[str, LocalStorage]:
+    """Six rounds closed and evaluated by a server whose janitor passes only at its start,
+    then stopped (a pending eval holds its version); the run and its store."""
     server = ServerProcess(
         data_dir=tmp_path / "srv", database_url=database_url, janitor_interval_s=600
     )
-    store = LocalStorage(tmp_path / "srv" / "blobs")
     config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
     config["retention"] = POLICY
     # no audits: an audited upload's blob is kept for good (tests/test_audits.py)
@@ -294,6 +291,15 @@ def test_two_replicas_retiring_at_once_delete_each_thing_once(
         wait_for(lambda: rows(database_url, query, run_id)[0]["n"] == 0, timeout=60, what="evals")
     finally:
         server.stop()
+    return run_id, LocalStorage(tmp_path / "srv" / "blobs")
+
+
+def test_two_replicas_retiring_at_once_delete_each_thing_once(
+    database_url: str, tmp_path: Path
+) -> None:
+    # Prepare: six rounds closed by a server whose janitor passes only at its start, then
+    # stopped once every version's eval is in (a pending eval holds its version)
+    run_id, store = six_closed_rounds(database_url, tmp_path)
     prefix = f"runs/{run_id}/"
     assert len([b for b in store.list_blobs(f"{prefix}rounds/")]) == 6, "nothing retired yet"
     # a replica that marked version 1 and crashed before deleting its files
@@ -339,22 +345,7 @@ def test_a_version_whose_full_files_are_pending_keeps_its_base_and_its_blobs(
     # Prepare: six rounds closed and evaluated, the server stopped; then version 5 as its
     # closer would leave it had it died after publishing: its full files pending
     # (server.rounds.full_files), so a rebuild will read version 4 and round 5's upload
-    server = ServerProcess(
-        data_dir=tmp_path / "srv", database_url=database_url, janitor_interval_s=600
-    )
-    store = LocalStorage(tmp_path / "srv" / "blobs")
-    config = server_run_config(rounds={"quorum": 1, "max_rounds": 8})
-    config["retention"] = POLICY
-    config["audit"] = {"fraction": 0.0}
-    try:
-        server.wait_ready()
-        with server.client() as http:
-            run_id = create_run(http, config)["id"]
-            close_rounds(http, register(http, "steady"), run_id, 6)
-        query = "SELECT count(*) AS n FROM checkpoints WHERE run_id = $1 AND eval_loss IS NULL"
-        wait_for(lambda: rows(database_url, query, run_id)[0]["n"] == 0, timeout=60, what="evals")
-    finally:
-        server.stop()
+    run_id, store = six_closed_rounds(database_url, tmp_path)
     pending = (
         'UPDATE checkpoints SET full_files_at = NULL, rebuild = \'{"contributions": [], '
         '"history": []}\' WHERE run_id = $1 AND version = 5 RETURNING version'
