@@ -137,3 +137,41 @@ def test_the_sample_is_every_strideth_value_from_the_phase_whatever_the_chunking
     (got,) = sampler.uploads()["u"]
     want = x[sampling.phase :: sampling.stride]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 31])
+def test_every_leave_one_out_median_is_torchs_median_of_the_others(n):
+    # what the direction check compares each upload with, taken for all at once: the same
+    # values as torch.median over the others, ties included
+    from diloco.outer.checks import _others_medians
+
+    gen = torch.Generator().manual_seed(n)
+    own = torch.randn(n, 257, generator=gen, dtype=torch.float64)
+    own[:, :40] = torch.randint(-2, 3, (n, 40), generator=gen).double()  # many ties
+    got = _others_medians(own)
+    for k in range(n):
+        others = torch.cat([own[:k], own[k + 1 :]])
+        want = others.median(dim=0).values if len(others) > 2 else others.mean(dim=0)
+        assert torch.equal(got[k], want), k
+
+
+def test_the_copy_check_finds_each_uploads_nearest_earlier_upload_by_the_matrix():
+    from diloco.outer.checks import _cosine, _earlier_copies
+
+    gen = torch.Generator().manual_seed(3)
+    samples = [torch.randn(512, generator=gen) for _ in range(6)]
+    samples[4] = -0.9 * samples[1]  # a scaled, negated copy of an earlier one
+    samples[5] = torch.zeros(512)  # no direction: no cosine
+    ids = [f"u{k}" for k in range(6)]
+    f = RoundFigures(
+        ids=ids, norms=dict.fromkeys(ids, 1.0), coefficients=dict.fromkeys(ids, 0.2),
+        dots=dict.fromkeys(ids, 0.0), g_sq=1.0,
+        samples={i: [s] for i, s in zip(ids, samples, strict=True)}, recent=[], reference=1.0,
+    )  # fmt: skip
+    got = _earlier_copies(f)
+    for k, i in enumerate(ids[1:5], start=1):
+        cos = {j: abs(_cosine(samples[k], samples[m])) for m, j in enumerate(ids[:k])}
+        best = max(cos, key=lambda j: cos[j])
+        assert got[i][1] == best and got[i][0] == pytest.approx(cos[best], abs=1e-12), i
+    assert got["u4"] == (pytest.approx(1.0), "u1")
+    assert got["u5"] == (None, None)

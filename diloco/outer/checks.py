@@ -174,11 +174,12 @@ def check_uploads(f: RoundFigures) -> dict[str, Check]:
     copy) go first: while one of them fails, the direction is not judged (a copy negated
     would make its original look opposed); the caller leaves those out and asks again."""
     loo = {i: _loo_cosine(f, i) for i in f.ids}
+    copies = _earlier_copies(f)
     out: dict[str, Check] = {}
-    for k, i in enumerate(f.ids):
+    for i in f.ids:
         norm = f.norms[i]
         ratio = norm / f.reference if f.reference else None
-        copy_cos, copy_of = _closest_copy(f, i, f.ids[:k])
+        copy_cos, copy_of = _closest_copy(f, i, copies.get(i, (None, None)))
         code, reason = None, "passed"
         if norm == 0 or (ratio is not None and ratio <= ZERO_FRACTION):
             code = "zero_update"
@@ -203,11 +204,10 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     if len(ids) < DIRECTION_MIN:
         return out
     own = torch.stack([f.samples[i][0] for i in ids]).double()  # (n, sample)
+    centres = _others_medians(own)
     cos: dict[str, float] = {}
     for k, i in enumerate(ids):
-        others = torch.cat([own[:k], own[k + 1 :]])
-        centre = others.median(dim=0).values if len(others) > 2 else others.mean(dim=0)
-        c = _cosine(own[k], centre)
+        c = _cosine(own[k], centres[k])
         if c is not None:
             cos[i] = c
     out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
@@ -265,17 +265,55 @@ def _loo_cosine(f: RoundFigures, i: str) -> float | None:
     return max(-1.0, min(1.0, (dot - c * n * n) / (n * math.sqrt(rest_sq))))
 
 
-def _closest_copy(f: RoundFigures, i: str, earlier: list[str]) -> tuple[float | None, str | None]:
+def _others_medians(own: torch.Tensor) -> torch.Tensor:
+    """Row k: the coordinate-wise median of every row but k (``torch.median``'s lower
+    median; the mean of two), for all rows at once: each column sorted once, and the
+    median without row k is the sorted value at the median's index, or the one after it
+    when row k is at or below that index."""
+    n = own.shape[0]
+    if n - 1 <= 2:
+        return torch.stack([torch.cat([own[:k], own[k + 1 :]]).mean(dim=0) for k in range(n)])
+    ordered, order = own.sort(dim=0, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(n).unsqueeze(1).expand_as(order))
+    at = (n - 2) // 2  # the lower median's index among n − 1 values
+    return torch.where(rank > at, ordered[at], ordered[at + 1])
+
+
+def _earlier_copies(f: RoundFigures) -> dict[str, tuple[float | None, str | None]]:
+    """Each upload's largest |cosine|, on the sample, to an upload accepted before it in
+    the round, and which: one product of the samples' matrix for every pair."""
+    ids = [i for i in f.ids if i in f.samples]
+    if len(ids) < 2:
+        return {}
+    own = torch.stack([f.samples[i][0] for i in ids]).double()  # (n, sample)
+    norms = own.norm(dim=1)
+    usable = (norms > 0) & torch.isfinite(norms)
+    cos = (own @ own.T) / (norms.unsqueeze(1) * norms.unsqueeze(0))
+    cos = cos.clamp(-1.0, 1.0).abs()
+    earlier = torch.ones(len(ids), len(ids), dtype=torch.bool).tril(-1)  # j accepted before i
+    cos = torch.where(earlier & usable.unsqueeze(1) & usable.unsqueeze(0), cos, -1.0)
+    best, which = cos.max(dim=1)
+    return {
+        i: (float(best[k]), ids[int(which[k])]) if best[k] >= 0 else (None, None)
+        for k, i in enumerate(ids)
+    }
+
+
+def _closest_copy(
+    f: RoundFigures, i: str, earlier: tuple[float | None, str | None]
+) -> tuple[float | None, str | None]:
+    """The largest |cosine| of upload ``i`` to an earlier upload (``earlier``) or to one
+    of the last published changes, and which."""
     mine = f.samples.get(i)
     if mine is None:
         return None, None
-    pairs = [(mine[0], f.samples[j][0], j) for j in earlier if j in f.samples]
-    pairs += [
+    pairs = [
         (mine[k + 1], r.values, f"the change published as version {r.version}")
         for k, r in enumerate(f.recent)
         if k + 1 < len(mine)
     ]
-    best: tuple[float | None, str | None] = (None, None)
+    best: tuple[float | None, str | None] = earlier
     for a, b, name in pairs:
         cos = _cosine(a, b)
         if cos is not None and (best[0] is None or abs(cos) > best[0]):
