@@ -22,7 +22,6 @@ torch reaches here on every core.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import shutil
 import statistics
@@ -42,8 +41,6 @@ from bench.transport import contribution_body  # noqa: E402
 from diloco.config import parse_config  # noqa: E402
 from diloco.model.architectures import parameter_shapes  # noqa: E402
 from diloco.outer.attempt import open_base  # noqa: E402
-from diloco.outer.checks import Sampler, Sampling  # noqa: E402
-from diloco.outer.chunked import UploadFile  # noqa: E402
 from diloco.outer.close import (  # noqa: E402
     CloseInputs,
     Folding,
@@ -161,16 +158,13 @@ def fold_all(cfg, versions, uploads, plan, folder) -> list[float]:  # type: igno
         VersionPaths(folder, folder, folder),
     )  # fmt: skip
     base = open_base(inputs)
+    base.close()
     state = FoldState(folder, base.shapes)
-    state.start(plan, [SEED])
     seconds = []
     for u in uploads:
-        sampler = Sampler(base.shapes, [Sampling.for_round(state.numel, SEED)])
         start = time.perf_counter()
-        with contextlib.closing(UploadFile(u.id, u.path, base.shapes, base.upload_codec)) as f:
-            state.fold(f, plan.factor(u.weight, u.norm), sampler, align=base.align())
+        state.fold(plan, [SEED], u.id, u.path, base.upload_codec, plan.factor(u.weight, u.norm))
         seconds.append(time.perf_counter() - start)
-    base.close()
     return seconds
 
 

@@ -4,7 +4,6 @@ the close leaves out, and whatever state a crash left the running sum in."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -12,8 +11,6 @@ import pytest
 import torch
 
 from diloco.outer.attempt import open_base
-from diloco.outer.checks import Sampler, Sampling
-from diloco.outer.chunked import UploadFile
 from diloco.outer.close import Closed, CloseInputs, Folding, Upload, VersionPaths, close_round
 from diloco.outer.fold import FoldPlan, FoldState
 from diloco.outer.robust import SourceUnreadable
@@ -74,16 +71,10 @@ def fold(round_, folder: Path, order: list[int]) -> FoldState:
         VersionPaths(folder, folder, folder),
     )  # fmt: skip
     base = open_base(inputs)
-    n_params = sum(t.numel() for t in map(torch.empty, base.shapes.values()))
-    state = FoldState(folder, base.shapes)
-    if state.usable(plan, [11]) is None:
-        state.start(plan, [11])
-    for i in order:
-        u = uploads[i]
-        sampler = Sampler(base.shapes, [Sampling.for_round(n_params, 11)])
-        with contextlib.closing(UploadFile(u.id, u.path, base.shapes, base.upload_codec)) as f:
-            state.fold(f, plan.factor(u.weight, u.norm), sampler, align=base.align())
     base.close()
+    state = FoldState(folder, base.shapes)
+    for u in (uploads[i] for i in order):
+        state.fold(plan, [11], u.id, u.path, base.upload_codec, plan.factor(u.weight, u.norm))
     return state
 
 

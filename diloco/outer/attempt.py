@@ -26,7 +26,15 @@ from diloco.checkpoint import (
 )
 from diloco.config import RunConfig
 from diloco.outer.checks import RecentChange, RoundFigures, Sampler, Sampling
-from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, UploadFile, run_pass
+from diloco.outer.chunked import (
+    Hyper,
+    Outputs,
+    PassResult,
+    Step,
+    UploadFile,
+    run_pass,
+    upload_alignment,
+)
 from diloco.outer.exact import Terms
 from diloco.outer.fold import FoldPlan, FoldState
 from diloco.outer.robust import (
@@ -118,9 +126,7 @@ class Base:
     def align(self) -> int:
         """The pass's chunks start at multiples of this: whole blocks of int8 uploads and
         whole pieces of the delta (``diloco.wire.delta.alignment``)."""
-        int8 = self.upload_codec["kind"] == "int8"
-        uploads = self.upload_codec["block_size"] if int8 else 1
-        return math.lcm(deltas.alignment(self.delta_codec), uploads)
+        return math.lcm(deltas.alignment(self.delta_codec), upload_alignment(self.upload_codec))
 
     def close(self) -> None:
         self.params.close()

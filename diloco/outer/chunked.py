@@ -52,6 +52,12 @@ CHUNK_ELEMENTS = 1 << 17  # 512 KiB of fp32: the ops stay in the core's L2 here
 UPLOAD_BUFFER_BUDGET = 64 << 20  # bytes of upload chunks held at once, all uploads together
 
 
+def upload_alignment(codec: dict) -> int:
+    """A read of a stored upload of ``codec`` starts at a multiple of this many values:
+    whole blocks of int8 (the packed codecs decode any range)."""
+    return int(codec["block_size"]) if codec["kind"] == "int8" else 1
+
+
 def chunk_elements(n_sources: int, align: int) -> int:
     """The pass's chunk: a multiple of ``align`` values (the delta codec's
     ``diloco.wire.delta.alignment``), smaller when many uploads share the buffer budget."""

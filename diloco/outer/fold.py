@@ -19,6 +19,7 @@ reads the uploads again (``diloco.outer.attempt``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from diloco.atomic import atomic_write_text
 from diloco.config import AggregationSection, RunConfig
 from diloco.outer import exact
-from diloco.outer.checks import Sampler
-from diloco.outer.chunked import UploadFile
+from diloco.outer.checks import Sampler, Sampling
+from diloco.outer.chunked import UploadFile, upload_alignment
 from diloco.wire.tensorfile import byte_view
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -156,7 +157,20 @@ class FoldState:
             f.truncate(8 * self.numel)  # zeros
         self._write_meta(_Meta(asdict(plan), list(seeds), list(self.shapes), boot_id(), [], None))
 
-    def fold(self, upload: UploadFile, factor: float, sampler: Sampler, *, align: int) -> None:
+    def fold(
+        self, plan: FoldPlan, seeds: Sequence[int], upload_id: str, path: Path, codec: dict,
+        factor: float,
+    ) -> None:  # fmt: skip
+        """Add the term of the upload stored at ``path`` (``codec``'s body) to this sum for
+        ``plan`` and the close's samplings (``seeds``), started afresh when it cannot be
+        trusted (``usable``)."""
+        if self.usable(plan, seeds) is None:
+            self.start(plan, seeds)
+        sampler = Sampler(self.shapes, [Sampling.for_round(self.numel, s) for s in seeds])
+        with contextlib.closing(UploadFile(upload_id, path, self.shapes, codec)) as upload:
+            self._add(upload, factor, sampler, align=upload_alignment(codec))
+
+    def _add(self, upload: UploadFile, factor: float, sampler: Sampler, *, align: int) -> None:
         """Add one stored upload's term, read chunk by chunk, and keep its values at
         ``sampler``'s coordinates for the close's checks. Marked pending while the sum
         changes: a crash, or a trailer that does not match at the end, leaves a state

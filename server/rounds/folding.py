@@ -24,8 +24,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
 from diloco.model.architectures import parameter_shapes
-from diloco.outer.checks import Sampler, Sampling
-from diloco.outer.chunked import UploadFile
 from diloco.outer.fold import FoldPlan, FoldState
 from diloco.outer.robust import SourceUnreadable
 from diloco.protocol.state import RoundState
@@ -153,14 +151,8 @@ async def _round(session: AsyncSession, run_id: str, index: int, folded: set[str
 
 
 def _fold(storage: Storage, folds: Folds, job: _Job) -> None:
-    shapes = parameter_shapes(job.cfg.model)
     codec = codec_for(job.cfg.compression).describe()
     with folds.lock(job.run_id, job.index), Stage(storage) as stage:
-        state = FoldState(folds.folder(job.run_id, job.index), shapes)
-        if state.usable(job.plan, job.seeds) is None:
-            state.start(job.plan, job.seeds)  # a sum cut short, or none yet: from zero
-        sampler = Sampler(shapes, [Sampling.for_round(state.numel, s) for s in job.seeds])
+        state = FoldState(folds.folder(job.run_id, job.index), parameter_shapes(job.cfg.model))
         path = stage.input(job.blob_key)
-        with contextlib.closing(UploadFile(job.contribution_id, path, shapes, codec)) as upload:
-            align = codec["block_size"] if codec["kind"] == "int8" else 1
-            state.fold(upload, job.factor, sampler, align=align)
+        state.fold(job.plan, job.seeds, job.contribution_id, path, codec, job.factor)
