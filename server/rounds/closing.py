@@ -45,7 +45,7 @@ from diloco.outer.checks import RECENT_CHANGES
 from diloco.protocol.audit import CreditStatus
 from diloco.protocol.outcome import close_effects
 from diloco.protocol.reputation import VERIFY_CODES
-from diloco.protocol.state import Aggregated, Decision, RoundState, RunStatus
+from diloco.protocol.state import Aggregated, CloseEffects, Decision, RoundState, RunStatus
 from server.checkpoints import service as checkpoints_service
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_SECONDS, CLOSE_STAGE_SECONDS, ROUNDS_CLOSED
@@ -59,6 +59,7 @@ from server.rounds.outer_step import (
     apply_outer_step,
 )
 from server.runs import service as runs_service
+from server.runs.models import Run
 from server.settings import Settings
 from server.storage.base import Storage
 from server.webhooks import events as webhooks
@@ -166,26 +167,7 @@ async def _publish(
             max_rounds=cfg.rounds.max_rounds,
             timeout_s=cfg.rounds.timeout_s,
         )
-        closed = {
-            "state": RoundState.CLOSED,
-            "closed_at": now,
-            "accepted": effects.accepted,
-            "tokens": effects.tokens,
-            "train_loss": effects.train_loss,
-            "eval_loss": None,  # pending: server.rounds.version_eval measures it
-            "update_norm": result.update_norm,
-            "claim_token": None,
-            "claim_expires_at": None,
-            "retry_at": None,
-            "change_sample": pack_sample(result.change_sample),
-        }
-        if result.decision is not None:  # some were left out: say so on the round
-            closed |= {
-                "close_code": result.decision.code,
-                "close_reason": func.coalesce(Round.close_reason, "decided")
-                + "; "
-                + result.decision.reason,
-            }
+        closed = _closed_values(result, effects, now)
         code = await session.scalar(
             update(Round).where(*claims.mine(claim)).values(**closed).returning(Round.close_code)
         )
@@ -221,23 +203,56 @@ async def _publish(
             )
             .values(change_sample=None)
         )
-        if effects.run_status == RunStatus.COMPLETED and run.status != RunStatus.COMPLETED:
-            await webhooks.emit(
-                session,
-                run_id=claim.run_id,
-                event="run.completed",
-                data={"round": claim.index, "version": claim.index},
-                now=now,
-            )
-        run.status = effects.run_status
-        run.checkpoint_version = claim.index
-        if effects.next_round is not None:
-            await rounds_service.open_round(
-                session=session, run=run, index=effects.next_round.index, now=now
-            )
+        await _advance(session, run, claim, effects, now)
         await _review(session, result, now)
     log.info("run %s: %s", claim.run_id, effects.summary)
     return str(code)
+
+
+def _closed_values(result: OuterResult, effects: CloseEffects, now: datetime) -> dict[str, object]:
+    """What a published round's row becomes (its claim released)."""
+    values: dict[str, object] = {
+        "state": RoundState.CLOSED,
+        "closed_at": now,
+        "accepted": effects.accepted,
+        "tokens": effects.tokens,
+        "train_loss": effects.train_loss,
+        "eval_loss": None,  # pending: server.rounds.version_eval measures it
+        "update_norm": result.update_norm,
+        "claim_token": None,
+        "claim_expires_at": None,
+        "retry_at": None,
+        "change_sample": pack_sample(result.change_sample),
+    }
+    if result.decision is not None:  # some were left out: say so on the round
+        values |= {
+            "close_code": result.decision.code,
+            "close_reason": func.coalesce(Round.close_reason, "decided")
+            + "; "
+            + result.decision.reason,
+        }
+    return values
+
+
+async def _advance(
+    session: AsyncSession, run: Run, claim: Claim, effects: CloseEffects, now: datetime
+) -> None:
+    """The run after a published round: its status (a webhook when it completes), its
+    version, and its next round opened."""
+    if effects.run_status == RunStatus.COMPLETED and run.status != RunStatus.COMPLETED:
+        await webhooks.emit(
+            session,
+            run_id=claim.run_id,
+            event="run.completed",
+            data={"round": claim.index, "version": claim.index},
+            now=now,
+        )
+    run.status = effects.run_status
+    run.checkpoint_version = claim.index
+    if effects.next_round is not None:
+        await rounds_service.open_round(
+            session=session, run=run, index=effects.next_round.index, now=now
+        )
 
 
 async def _review(session: AsyncSession, result: OuterResult, now: datetime) -> None:
