@@ -334,17 +334,11 @@ def run_pass(
                 acc.zero_()
             else:
                 folded.read_into(name, start, acc)
-            xs = []
+            xs = [
+                _add_chunk(u, factor, buf[:n], acc, term_buf[:n], name, start, sampler, result)
+                for u, factor, buf in zip(uploads, terms.factors, decoded, strict=True)
+            ]
             t = time.perf_counter()
-            for u, factor, buf in zip(uploads, terms.factors, decoded, strict=True):
-                q = u.chunk(name, start, n)
-                t = result.lap("read", t)
-                x = u.decode_into(q, start, buf[:n])
-                exact.add_term(acc, x, factor, term_buf[:n])
-                if sampler is not None:
-                    sampler.upload(u.id, name, start, x)
-                t = result.lap("sum", t)
-                xs.append(x)
             g = exact.value_into(g_buf[:n], acc, terms.scale, term_buf[:n])
             if sampler is not None:
                 sampler.total(name, start, g)
@@ -367,6 +361,30 @@ def run_pass(
         u.finish()
     result.finite = result.finite and math.isfinite(result.g_sq) and math.isfinite(result.change_sq)
     return result
+
+
+def _add_chunk(
+    u: UploadFile,
+    factor: float,
+    buf: torch.Tensor,
+    acc: torch.Tensor,
+    work: torch.Tensor,
+    name: str,
+    start: int,
+    sampler: Sampler | None,
+    result: PassResult,
+) -> torch.Tensor:
+    """Read and decode an upload's chunk of ``name`` from ``start`` into ``buf``, add its
+    term to ``acc`` (sampled on the way); the decoded values, for the dot products."""
+    t = time.perf_counter()
+    q = u.chunk(name, start, buf.numel())
+    t = result.lap("read", t)
+    x = u.decode_into(q, start, buf)
+    exact.add_term(acc, x, factor, work)
+    if sampler is not None:
+        sampler.upload(u.id, name, start, x)
+    result.lap("sum", t)
+    return x
 
 
 def _step_chunk(
