@@ -4,6 +4,7 @@ check leaves out, what it must never leave out, and the sampling they read."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from diloco.outer.checks import (
     Sampling,
     check_uploads,
 )
+from diloco.wire.lowbit import SparseCodec
 
 N = 50_000  # parameters
 SHAPES = {"a": (200, 100), "b": (30_000,)}
@@ -124,6 +126,31 @@ def test_an_update_that_dominates_the_sum_is_still_judged_by_the_others_median()
     check = check_uploads(figures(updates))["huge"]
     assert check.loo_cosine is None  # the difference would be rounding error: not given
     assert check.code == "unaligned" and abs(check.median_cosine) < 0.03
+
+
+def test_in_a_sparse_round_an_upload_sharing_few_coordinates_is_not_judged() -> None:
+    """Top-k uploads: the others' median holds few values, and an honest upload may share
+    only a few dozen sampled coordinates with it, too few to show any direction; a dense
+    round still judges such a mostly-zero upload, and noise in the sparse round is still
+    left out."""
+
+    def top(x: torch.Tensor) -> torch.Tensor:  # what the sparse codec sends: 1024 of 4096
+        codec = SparseCodec(topk=1024)
+        return codec.decode(codec.encode(x))
+
+    signal = flat(0)
+    updates = {f"h{i}": top(flat(100 + i, signal, noise=1.5)) for i in range(5)}
+    few = torch.rand(N, generator=torch.Generator().manual_seed(5)) < 0.01
+    updates["few"] = flat(200, signal, noise=1.5) * few  # honest, 1% of the values
+    noise = top(flat(999))
+    updates["noise"] = noise * float(updates["h0"].norm() / noise.norm())
+    f = figures(updates)
+    sparse = check_uploads(replace(f, sparse=True))
+    assert sparse["few"].code is None and sparse["few"].median_cosine > 0.3
+    assert sparse["noise"].code == "unaligned"
+    assert {sparse[f"h{i}"].code for i in range(5)} == {None}
+    dense = check_uploads(f)  # in a dense round a mostly-zero upload is judged
+    assert dense["few"].code == "unaligned" and dense["noise"].code == "unaligned"
 
 
 def test_the_sample_is_every_strideth_value_from_the_phase_whatever_the_chunking() -> None:

@@ -200,6 +200,7 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         samples=sampler.uploads(),
         recent=list(inputs.recent),
         reference=reference_norm(list(norms.values()), inputs.history, inputs.cfg.aggregation),
+        sparse=inputs.cfg.compression.kind == "sparse",
     )
     on_arrival = sum(1 for i in summing.folded_ids if i in norms)
     return Tried(out, result, shares, figures, sampler.changes(), on_arrival)

@@ -16,14 +16,20 @@ with figures its pass measures anyway or at almost no cost, and leaves out for g
   ``phase`` drawn from the round's secret seed (``Sampling``), about ``SAMPLE_SIZE`` values,
   so a copier cannot know which values to alter; a copy scores 1 whatever the sample, and
   two independent updates score within a few 1/√SAMPLE_SIZE of their true cosine.
-- ``unaligned`` / ``opposed``: its cosine, on the sample, to the coordinate-wise median of
-  the others' samples (a reference a minority cannot pull far) is within ``SIGMAS``/√s of
-  0, where a direction independent of the others lands (s the sample's size), or below
-  −``SIGMAS``/√s. Judged only when no upload failed the checks above (a copy negated
+- ``unaligned`` / ``opposed``: its cosine, on the sampled coordinates where both it and the
+  coordinate-wise median of the others' samples (a reference a minority cannot pull far)
+  are non-zero, m of them (about the whole sample for dense uploads), is within
+  ``SIGMAS``/√m of 0, where a direction independent of the others lands, or below
+  −``SIGMAS``/√m. Judged only when no upload failed the checks above (a copy negated
   would make its original look opposed), in a round of at least ``DIRECTION_MIN`` uploads
-  whose median cosine is clearly positive (above 3 × ``SIGMAS``/√s), and only for a
-  minority of them: with two uploads, in a round with no common direction, or where the
-  odd ones are not the few, the cheap checks cannot say who is the odd one out.
+  whose median cosine is clearly positive (above 3 × ``SIGMAS``/√m on the median), and
+  only for a minority of them: with two uploads, in a round with no common direction, or
+  where the odd ones are not the few, the cheap checks cannot say who is the odd one out.
+  In a round of sparse uploads (top-k of each chunk: ``RoundFigures.sparse``) the others'
+  median is mostly zeros and an honest upload may share only a few coordinates with it,
+  so an upload is judged only where its m could show the round's median cosine clear of
+  the noise (≥ 2 × ``SIGMAS``/√m); in a dense round every upload is, so a mostly-zero
+  upload there is still judged on the few values it holds.
 
 Each upload's cosine to the aggregate of the others (leave-one-out, exact, from the pass's
 dot products) is measured and stored beside them (``loo_cosine``).
@@ -141,7 +147,8 @@ class Check:
     code: str | None
     reason: str
     loo_cosine: float | None  # to the aggregate of the others (None: no others)
-    median_cosine: float | None  # on the sample, to the others' coordinate-wise median
+    # on the sample, to the others' coordinate-wise median, where both are non-zero
+    median_cosine: float | None
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which: an upload id or "version N"
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm (None: no reference)
@@ -167,6 +174,7 @@ class RoundFigures:
     samples: dict[str, list[torch.Tensor]]  # Sampler.uploads()
     recent: list[RecentChange] = field(default_factory=list)  # in the samplings' order, from [1]
     reference: float | None = None  # the round's reference norm
+    sparse: bool = False  # the uploads are top-k of each chunk (the run's codec is sparse)
 
 
 def check_uploads(f: RoundFigures) -> dict[str, Check]:
@@ -206,25 +214,29 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     own = torch.stack([f.samples[i][0] for i in ids]).double()  # (n, sample)
     centres = _others_medians(own)
     cos: dict[str, float] = {}
+    tau: dict[str, float] = {}  # where noise lands: SIGMAS / √(the coordinates both hold)
     for k, i in enumerate(ids):
-        c = _cosine(own[k], centres[k])
+        both = (own[k] != 0) & (centres[k] != 0)
+        c = _cosine(own[k][both], centres[k][both])
         if c is not None:
-            cos[i] = c
+            cos[i], tau[i] = c, SIGMAS / math.sqrt(int(both.sum()))
     out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
-    tau = SIGMAS / math.sqrt(max(1, own.shape[1]))
-    if len(cos) < DIRECTION_MIN or not statistics.median(cos.values()) > 3 * tau:
+    if len(cos) < DIRECTION_MIN or not statistics.median(c / tau[i] for i, c in cos.items()) > 3:
         return out
-    odd = {i: c for i, c in cos.items() if c <= tau}
+    typical = statistics.median(cos.values())
+    judged = {i for i in cos if not f.sparse or typical >= 2 * tau[i]}
+    odd = {i: c for i, c in cos.items() if c <= tau[i] and i in judged}
     if len(odd) > (len(ids) - 1) // 2:  # not a minority: the round has no one direction
         return out
     for i, c in odd.items():
-        if c < -tau:
-            reason = f"it points against the others (cosine {c:.3g} to their median, < −{tau:.2g})"
+        band = tau[i]
+        if c < -band:
+            reason = f"it points against the others (cosine {c:.3g} to their median, < −{band:.2g})"
             out[i] = replace(out[i], code="opposed", reason=reason)
         else:
             reason = (
                 f"its direction is unrelated to the others' (cosine {c:.3g} to their median, "
-                f"within ±{tau:.2g} where noise lands)"
+                f"within ±{band:.2g} where noise lands)"
             )
             out[i] = replace(out[i], code="unaligned", reason=reason)
     return out
