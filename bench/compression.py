@@ -63,6 +63,42 @@ class Arm:
         return "[compression]\n" + "".join(f"{line}\n" for line in lines)
 
 
+# the outer steps of the sparse sweep (docs/tuning-notes.md, "Sparse uploads at this budget"):
+# SparseLoCo's plain step (no server momentum) at several lr, and Nesterov at three momenta
+OUTER_STEPS = {
+    "p15": ("plain step lr 1.5", False, 0.0, 1.5),
+    "p2": ("plain step lr 2", False, 0.0, 2.0),
+    "p3": ("plain step lr 3", False, 0.0, 3.0),
+    "p4": ("plain step lr 4", False, 0.0, 4.0),
+    "p5": ("plain step lr 5", False, 0.0, 5.0),
+    "n5": ("Nesterov lr 1 / 0.5", True, 0.5, 1.0),
+    "n7": ("Nesterov lr 1 / 0.7", True, 0.7, 1.0),
+    "nesterov": ("Nesterov lr 0.7 / 0.9", True, 0.9, 0.7),
+}
+# (topk, bits, outer step) of the sparse uploads the sweep ran, each with int8 downloads
+SWEEP = [(256, 2, s) for s in ("p2", "p3", "p4", "p5", "n5", "n7", "nesterov")]
+SWEEP += [(512, 2, s) for s in ("p15", "p2", "p4", "p5", "n5", "n7", "nesterov")]
+SWEEP += [(128, 2, "p3"), (128, 2, "nesterov"), (512, 8, "nesterov")]
+SWEEP += [(k, 4, s) for k in (256, 512) for s in ("p3", "n7")] + [(512, 4, "nesterov")]
+
+
+def outer_flags(step: str) -> list[str]:
+    """diloco simulate's [outer] flags for one of ``OUTER_STEPS``."""
+    _, nesterov, momentum, lr = OUTER_STEPS[step]
+    return ["--nesterov" if nesterov else "--no-nesterov", "--outer-momentum", str(momentum),
+            "--outer-lr", str(lr)]  # fmt: skip
+
+
+def sweep_arm(topk: int, bits: int, step: str) -> Arm:
+    return Arm(
+        f"sparse_k{topk}" + (f"_b{bits}" if bits != 2 else "") + f"_dl8_{step}",
+        f"sparse, {topk} of 4096, {bits} bits, int8 downloads, {OUTER_STEPS[step][0]}",
+        {"kind": "sparse", "topk": topk, "bits": bits, "download": "int8"},
+        outer_flags(step),
+        limit="sparse",
+    )
+
+
 ARMS = {
     a.key: a
     for a in [
@@ -104,10 +140,18 @@ ARMS = {
             {"kind": "sparse"},
             ["--no-nesterov", "--outer-momentum", "0", "--outer-lr", "1"],
         ),
+        *[sweep_arm(*swept) for swept in SWEEP],
+        *[
+            Arm(
+                f"int8_{step}", f"int8, {OUTER_STEPS[step][0]}", {"kind": "int8"}, outer_flags(step)
+            )
+            for step in ("p3", "n7")
+        ],
     ]
 }
-DEFAULT_ARMS = ["int8", "int4", "int2", "sparse", "sparse_down_int8", "int8_overlap",
-                "sparse_overlap"]  # fmt: skip
+# with the sweep's best sparse settings: under 0.15 byte a parameter up, and of all it ran
+DEFAULT_ARMS = ["int8", "int4", "int2", "sparse", "sparse_down_int8", "sparse_k256_dl8_p3",
+                "sparse_k512_b4_dl8_p3", "int8_overlap", "sparse_overlap"]  # fmt: skip
 
 
 def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base: str) -> dict[str, Any]:
