@@ -44,12 +44,11 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import MODEL, SMALL_MODEL, run_async, server_errors
 from load_support import (
-    ADMIN,
     API,
     Recorder,
+    create_run,
     fresh_database,
     http_session,
-    make_corpus,
     proc_cpu_s,
     rss_mib,
     server,
@@ -203,42 +202,20 @@ async def metrics(http: aiohttp.ClientSession) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in wanted.finditer(text)}
 
 
-async def create_run(
-    http: aiohttp.ClientSession, rec: Recorder, args: argparse.Namespace
-) -> dict[str, Any]:
-    config = {
-        "name": f"arrivals-{args.volunteers}",
-        "model": SMALL_MODEL if args.small_model else MODEL,
-        "data": {"path": "corpus.txt"},
-        "inner": {"steps": 10},
-        "rounds": {
-            "quorum": 1,
-            "target": args.volunteers,
-            "timeout_s": args.round1_s,  # round 1's close; round 2 reaches its target first
-            "max_rounds": 10,
-            "heartbeat_interval_s": 600,  # leases outlive the bench: no heartbeats needed
-            "lease_ttl_s": 3600,
-        },
-        "aggregation": {"score_windows": 0},  # random Δs lower no loss
-        "audit": {"fraction": 0.0},  # nor would they replay
-    }
-    form = aiohttp.FormData()
-    form.add_field("config", json.dumps(config))
-    form.add_field("data", make_corpus(300_000), filename="corpus.txt")
-    status, run = await rec.call(
-        http, "POST", f"{API}/runs", "create", data=form,
-        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=aiohttp.ClientTimeout(total=300),
-    )  # fmt: skip
-    if status != 201:
-        raise SystemExit(f"creating the run answered {status}: {run}")
-    return dict(run)
-
-
 async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
     rec, n = Recorder(), args.volunteers
     out: dict[str, Any] = {"volunteers": n, "spread_s": args.spread_s}
     async with http_session(base, n + 64) as http:
-        run = await create_run(http, rec, args)
+        rounds = {
+            "quorum": 1,
+            "target": n,
+            "timeout_s": args.round1_s,  # round 1's close; round 2 reaches its target first
+            "max_rounds": 10,
+            "heartbeat_interval_s": 600,  # leases outlive the bench: no heartbeats needed
+            "lease_ttl_s": 3600,
+        }
+        model = SMALL_MODEL if args.small_model else MODEL
+        run = await create_run(http, rec, f"arrivals-{n}", model, rounds)
         out["n_params"] = run["n_params"]
         auths = await enlist(http, rec, run["id"], n)
         first = await join_all(http, rec, run["id"], auths[: args.first], 1)
