@@ -66,17 +66,16 @@ from load_limits import (
 )
 from load_report import print_goals, print_one
 from load_support import (
-    ADMIN,
     API,
     Monitor,
     Recorder,
     contribution_bodies,
     fresh_database,
     http_session,
-    make_corpus,
     server,
     summarize,
 )
+from load_support import create_run as post_run
 
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.volunteer import (
@@ -221,37 +220,16 @@ async def create_run(
     http: aiohttp.ClientSession, rec: Recorder, args: argparse.Namespace, n: int
 ) -> dict[str, Any]:
     """A run that closes its round at K accepted contributions, on a generated corpus."""
-    config = {
-        "name": f"load-{n}",
-        "model": SMALL_MODEL if args.small_model else MODEL,
-        "data": {"path": "corpus.txt"},
-        "inner": {"steps": 10},
-        "rounds": {
-            "quorum": args.uploaders,
-            "target": args.uploaders,
-            "timeout_s": 3600,  # never the reason to close here
-            "max_rounds": 10,
-            "heartbeat_interval_s": args.interval,  # what the leases tell the volunteers
-            "lease_ttl_s": max(30.0, 3 * args.interval),
-        },
-        "aggregation": {"score_windows": 0},  # synthetic (random) Δs lower no loss
-        "audit": {"fraction": 0.0},  # nor would they replay: no lease was trained
+    rounds = {
+        "quorum": args.uploaders,
+        "target": args.uploaders,
+        "timeout_s": 3600,  # never the reason to close here
+        "max_rounds": 10,
+        "heartbeat_interval_s": args.interval,  # what the leases tell the volunteers
+        "lease_ttl_s": max(30.0, 3 * args.interval),
     }
-    form = aiohttp.FormData()
-    form.add_field("config", json.dumps(config))
-    form.add_field("data", make_corpus(300_000), filename="corpus.txt")
-    status, run = await rec.call(
-        http,
-        "POST",
-        f"{API}/runs",
-        "create",
-        data=form,
-        headers={"Authorization": f"Bearer {ADMIN}"},
-        timeout=aiohttp.ClientTimeout(total=300),
-    )
-    if status != 201:
-        raise SystemExit(f"creating the run answered {status}: {run}")
-    return dict(run)
+    model = SMALL_MODEL if args.small_model else MODEL
+    return await post_run(http, rec, f"load-{n}", model, rounds)
 
 
 async def wait_for_close(

@@ -1,5 +1,6 @@
 """Helpers of bench/load.py: a fresh database, a real server, /proc readers, request records,
-a generated corpus and contribution bodies. Nothing here knows about phases or goals."""
+a generated corpus, a run on it and contribution bodies. Nothing here knows about phases
+or goals."""
 
 from __future__ import annotations
 
@@ -341,6 +342,33 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
         )
         bodies.append(b"".join(encode_contribution(meta, encoded)))
     return bodies
+
+
+async def create_run(
+    http: aiohttp.ClientSession, rec: Recorder, name: str, model: dict, rounds: dict
+) -> dict[str, Any]:
+    """A run of ``model`` with these ``[rounds]`` on a generated corpus, its uploads neither
+    scored nor audited (the benches' Δs are random: they lower no loss and would not
+    replay); the run as the API answers it."""
+    config = {
+        "name": name,
+        "model": model,
+        "data": {"path": "corpus.txt"},
+        "inner": {"steps": 10},
+        "rounds": rounds,
+        "aggregation": {"score_windows": 0},
+        "audit": {"fraction": 0.0},
+    }
+    form = aiohttp.FormData()
+    form.add_field("config", json.dumps(config))
+    form.add_field("data", make_corpus(300_000), filename="corpus.txt")
+    status, run = await rec.call(
+        http, "POST", f"{API}/runs", "create", data=form,
+        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=aiohttp.ClientTimeout(total=300),
+    )  # fmt: skip
+    if status != 201:
+        raise SystemExit(f"creating the run answered {status}: {run}")
+    return dict(run)
 
 
 @contextlib.asynccontextmanager

@@ -93,6 +93,27 @@ def test_load_bench_runs_a_round_with_tiny_load_and_no_errors(pg_admin_url, tmp_
     assert "/healthz p99 <= 100 ms" in proc.stdout
 
 
+def test_arrivals_bench_folds_every_upload_of_a_round_as_it_arrives(pg_admin_url, tmp_path):
+    out = tmp_path / "arrivals.json"
+
+    proc = subprocess.run(
+        [sys.executable, "bench/arrivals.py", "--volunteers", "12", "--spread-s", "3",
+         "--round1-s", "5", "--small-model", "--database-url", pg_admin_url,
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["uploads"]["ok"] == result["uploads"]["count"] == 12
+    assert result["close_after_last_s"] is not None  # round 2 closed: its version published
+    # round 2 folded on arrival (round 1 gave it a history): the close found uploads in the
+    # sum (those still unfolded when the 12th closed it, it added itself)
+    assert 1 <= result["metrics"]["diloco_close_folded_uploads_total"] <= 12
+    assert re.search(r"-> version published: \d+\.\d+ s \(limit 5 s\)", proc.stdout)
+    assert result["server_errors"] == {}
+
+
 def test_request_path_bench_prices_each_part_beside_the_unmatched_route(pg_admin_url, tmp_path):
     out = tmp_path / "path.json"
 

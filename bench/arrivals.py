@@ -1,0 +1,307 @@
+"""A thousand uploads to one round of a real server (issue 29, item 6: the second arm).
+
+Does ingest and the fold keep up with volunteers' uploads arriving over a round, and how
+long is left after the last one? A fresh database, a real ``diloco serve`` on 127.0.0.1
+(its own, without the hub's registration limit: every volunteer here comes from
+127.0.0.1), a run of bench/load.py's ~10.8M-parameter model with int8 uploads, quorum 1
+and target N. N contributors register and join. Round 1 takes ``--first`` uploads and
+closes at its deadline (``--round1-s``): that gives the run the norm history a folded round
+needs (``[aggregation] reference_min``). Round 2 takes N uploads, one from each volunteer,
+sent at times spread evenly over ``--spread-s`` seconds as volunteers finishing their inner
+steps would, and closes when the N-th is in (its target: the moment a deadline would be).
+
+Each body is what the client sends (bench/load_support.py's framing: header, tensors,
+trailer) with random int8 codes and one scale per block, distinct per volunteer so that no
+check takes one for a copy of another; they are made on a thread of this process while
+the uploads go out, a few ahead.
+
+Printed: the uploads' answers by status (refused for load: 429, 503, other 5xx, connection
+errors), their latency, the upload rate offered and served, the uploads the close found
+folded (``diloco_close_folded_uploads_total``) and the fold's time per upload
+(``diloco_fold_seconds``), the close's stages (``diloco_round_close_stage_seconds``), and
+the time from the N-th upload's answer to the round's ``closed_at`` (its version
+published) beside the issue's limit of 5 s; the server's CPU and peak RSS.
+
+    python bench/arrivals.py [--volunteers 1000] [--spread-s 60] [--round1-s 30]
+                             [--database-url postgresql://...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import MODEL, SMALL_MODEL, run_async, server_errors
+from load_support import (
+    API,
+    Recorder,
+    create_run,
+    fresh_database,
+    http_session,
+    proc_cpu_s,
+    rss_mib,
+    server,
+    summarize,
+)
+
+LIMIT_S = 5.0  # issue 29: deadline -> delta published, 1,000 uploads at 10M
+REFUSED = ("429", "503")  # what a server refusing for load answers
+
+
+def body_maker(lease: dict[str, Any]) -> Any:
+    """``make(i)``: volunteer i's body for ``lease``'s round (random int8 codes, one scale
+    per block, framed as the client frames an upload)."""
+    import torch
+
+    from diloco.config import parse_config
+    from diloco.model.architectures import build_model
+    from diloco.train import parameters_of
+    from diloco.wire.codec import EncodedTensor
+    from diloco.wire.contribution import ContributionMeta, encode_contribution
+    from diloco.wire.exchange import codec_for
+    from diloco.wire.header import FRESH, ReplayRecord
+
+    cfg = parse_config(lease["config"])
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in parameters_of(build_model(cfg.model)).items()}
+    codec = codec_for(cfg.compression)
+    tokens = cfg.inner.batch_size * cfg.model.block_size * lease["inner_steps"]
+    meta = ContributionMeta(
+        lease["run_id"], lease["round"], lease["base_version"], tokens, lease["inner_steps"],
+        3.0, codec.describe(), ReplayRecord(FRESH, "fp32", 1),
+    )  # fmt: skip
+
+    def make(i: int) -> bytes:
+        gen = torch.Generator().manual_seed(1000 + i)
+        encoded = {}
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            codes = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=gen)
+            scales = torch.full((codec.n_scales(n),), 1e-5 * (1 + i % 7 / 10))
+            encoded[name] = EncodedTensor(shape, codes, scales)
+        return b"".join(encode_contribution(meta, encoded))
+
+    return make
+
+
+async def enlist(http: aiohttp.ClientSession, rec: Recorder, run_id: str, n: int) -> list[dict]:
+    """Register n contributors, 32 at a time; their auth headers."""
+    gate = asyncio.Semaphore(32)
+
+    async def one(i: int) -> dict[str, str]:
+        async with gate:
+            status, body = await rec.call(
+                http, "POST", f"{API}/contributors", "register", json={"name": f"a{i}"}
+            )
+            if status != 201:
+                raise SystemExit(f"register answered {status}: {body}")
+            return {"Authorization": f"Bearer {body['token']}"}
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def join_all(
+    http: aiohttp.ClientSession, rec: Recorder, run_id: str, auths: list[dict], round_: int
+) -> list[dict[str, Any]]:
+    """Every volunteer's lease on round ``round_``, 32 joins at a time (a join answered
+    otherwise is tried again a second later, up to a minute)."""
+    gate = asyncio.Semaphore(32)
+
+    async def one(auth: dict[str, str]) -> dict[str, Any]:
+        give_up = time.time() + 60
+        while time.time() < give_up:
+            async with gate:
+                status, body = await rec.call(
+                    http, "POST", f"{API}/runs/{run_id}/join", "join", headers=auth
+                )
+            if status == 200 and body["round"] == round_:
+                return dict(body)
+            await asyncio.sleep(1.0)
+        raise SystemExit(f"no lease on round {round_} within a minute: {status} {body}")
+
+    return list(await asyncio.gather(*(one(a) for a in auths)))
+
+
+async def upload(
+    http: aiohttp.ClientSession, rec: Recorder, run_id: str, auth: dict, round_: int, body: bytes
+) -> None:
+    await rec.call(
+        http, "PUT", f"{API}/runs/{run_id}/rounds/{round_}/contribution", "upload", data=body,
+        timeout=aiohttp.ClientTimeout(total=300, connect=10),
+        headers={**auth, "Content-Type": "application/octet-stream"},
+    )  # fmt: skip
+
+
+async def spread_uploads(
+    http: aiohttp.ClientSession, rec: Recorder, run_id: str, auths: list[dict],
+    lease: dict[str, Any], spread_s: float,
+) -> float:  # fmt: skip
+    """Volunteer i uploads at i x spread_s / N from now, its body made a few ahead on a
+    thread; returns when every answer is in."""
+    make = body_maker(lease)
+    n, loop = len(auths), asyncio.get_running_loop()
+    ready: asyncio.Queue[bytes] = asyncio.Queue(maxsize=4)
+
+    async def produce() -> None:
+        for i in range(n):
+            await ready.put(await asyncio.to_thread(make, i))
+
+    producer = asyncio.create_task(produce())
+    start, sent = loop.time(), []
+    for i, auth in enumerate(auths):
+        await asyncio.sleep(max(0.0, start + i * spread_s / n - loop.time()))
+        body = await ready.get()
+        sent.append(asyncio.create_task(upload(http, rec, run_id, auth, lease["round"], body)))
+    await producer
+    await asyncio.gather(*sent)
+    return loop.time() - start
+
+
+async def wait_closed(
+    http: aiohttp.ClientSession, rec: Recorder, run_id: str, round_: int, timeout: float
+) -> float | None:
+    """Round ``round_``'s closed_at as a timestamp, polled every 0.2 s; None if not closed."""
+    give_up = time.time() + timeout
+    while time.time() < give_up:
+        status, body = await rec.call(http, "GET", f"{API}/runs/{run_id}/rounds", "poll")
+        if status == 200:
+            for r in body["rounds"]:
+                if r["index"] == round_ and r["state"] == "closed":
+                    return float(datetime_ts(r["closed_at"]))
+        await asyncio.sleep(0.2)
+    return None
+
+
+def datetime_ts(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text).timestamp()
+
+
+async def metrics(http: aiohttp.ClientSession) -> dict[str, float]:
+    """The server's /metrics samples this bench reads, by name and labels."""
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    wanted = re.compile(
+        r"^(diloco_(?:close_folded_uploads_total|fold_seconds_(?:sum|count)"
+        r"|round_close_stage_seconds_sum|round_close_seconds_sum|uploads_total)(?:\{[^}]*\})?)"
+        r" ([0-9.eE+-]+)$",
+        re.M,
+    )
+    return {m[1]: float(m[2]) for m in wanted.finditer(text)}
+
+
+async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
+    rec, n = Recorder(), args.volunteers
+    out: dict[str, Any] = {"volunteers": n, "spread_s": args.spread_s}
+    async with http_session(base, n + 64) as http:
+        rounds = {
+            "quorum": 1,
+            "target": n,
+            "timeout_s": args.round1_s,  # round 1's close; round 2 reaches its target first
+            "max_rounds": 10,
+            "heartbeat_interval_s": 600,  # leases outlive the bench: no heartbeats needed
+            "lease_ttl_s": 3600,
+        }
+        model = SMALL_MODEL if args.small_model else MODEL
+        run = await create_run(http, rec, f"arrivals-{n}", model, rounds)
+        out["n_params"] = run["n_params"]
+        auths = await enlist(http, rec, run["id"], n)
+        first = await join_all(http, rec, run["id"], auths[: args.first], 1)
+        make = body_maker(first[0])
+        await asyncio.gather(
+            *(
+                upload(http, rec, run["id"], a, 1, make(i))
+                for i, a in enumerate(auths[: args.first])
+            )
+        )
+        if await wait_closed(http, rec, run["id"], 1, args.round1_s + 120) is None:
+            raise SystemExit("round 1 did not close")
+        leases = await join_all(http, rec, run["id"], auths, 2)
+        rec.samples.clear()
+        before, cpu0 = await metrics(http), proc_cpu_s(pid)
+        out["uploads_s"] = await spread_uploads(
+            http, rec, run["id"], auths, leases[0], args.spread_s
+        )
+        ups = [s for s in rec.samples if s.kind == "upload"]
+        last = max(s.sent + s.latency for s in ups)
+        closed = await wait_closed(http, rec, run["id"], 2, args.close_timeout_s)
+        after = await metrics(http)
+        out["server_cpu_s"] = proc_cpu_s(pid) - cpu0
+        out["server_peak_rss_mib"] = rss_mib(pid, "VmHWM")
+        out["upload_bytes"] = len(make(0))
+        out["uploads"] = summarize(ups, set())
+        out["close_after_last_s"] = None if closed is None else closed - last
+        out["metrics"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    return out
+
+
+def report(r: dict[str, Any]) -> None:
+    u, m = r["uploads"], r["metrics"]
+    n, mb = r["volunteers"], r["upload_bytes"] / 1e6
+    print(f"{n} uploads of {mb:.1f} MB ({r['n_params']:,} parameters) over {r['uploads_s']:.1f} s "
+          f"(offered {n / r['spread_s']:.1f}/s, {n * mb / r['spread_s']:.0f} MB/s)")  # fmt: skip
+    refused = {k: v for k, v in u["errors"].items() if k.split()[0] in REFUSED}
+    print(f"  answered 2xx: {u['ok']} of {u['count']}; errors {u['errors'] or 'none'}; "
+          f"latency p50 {u['p50_ms']:.0f} ms, p99 {u['p99_ms']:.0f} ms")  # fmt: skip
+    folds = m.get("diloco_fold_seconds_count", 0.0)
+    per = m.get("diloco_fold_seconds_sum", 0.0) / folds if folds else float("nan")
+    found = m.get("diloco_close_folded_uploads_total", 0.0)
+    print(f"  folded as they arrived: {folds:.0f} (the close found {found:.0f} folded); "
+          f"{per:.3f} s a fold")  # fmt: skip
+    stages = {
+        re.search(r'stage="([^"]+)"', k)[1]: v  # type: ignore[index]
+        for k, v in m.items()
+        if k.startswith("diloco_round_close_stage_seconds_sum") and v > 0
+    }
+    print("  close stages: " + ", ".join(f"{s} {v:.2f} s" for s, v in stages.items()))
+    print(f"  server CPU {r['server_cpu_s']:.1f} s over the round; peak RSS "
+          f"{r['server_peak_rss_mib']:.0f} MiB")  # fmt: skip
+    after = r["close_after_last_s"]
+    if after is None:
+        print("  the round did not close: NOT met")
+        return
+    word = "met" if after <= LIMIT_S and u["ok"] == u["count"] and not refused else "NOT met"
+    print(f"  last upload answered -> version published: {after:.2f} s (limit {LIMIT_S:.0f} s), "
+          f"{sum(refused.values())} refused for load: {word}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--volunteers", type=int, default=1000)
+    ap.add_argument("--spread-s", type=float, default=60.0, help="round 2's uploads over this")
+    ap.add_argument("--round1-s", type=float, default=30.0, help="round 1's deadline")
+    ap.add_argument("--first", type=int, default=4, help="round 1's uploads (the history)")
+    ap.add_argument("--close-timeout-s", type=float, default=300.0)
+    ap.add_argument("--small-model", action="store_true", help="a tiny model (smoke tests)")
+    ap.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    env = {"DILOCO_RATE_REGISTER": ""}
+    with (
+        tempfile.TemporaryDirectory(prefix="diloco-arrivals-") as tmp,
+        fresh_database(args.database_url) as db,
+        server(Path(tmp) / "srv", db[1], env=env) as (base, pid),
+    ):
+        result = run_async(bench(args, base, pid))
+        result["server_errors"] = server_errors(Path(tmp) / "srv" / "server.log")
+    report(result)
+    if result["server_errors"]:
+        print(f"  server errors: {result['server_errors']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
