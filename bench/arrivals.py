@@ -2,13 +2,15 @@
 
 Does ingest and the fold keep up with volunteers' uploads arriving over a round, and how
 long is left after the last one? A fresh database, a real ``diloco serve`` on 127.0.0.1
-(its own, without the hub's registration limit: every volunteer here comes from
-127.0.0.1), a run of bench/load.py's ~10.8M-parameter model with int8 uploads, quorum 1
-and target N. N contributors register and join. Round 1 takes ``--first`` uploads and
-closes at its deadline (``--round1-s``): that gives the run the norm history a folded round
-needs (``[aggregation] reference_min``). Round 2 takes N uploads, one from each volunteer,
-sent at times spread evenly over ``--spread-s`` seconds as volunteers finishing their inner
-steps would, and closes when the N-th is in (its target: the moment a deadline would be).
+(its own, without the hub's per-address limits on registrations and uploads: every
+volunteer here comes from 127.0.0.1), a run of bench/load.py's ~10.8M-parameter model with
+int8 uploads, quorum 1 and target N, every round's deadline ``--round-s`` after it opens.
+N contributors register and join. Round 1 takes ``--first`` uploads and closes at its
+deadline: that gives the run the norm history a folded round needs (``[aggregation]
+reference_min``). Round 2 takes N uploads, one from each volunteer, sent at times spread
+evenly over ``--spread-s`` seconds (less than ``--round-s``) as volunteers finishing their
+inner steps would, and closes when the N-th is in (its target: the moment a deadline would
+be).
 
 Each body is what the client sends (bench/load_support.py's framing: header, tensors,
 trailer) with random int8 codes and one scale per block, distinct per volunteer so that no
@@ -22,7 +24,7 @@ folded (``diloco_close_folded_uploads_total``) and the fold's time per upload
 the time from the N-th upload's answer to the round's ``closed_at`` (its version
 published) beside the issue's limit of 5 s; the server's CPU and peak RSS.
 
-    python bench/arrivals.py [--volunteers 1000] [--spread-s 60] [--round1-s 30]
+    python bench/arrivals.py [--volunteers 1000] [--spread-s 100] [--round-s 130]
                              [--database-url postgresql://...] [--json out.json]
 """
 
@@ -209,7 +211,7 @@ async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]
         rounds = {
             "quorum": 1,
             "target": n,
-            "timeout_s": args.round1_s,  # round 1's close; round 2 reaches its target first
+            "timeout_s": args.round_s,  # round 1's close; round 2 reaches its target first
             "max_rounds": 10,
             "heartbeat_interval_s": 600,  # leases outlive the bench: no heartbeats needed
             "lease_ttl_s": 3600,
@@ -226,7 +228,7 @@ async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]
                 for i, a in enumerate(auths[: args.first])
             )
         )
-        if await wait_closed(http, rec, run["id"], 1, args.round1_s + 120) is None:
+        if await wait_closed(http, rec, run["id"], 1, args.round_s + 120) is None:
             raise SystemExit("round 1 did not close")
         leases = await join_all(http, rec, run["id"], auths, 2)
         rec.samples.clear()
@@ -280,15 +282,17 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--volunteers", type=int, default=1000)
-    ap.add_argument("--spread-s", type=float, default=60.0, help="round 2's uploads over this")
-    ap.add_argument("--round1-s", type=float, default=30.0, help="round 1's deadline")
+    ap.add_argument("--spread-s", type=float, default=100.0, help="round 2's uploads over this")
+    ap.add_argument("--round-s", type=float, default=130.0, help="each round's deadline")
     ap.add_argument("--first", type=int, default=4, help="round 1's uploads (the history)")
     ap.add_argument("--close-timeout-s", type=float, default=300.0)
     ap.add_argument("--small-model", action="store_true", help="a tiny model (smoke tests)")
     ap.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    env = {"DILOCO_RATE_REGISTER": ""}
+    if args.spread_s >= args.round_s:
+        ap.error("--spread-s must be shorter than --round-s: round 2 closes at its target")
+    env = {"DILOCO_RATE_REGISTER": "", "DILOCO_RATE_UPLOAD": ""}  # all from 127.0.0.1
     with (
         tempfile.TemporaryDirectory(prefix="diloco-arrivals-") as tmp,
         fresh_database(args.database_url) as db,

@@ -98,7 +98,7 @@ def test_arrivals_bench_folds_every_upload_of_a_round_as_it_arrives(pg_admin_url
 
     proc = subprocess.run(
         [sys.executable, "bench/arrivals.py", "--volunteers", "12", "--spread-s", "3",
-         "--round1-s", "5", "--small-model", "--database-url", pg_admin_url,
+         "--round-s", "6", "--small-model", "--database-url", pg_admin_url,
          "--json", str(out)],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
