@@ -333,11 +333,15 @@ def test_the_gpu_convergence_script_runs_its_pipeline_where_its_options_are_over
 def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tmp_path):
     rows = quick_table("compression.py", tmp_path, tmp_path / "quick" / "benchmarks.md")
     doc = (tmp_path / "quick" / "benchmarks.md").read_text()
+    k256 = "sparse, 256 of 4096, 2 bits, int8 downloads, plain step lr 3"
+    k512 = "sparse, 512 of 4096, 4 bits, int8 downloads, plain step lr 3"
     assert set(rows) == {
         "int8 (the default)", "int4", "int2", "sparse (64 of 4096, 2 bits)",
-        "sparse, int8 downloads", "int8, overlap 0.1", "sparse, overlap 0.1",
+        "sparse, int8 downloads", k256, k512, "int8, overlap 0.1", "sparse, overlap 0.1",
     }  # fmt: skip
     up = {arm: float(cells[3]) for arm, cells in rows.items()}
+    # the sweep's best: more values, or more bits a value, than the default sparse uploads
+    assert up["sparse (64 of 4096, 2 bits)"] < up[k256] < up[k512]
     down = {arm: float(cells[4]) for arm, cells in rows.items()}
     # the bytes are the real encoded ones: each codec smaller than the one above it
     assert up["int8 (the default)"] > up["int4"] > up["int2"] > up["sparse (64 of 4096, 2 bits)"]
