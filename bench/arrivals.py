@@ -51,6 +51,7 @@ from load_support import (
     create_run,
     fresh_database,
     http_session,
+    lease_frame,
     proc_cpu_s,
     rss_mib,
     server,
@@ -66,23 +67,12 @@ def body_maker(lease: dict[str, Any]) -> Any:
     per block, framed as the client frames an upload)."""
     import torch
 
-    from diloco.config import parse_config
-    from diloco.model.architectures import build_model
-    from diloco.train import parameters_of
     from diloco.wire.codec import EncodedTensor
-    from diloco.wire.contribution import ContributionMeta, encode_contribution
+    from diloco.wire.contribution import encode_contribution
     from diloco.wire.exchange import codec_for
-    from diloco.wire.header import FRESH, ReplayRecord
 
-    cfg = parse_config(lease["config"])
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in parameters_of(build_model(cfg.model)).items()}
+    cfg, shapes, meta = lease_frame(lease)
     codec = codec_for(cfg.compression)
-    tokens = cfg.inner.batch_size * cfg.model.block_size * lease["inner_steps"]
-    meta = ContributionMeta(
-        lease["run_id"], lease["round"], lease["base_version"], tokens, lease["inner_steps"],
-        3.0, codec.describe(), ReplayRecord(FRESH, "fp32", 1),
-    )  # fmt: skip
 
     def make(i: int) -> bytes:
         gen = torch.Generator().manual_seed(1000 + i)

@@ -308,38 +308,44 @@ def make_corpus(n_bytes: int, seed: int = 0) -> bytes:
     return "".join(lines)[:n_bytes].encode()
 
 
-def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
-    """K valid contribution bodies for the lease's round: random small Δs (finite values,
-    the run's shapes) encoded with the run's codec, as a volunteer's client would send."""
+def lease_frame(lease: dict[str, Any]) -> tuple[Any, dict[str, tuple[int, ...]], Any]:
+    """What an upload for ``lease`` is framed by: the run's config, its model's parameter
+    shapes, and the header a volunteer's client would send (its codec the run's; a replay
+    record that says fresh: the benches' random Δs would fail a replay)."""
     import torch
 
     from diloco.config import parse_config
     from diloco.model.architectures import build_model
     from diloco.train import parameters_of
-    from diloco.wire.contribution import ContributionMeta, encode_contribution
-    from diloco.wire.exchange import encode_delta
+    from diloco.wire.contribution import ContributionMeta
+    from diloco.wire.exchange import codec_for
     from diloco.wire.header import FRESH, ReplayRecord
 
     cfg = parse_config(lease["config"])
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in parameters_of(build_model(cfg.model)).items()}
+        shapes = {n: tuple(p.shape) for n, p in parameters_of(build_model(cfg.model)).items()}
     tokens = cfg.inner.batch_size * cfg.model.block_size * lease["inner_steps"]
+    meta = ContributionMeta(
+        lease["run_id"], lease["round"], lease["base_version"], tokens, lease["inner_steps"],
+        3.0, codec_for(cfg.compression).describe(), ReplayRecord(FRESH, "fp32", 1),
+    )  # fmt: skip
+    return cfg, shapes, meta
+
+
+def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
+    """K valid contribution bodies for the lease's round: random small Δs (finite values,
+    the run's shapes) encoded with the run's codec, as a volunteer's client would send."""
+    import torch
+
+    from diloco.wire.contribution import encode_contribution
+    from diloco.wire.exchange import encode_delta
+
+    cfg, shapes, meta = lease_frame(lease)
     bodies = []
     for i in range(k):
         gen = torch.Generator().manual_seed(i)
         delta = {n: torch.randn(shape, generator=gen) * 1e-3 for n, shape in shapes.items()}
-        encoded, codec, _ = encode_delta(delta, cfg.compression)
-        meta = ContributionMeta(
-            lease["run_id"],
-            lease["round"],
-            lease["base_version"],
-            tokens,
-            lease["inner_steps"],
-            3.0,
-            codec,
-            # a run's audits need a replay record; these random Δs would fail a replay
-            ReplayRecord(FRESH, "fp32", 1),
-        )
+        encoded, _, _ = encode_delta(delta, cfg.compression)
         bodies.append(b"".join(encode_contribution(meta, encoded)))
     return bodies
 
