@@ -12,9 +12,9 @@ import torch
 from diloco.config import ModelSection
 from diloco.model.architectures import build_model
 from diloco.outer import chunked
-from diloco.outer.chunked import UploadFile
 from diloco.outer.exact import Terms, weighted_sum
 from diloco.outer.inspection import UploadInspector
+from diloco.outer.upload_file import UploadFile
 from diloco.wire.codec import EncodedTensor, codec_from_description
 from diloco.wire.contribution import (
     ContributionDecoder,

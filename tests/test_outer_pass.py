@@ -23,10 +23,11 @@ from diloco.checkpoint import (
 )
 from diloco.config import AggregationSection, CompressionSection
 from diloco.outer import chunked as outer_pass
-from diloco.outer.chunked import Hyper, Outputs, Step, UploadFile, run_pass
+from diloco.outer.chunked import Hyper, Outputs, Step, run_pass
 from diloco.outer.exact import Terms
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Source, SourceUnreadable, robust_aggregate
+from diloco.outer.upload_file import UploadFile
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec
 from diloco.wire.contribution import ContributionMeta, WireFormatError, encode_contribution

@@ -26,15 +26,7 @@ from diloco.checkpoint import (
 )
 from diloco.config import RunConfig
 from diloco.outer.checks import RecentChange, RoundFigures, Sampler, Sampling
-from diloco.outer.chunked import (
-    Hyper,
-    Outputs,
-    PassResult,
-    Step,
-    UploadFile,
-    run_pass,
-    upload_alignment,
-)
+from diloco.outer.chunked import Hyper, Outputs, PassResult, Step, run_pass
 from diloco.outer.exact import Terms
 from diloco.outer.fold import FoldPlan, FoldState
 from diloco.outer.robust import (
@@ -46,6 +38,7 @@ from diloco.outer.robust import (
     reference_norm,
 )
 from diloco.outer.scoring import Score, Windows
+from diloco.outer.upload_file import UploadFile, upload_alignment
 from diloco.wire import delta as deltas
 from diloco.wire.exchange import codec_for, delta_codec_for
 from diloco.wire.tensorfile import TensorFileReader, TensorFileWriter

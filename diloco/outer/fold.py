@@ -35,7 +35,7 @@ from diloco.atomic import atomic_write_text
 from diloco.config import AggregationSection, RunConfig
 from diloco.outer import exact
 from diloco.outer.checks import Sampler, Sampling
-from diloco.outer.chunked import UploadFile, upload_alignment
+from diloco.outer.upload_file import UploadFile, upload_alignment
 from diloco.wire.tensorfile import byte_view
 
 Shapes = Mapping[str, tuple[int, ...]]

@@ -2,7 +2,7 @@
 deltas' (``delta_codec_for``). A worker's Δ on its way out: Δ → codec (``encode_delta``), then
 ``diloco.wire.contribution.encode_contribution`` for the chunks. The client and the simulator both
 call it; the server reads the stored body back in the close (``diloco.outer.close``, through
-``diloco.outer.chunked.UploadFile``).
+``diloco.outer.upload_file.UploadFile``).
 """
 
 from __future__ import annotations
