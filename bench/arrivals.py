@@ -14,15 +14,19 @@ be).
 
 Each body is what the client sends (bench/load_support.py's framing: header, tensors,
 trailer) with random int8 codes and one scale per block, distinct per volunteer so that no
-check takes one for a copy of another; they are made on a thread of this process while
-the uploads go out, a few ahead.
+check takes one for a copy of another (each volunteer's codes are one random draw rotated
+by its own offset: a copy is cheap, a draw per body took CPU from the server on the same
+two cores); they are made on a thread of this process while the uploads go out, a few
+ahead.
 
 Printed: the uploads' answers by status (refused for load: 429, 503, other 5xx, connection
-errors), their latency, the upload rate offered and served, the uploads the close found
-folded (``diloco_close_folded_uploads_total``) and the fold's time per upload
+errors), their latency, the upload rate offered and served, the uploads folded as they
+arrived (``diloco_folded_uploads_total``, in how many passes) and the close found folded
+(``diloco_close_folded_uploads_total``), the fold's time per upload
 (``diloco_fold_seconds``), the close's stages (``diloco_round_close_stage_seconds``), and
 the time from the N-th upload's answer to the round's ``closed_at`` (its version
-published) beside the issue's limit of 5 s; the server's CPU and peak RSS.
+published) beside the issue's limit of 5 s; the server's CPU and peak RSS, and its
+child processes' (the fold's: ``server.rounds.folding.FoldProcess``).
 
     python bench/arrivals.py [--volunteers 1000] [--spread-s 100] [--round-s 130]
                              [--database-url postgresql://...] [--json out.json]
@@ -52,10 +56,10 @@ from load_support import (
     fresh_database,
     http_session,
     lease_frame,
-    proc_cpu_s,
     rss_mib,
     server,
     summarize,
+    tree_cpu_s,
 )
 
 LIMIT_S = 5.0  # issue 29: deadline -> delta published, 1,000 uploads at 10M
@@ -73,15 +77,21 @@ def body_maker(lease: dict[str, Any]) -> Any:
 
     cfg, shapes, meta = lease_frame(lease)
     codec = codec_for(cfg.compression)
+    total = sum(math.prod(shape) for shape in shapes.values())
+    # one draw of random codes, each volunteer's a rotation of it (a copy, not a second
+    # draw: the bench's own CPU is taken from the server's two cores)
+    codes = torch.randint(
+        -127, 128, (total,), dtype=torch.int8, generator=torch.Generator().manual_seed(1000)
+    )
 
     def make(i: int) -> bytes:
-        gen = torch.Generator().manual_seed(1000 + i)
-        encoded = {}
+        mine = torch.roll(codes, 7919 * (i + 1))
+        encoded, at = {}, 0
         for name, shape in shapes.items():
             n = math.prod(shape)
-            codes = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=gen)
             scales = torch.full((codec.n_scales(n),), 1e-5 * (1 + i % 7 / 10))
-            encoded[name] = EncodedTensor(shape, codes, scales)
+            encoded[name] = EncodedTensor(shape, mine[at : at + n], scales)
+            at += n
         return b"".join(encode_contribution(meta, encoded))
 
     return make
@@ -186,7 +196,7 @@ async def metrics(http: aiohttp.ClientSession) -> dict[str, float]:
     async with http.get("/metrics") as r:
         text = await r.text()
     wanted = re.compile(
-        r"^(diloco_(?:close_folded_uploads_total|fold_seconds_(?:sum|count)"
+        r"^(diloco_(?:close_folded_uploads_total|folded_uploads_total|fold_seconds_(?:sum|count)"
         r"|round_close_stage_seconds_sum|round_close_seconds_sum|uploads_total)(?:\{[^}]*\})?)"
         r" ([0-9.eE+-]+)$",
         re.M,
@@ -222,7 +232,7 @@ async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]
             raise SystemExit("round 1 did not close")
         leases = await join_all(http, rec, run["id"], auths, 2)
         rec.samples.clear()
-        before, cpu0 = await metrics(http), proc_cpu_s(pid)
+        before, cpu0 = await metrics(http), tree_cpu_s(pid)
         out["uploads_s"] = await spread_uploads(
             http, rec, run["id"], auths, leases[0], args.spread_s
         )
@@ -230,8 +240,11 @@ async def bench(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]
         last = max(s.sent + s.latency for s in ups)
         closed = await wait_closed(http, rec, run["id"], 2, args.close_timeout_s)
         after = await metrics(http)
-        out["server_cpu_s"] = proc_cpu_s(pid) - cpu0
+        cpu = {p: s - cpu0.get(p, 0.0) for p, s in tree_cpu_s(pid).items()}
+        out["server_cpu_s"] = cpu.pop(pid)
+        out["children_cpu_s"] = sum(cpu.values())  # its fold process
         out["server_peak_rss_mib"] = rss_mib(pid, "VmHWM")
+        out["children_peak_rss_mib"] = sum(rss_mib(p, "VmHWM") for p in cpu)
         out["upload_bytes"] = len(make(0))
         out["uploads"] = summarize(ups, set())
         out["close_after_last_s"] = None if closed is None else closed - last
@@ -247,19 +260,21 @@ def report(r: dict[str, Any]) -> None:
     refused = {k: v for k, v in u["errors"].items() if k.split()[0] in REFUSED}
     print(f"  answered 2xx: {u['ok']} of {u['count']}; errors {u['errors'] or 'none'}; "
           f"latency p50 {u['p50_ms']:.0f} ms, p99 {u['p99_ms']:.0f} ms")  # fmt: skip
-    folds = m.get("diloco_fold_seconds_count", 0.0)
+    passes = m.get("diloco_fold_seconds_count", 0.0)
+    folds = m.get("diloco_folded_uploads_total", 0.0)
     per = m.get("diloco_fold_seconds_sum", 0.0) / folds if folds else float("nan")
     found = m.get("diloco_close_folded_uploads_total", 0.0)
-    print(f"  folded as they arrived: {folds:.0f} (the close found {found:.0f} folded); "
-          f"{per:.3f} s a fold")  # fmt: skip
+    print(f"  folded as they arrived: {folds:.0f} in {passes:.0f} passes (the close found "
+          f"{found:.0f} folded); {per:.3f} s an upload")  # fmt: skip
     stages = {
         re.search(r'stage="([^"]+)"', k)[1]: v  # type: ignore[index]
         for k, v in m.items()
         if k.startswith("diloco_round_close_stage_seconds_sum") and v > 0
     }
     print("  close stages: " + ", ".join(f"{s} {v:.2f} s" for s, v in stages.items()))
-    print(f"  server CPU {r['server_cpu_s']:.1f} s over the round; peak RSS "
-          f"{r['server_peak_rss_mib']:.0f} MiB")  # fmt: skip
+    print(f"  server CPU {r['server_cpu_s']:.1f} s over the round, its child processes' (the "
+          f"fold's) {r['children_cpu_s']:.1f} s; peak RSS {r['server_peak_rss_mib']:.0f} MiB, "
+          f"children {r['children_peak_rss_mib']:.0f} MiB")  # fmt: skip
     after = r["close_after_last_s"]
     if after is None:
         print("  the round did not close: NOT met")

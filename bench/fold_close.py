@@ -48,7 +48,7 @@ from diloco.outer.close import (  # noqa: E402
     VersionPaths,
     close_round,
 )
-from diloco.outer.fold import FoldPlan, FoldState  # noqa: E402
+from diloco.outer.fold import Arrival, FoldPlan, FoldState  # noqa: E402
 from diloco.outer.inspection import UploadInspector  # noqa: E402
 from diloco.simulate.versions import Versions  # noqa: E402
 from diloco.wire.codec import codec_from_description  # noqa: E402
@@ -163,7 +163,8 @@ def fold_all(cfg, versions, uploads, plan, folder) -> list[float]:  # type: igno
     seconds = []
     for u in uploads:
         start = time.perf_counter()
-        state.fold(plan, [SEED], u.id, u.path, base.upload_codec, plan.factor(u.weight, u.norm))
+        arrival = Arrival(u.id, u.path, plan.factor(u.weight, u.norm))
+        state.fold(plan, [SEED], [arrival], base.upload_codec)
         seconds.append(time.perf_counter() - start)
     return seconds
 

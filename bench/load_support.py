@@ -120,6 +120,25 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime: fields 14, 15
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, theirs...), as /proc lists them now."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *descendants(int(child))]
+    return found
+
+
+def tree_cpu_s(pid: int) -> dict[int, float]:
+    """``proc_cpu_s`` of ``pid`` and of each process under it, by pid."""
+    cpu: dict[int, float] = {}
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError):
+            cpu[p] = proc_cpu_s(p)
+    return cpu
+
+
 def rss_mib(pid: int, key: str = "VmRSS") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):

@@ -58,9 +58,13 @@ EVAL_SECONDS = Histogram(
 )
 FOLD_SECONDS = Histogram(
     "diloco_fold_seconds",
-    "Time to fold one upload into its round's running sum as it arrives (off the close's "
-    "critical path)",
+    "Time of one fold: arrived uploads (one or more, diloco_folded_uploads_total) added to "
+    "their round's running sum in one pass over it, off the close's critical path",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+FOLDED_UPLOADS = Counter(
+    "diloco_folded_uploads_total",
+    "Arrived uploads folded into their round's running sum (server.rounds.folding)",
 )
 CLOSE_FOLDED = Counter(
     "diloco_close_folded_uploads_total",

@@ -110,6 +110,9 @@ def test_arrivals_bench_folds_every_upload_of_a_round_as_it_arrives(pg_admin_url
     # round 2 folded on arrival (round 1 gave it a history): the close found uploads in the
     # sum (those still unfolded when the 12th closed it, it added itself)
     assert 1 <= result["metrics"]["diloco_close_folded_uploads_total"] <= 12
+    folded = result["metrics"]["diloco_folded_uploads_total"]
+    assert 1 <= folded <= 12 and result["metrics"]["diloco_fold_seconds_count"] <= folded
+    assert result["children_cpu_s"] > 0  # the folds ran in the server's child process
     assert re.search(r"-> version published: \d+\.\d+ s \(limit 5 s\)", proc.stdout)
     assert result["server_errors"] == {}
 

@@ -4,7 +4,10 @@ the close leaves out, and whatever state a crash left the running sum in."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,11 @@ import torch
 
 from diloco.outer.attempt import open_base
 from diloco.outer.close import Closed, CloseInputs, Folding, Upload, VersionPaths, close_round
-from diloco.outer.fold import FoldPlan, FoldState
+from diloco.outer.fold import Arrival, FoldPlan, FoldState
 from diloco.outer.robust import SourceUnreadable
 from diloco.simulate.server import Standings, open_round
 from diloco.simulate.versions import Versions
+from server.rounds.folding import FoldProcess
 from tests.test_one_close import RUN, body, config, honest_deltas, initial_params
 
 HISTORY = [0.9, 1.0, 1.1]  # norms of the run's last aggregated uploads (≈ the honest ones)
@@ -63,8 +67,11 @@ def close(tmp_path: Path, name: str, round_, folder: Path | None) -> tuple[Close
     return closed, {p.name: p.read_bytes() for p in (paths.params, paths.state, paths.delta)}
 
 
-def fold(round_, folder: Path, order: list[int]) -> FoldState:
-    """Fold the uploads ``order`` names, one after the other, as the server does on arrival."""
+def fold(
+    round_, folder: Path, order: list[int], batch: int = 1, process: FoldProcess | None = None
+) -> FoldState:
+    """Fold the uploads ``order`` names as the server does on arrival, ``batch`` at a time
+    (one pass over the sum each), here or in ``process``."""
     cfg, versions, uploads, plan = round_
     inputs = CloseInputs(
         RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
@@ -73,8 +80,16 @@ def fold(round_, folder: Path, order: list[int]) -> FoldState:
     base = open_base(inputs)
     base.close()
     state = FoldState(folder, base.shapes)
-    for u in (uploads[i] for i in order):
-        state.fold(plan, [11], u.id, u.path, base.upload_codec, plan.factor(u.weight, u.norm))
+    arrivals = [
+        Arrival(u.id, u.path, plan.factor(u.weight, u.norm)) for u in (uploads[i] for i in order)
+    ]
+    for at in range(0, len(arrivals), batch):
+        if process is None:
+            state.fold(plan, [11], arrivals[at : at + batch], base.upload_codec)
+        else:
+            process.fold(
+                folder, base.shapes, plan, [11], arrivals[at : at + batch], base.upload_codec
+            )
     return state
 
 
@@ -84,11 +99,12 @@ def test_a_folded_round_publishes_the_bits_of_one_read_again_in_any_order(tmp_pa
     assert want.excluded.keys() == {"c5"} and want.exclusion_codes["c5"] == "zero_update"
     assert want.shares["c3"].clip < 1.0  # clipped against the history, not the round
 
-    for k, order in enumerate(([0, 1, 2, 3, 4, 5], [5, 3, 1], [4, 2, 0, 5])):
-        # Execute: some uploads folded as they arrived (the zero one among them: the close
-        # takes it out again), the rest added by the close
+    orders = (([0, 1, 2, 3, 4, 5], 1), ([5, 3, 1], 1), ([4, 2, 0, 5], 1), ([3, 0, 5, 1, 4], 3))
+    for k, (order, batch) in enumerate(orders):
+        # Execute: some uploads folded as they arrived, one by one or several in one pass
+        # (the zero one among them: the close takes it out again), the rest added by the close
         folder = tmp_path / f"fold{k}"
-        fold(round_, folder, order)
+        fold(round_, folder, order, batch)
         got, files = close(tmp_path, f"folded{k}", round_, folder)
 
         # Assert: the same files, checks and shares, bit for bit
@@ -135,6 +151,48 @@ def test_a_sum_a_crash_cut_short_is_not_used(tmp_path, round_):
     with pytest.raises(SourceUnreadable):
         fold(round_, damaged, [1])
     assert state.usable(plan, [11]) is None
+
+    # in a pass of several, the damaged one is named (the server leaves it to the close)
+    with pytest.raises(SourceUnreadable) as raised:
+        fold(round_, tmp_path / "batch", [0, 1, 2], batch=3)
+    assert raised.value.source_id == "c1"
+
+
+def test_a_child_process_folds_the_same_bits_and_is_replaced_when_it_dies(tmp_path, round_):
+    # Prepare: the reference, and the server's fold process
+    _want, want_files = close(tmp_path, "reference", round_, None)
+    _cfg, _versions, uploads, _plan = round_
+    folder = tmp_path / "fold"
+    ours = {c.pid for c in multiprocessing.active_children()}
+    process = FoldProcess()
+    try:
+        # Execute: a pass in the child; the child killed; a pass; a pass in a new child
+        fold(round_, folder, [0, 1], batch=2, process=process)
+        (child,) = [c for c in multiprocessing.active_children() if c.pid not in ours]
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=30)
+        with pytest.raises(RuntimeError, match="the fold process died"):
+            fold(round_, folder, [2, 3], batch=2, process=process)
+        fold(round_, folder, [2, 3], batch=2, process=process)
+
+        # Assert: the sum holds the four, and the close publishes the reference's bits
+        assert _folded(folder) == ["c0", "c1", "c2", "c3"]
+        _, files = close(tmp_path, "folded", round_, folder)
+        assert files == want_files
+
+        # a damaged upload is named across the process boundary
+        raw = bytearray(uploads[4].path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        uploads[4].path.write_bytes(bytes(raw))
+        with pytest.raises(SourceUnreadable) as raised:
+            fold(round_, tmp_path / "damaged", [0, 4], batch=2, process=process)
+        assert raised.value.source_id == "c4"
+    finally:
+        process.shutdown()
+
+
+def _folded(folder: Path) -> list[str]:
+    return list(json.loads((folder / "meta.json").read_text())["ids"])
 
 
 def test_a_sum_of_another_plan_or_sampling_is_not_used(tmp_path, round_):

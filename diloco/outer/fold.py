@@ -99,7 +99,17 @@ class _Meta:
     names: list[str]  # the parameters in the sum's order
     boot: str
     ids: list[str]  # the uploads in the sum, in the order folded
-    pending: str | None  # an upload being folded: the sum is not to be trusted
+    pending: str | None  # the uploads being folded: the sum is not to be trusted
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An upload to fold: its id, its stored body on this machine and its factor
+    (``FoldPlan.factor``)."""
+
+    id: str
+    path: Path
+    factor: float
 
 
 class FoldState:
@@ -158,49 +168,70 @@ class FoldState:
         self._write_meta(_Meta(asdict(plan), list(seeds), list(self.shapes), boot_id(), [], None))
 
     def fold(
-        self, plan: FoldPlan, seeds: Sequence[int], upload_id: str, path: Path, codec: dict,
-        factor: float,
-    ) -> None:  # fmt: skip
-        """Add the term of the upload stored at ``path`` (``codec``'s body) to this sum for
-        ``plan`` and the close's samplings (``seeds``), started afresh when it cannot be
-        trusted (``usable``)."""
+        self, plan: FoldPlan, seeds: Sequence[int], arrivals: Sequence[Arrival], codec: dict
+    ) -> None:
+        """Add the terms of the uploads ``arrivals`` (``codec``'s bodies) to this sum for
+        ``plan`` and the close's samplings (``seeds``), in one pass over the sum; started
+        afresh when it cannot be trusted (``usable``). A stored upload that cannot be read
+        raises ``SourceUnreadable`` naming it, and leaves the state for ``usable`` to refuse
+        once the sum was touched."""
+        if not arrivals:
+            return
         if self.usable(plan, seeds) is None:
             self.start(plan, seeds)
         sampler = Sampler(self.shapes, [Sampling.for_round(self.numel, s) for s in seeds])
-        with contextlib.closing(UploadFile(upload_id, path, self.shapes, codec)) as upload:
-            self._add(upload, factor, sampler, align=upload_alignment(codec))
+        with contextlib.ExitStack() as opened:
+            uploads = [
+                opened.enter_context(
+                    contextlib.closing(UploadFile(a.id, a.path, self.shapes, codec))
+                )
+                for a in arrivals
+            ]
+            self._add(uploads, [a.factor for a in arrivals], sampler, align=upload_alignment(codec))
 
-    def _add(self, upload: UploadFile, factor: float, sampler: Sampler, *, align: int) -> None:
-        """Add one stored upload's term, read chunk by chunk, and keep its values at
-        ``sampler``'s coordinates for the close's checks. Marked pending while the sum
-        changes: a crash, or a trailer that does not match at the end, leaves a state
-        ``usable`` refuses."""
+    def _add(
+        self, uploads: Sequence[UploadFile], factors: Sequence[float], sampler: Sampler, *,
+        align: int,
+    ) -> None:  # fmt: skip
+        """Add stored uploads' terms, each chunk of the sum read and written once for all of
+        them, and keep their values at ``sampler``'s coordinates for the close's checks.
+        Marked pending while the sum changes: a crash, or a trailer that does not match at
+        the end, leaves a state ``usable`` refuses."""
         meta = self._meta()
         assert meta is not None and meta.pending is None, "fold on a usable state only"
-        self._write_meta(replace(meta, pending=upload.id))
+        ids = [u.id for u in uploads]
+        self._write_meta(replace(meta, pending=" ".join(ids)))
         chunk = max(align, CHUNK // align * align)
         x_buf = torch.empty(chunk, dtype=torch.float32)
         acc = torch.empty(chunk, dtype=torch.float64)
         work = torch.empty(chunk, dtype=torch.float64)
+        # the uploads' own order when they share one: each is then hashed as it is read
+        order = uploads[0].order if all(u.order == uploads[0].order for u in uploads) else []
         fd = os.open(self._sum, os.O_RDWR)
         try:
-            for name in upload.order:
+            for name in order or list(self.shapes):
                 numel = math.prod(self.shapes[name])
-                upload.start_tensor(name, numel)
+                for upload in uploads:
+                    upload.start_tensor(name, numel)
                 for start in range(0, numel, chunk):
                     n = min(chunk, numel - start)
-                    x = upload.decode_into(upload.chunk(name, start, n), start, x_buf[:n])
                     offset = 8 * (self.offsets[name] + start)
                     self.read_into(fd, acc[:n], offset)
-                    exact.add_term(acc[:n], x, factor, work[:n])
+                    for upload, factor in zip(uploads, factors, strict=True):
+                        x = upload.decode_into(upload.chunk(name, start, n), start, x_buf[:n])
+                        exact.add_term(acc[:n], x, factor, work[:n])
+                        sampler.upload(upload.id, name, start, x)
                     os.pwrite(fd, byte_view(acc[:n]), offset)
-                    sampler.upload(upload.id, name, start, x)
-                upload.end_tensor()
-            upload.finish()  # the trailer: a damaged blob leaves the state pending
+                for upload in uploads:
+                    upload.end_tensor()
+            for upload in uploads:
+                upload.finish()  # the trailer: a damaged blob leaves the state pending
         finally:
             os.close(fd)
-        self._save_samples(upload.id, sampler.uploads()[upload.id])
-        self._write_meta(replace(meta, ids=[*meta.ids, upload.id]))
+        samples = sampler.uploads()
+        for upload in uploads:
+            self._save_samples(upload.id, samples[upload.id])
+        self._write_meta(replace(meta, ids=[*meta.ids, *ids]))
 
     @staticmethod
     def read_into(fd: int, out: torch.Tensor, offset: int) -> None:
@@ -228,6 +259,15 @@ class FoldState:
         for p in self.folder.iterdir():
             p.unlink(missing_ok=True)
         self.folder.rmdir()
+
+
+def fold_files(
+    folder: Path, shapes: Shapes, plan: FoldPlan, seeds: Sequence[int],
+    arrivals: Sequence[Arrival], codec: dict,
+) -> None:  # fmt: skip
+    """``FoldState(folder, shapes).fold(...)``: everything in files, so another process can
+    do it (``server.rounds.folding`` does, away from the requests' GIL)."""
+    FoldState(folder, shapes).fold(plan, seeds, arrivals, codec)
 
 
 class SumReader:

@@ -69,6 +69,9 @@ class SourceUnreadable(Exception):
         super().__init__(f"{source_id}: {reason}")
         self.source_id, self.reason = source_id, reason
 
+    def __reduce__(self) -> tuple[type[SourceUnreadable], tuple[str, str]]:
+        return SourceUnreadable, (self.source_id, self.reason)  # raised in another process
+
 
 def _tensors(source: Source, shapes: Shapes, codec: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's decoded tensors in body order, checked against the model and codec; its
