@@ -211,8 +211,9 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     ids = [i for i in f.ids if i in f.samples]
     if len(ids) < DIRECTION_MIN:
         return out
-    own = torch.stack([f.samples[i][0] for i in ids]).double()  # (n, sample)
-    centres = _others_medians(own)
+    own32 = torch.stack([f.samples[i][0] for i in ids])  # (n, sample)
+    centres = _others_medians(own32).double()  # selected values: exact in float32
+    own = own32.double()
     # each row's cosine to its centre on the coordinates both hold, all rows at once
     both = (own != 0) & (centres != 0)
     a, b = own * both, centres * both
