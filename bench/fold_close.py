@@ -7,7 +7,9 @@ process, twice on the same files:
 - **reads every upload**: no running sum (a close that finds none: another process, a
   restart), the close as it was;
 - **folded**: the first K − 1 uploads folded one by one as they would arrive (each fold
-  timed), then the close adds the last one: what is left after the deadline.
+  timed: one upload a pass, the server's slowest case per upload; it folds those that
+  arrived since its last pass together, up to 16), then the close adds the last one:
+  what is left after the deadline.
 
 Both must publish the same bytes (checked). Beside them, measured in the same run: the
 bytes-moved bound of what the folded close must still do (the last upload, the running sum

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 SAMPLE_SIZE = 1 << 14  # coordinates sampled per update (64 KiB of fp32)
@@ -288,14 +289,15 @@ def _others_medians(own: torch.Tensor) -> torch.Tensor:
     median; the mean of two), for all rows at once. With s the column's values in order and
     ``at`` the lower median's index among n − 1 values, the median without row k is s[at]
     when row k is above s[at], else s[at + 1] (row k at s[at] and ranked after it means
-    s[at + 1] = s[at]: ties give the same value); two selections per column, no sort."""
+    s[at + 1] = s[at]: ties give the same value); one selection per column, no sort."""
     n = own.shape[0]
     if n - 1 <= 2:
         return torch.stack([torch.cat([own[:k], own[k + 1 :]]).mean(dim=0) for k in range(n)])
     at = (n - 2) // 2
-    columns = own.T.contiguous()  # a selection along contiguous memory: 3x faster
-    low = columns.kthvalue(at + 1, dim=1).values
-    high = columns.kthvalue(at + 2, dim=1).values
+    # both order statistics of each column in one selection, along contiguous memory
+    # (numpy's partition with two kth: half the time of two torch.kthvalue, a fifth of a sort)
+    chosen = np.partition(own.T.contiguous().numpy(), [at, at + 1], axis=1)
+    low, high = torch.from_numpy(chosen[:, at].copy()), torch.from_numpy(chosen[:, at + 1].copy())
     return torch.where(own > low, low, high)
 
 
