@@ -201,7 +201,7 @@ class Monitor:
                 backends[row["pid"]] = proc_cpu_s(row["pid"])
         s = {
             "t": time.time(),
-            "server_cpu": proc_cpu_s(self.pid),
+            "server_cpu": sum(tree_cpu_s(self.pid).values()),  # with its fold process
             "rss": rss_mib(self.pid),
             "backends": backends,
             "xacts": int(xacts or 0),

@@ -212,14 +212,9 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     ids = [i for i in f.ids if i in f.samples]
     if len(ids) < DIRECTION_MIN:
         return out
-    own32 = torch.stack([f.samples[i][0] for i in ids])  # (n, sample)
-    centres = _others_medians(own32).double()  # selected values: exact in float32
-    own = own32.double()
-    # each row's cosine to its centre on the coordinates both hold, all rows at once
-    both = (own != 0) & (centres != 0)
-    a, b = own * both, centres * both
-    na, nb, dots = a.norm(dim=1), b.norm(dim=1), (a * b).sum(dim=1)
-    held = both.sum(dim=1)
+    own = torch.stack([f.samples[i][0] for i in ids])  # (n, sample)
+    centres = _others_medians(own)  # selected values: exact in the samples' float32
+    na, nb, dots, held = _masked_figures(own, centres)
     cos: dict[str, float] = {}
     tau: dict[str, float] = {}  # where noise lands: SIGMAS / √(the coordinates both hold)
     for k, i in enumerate(ids):
@@ -247,6 +242,26 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
             )
             out[i] = replace(out[i], code="unaligned", reason=reason)
     return out
+
+
+def _masked_figures(
+    own: torch.Tensor, centres: torch.Tensor, rows: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row, on the coordinates where both it and its centre are nonzero: both
+    norms and their dot product in float64, and how many coordinates; a few rows at a time
+    (small temporaries: in a busy server, fresh memory for whole-matrix ones cost more than
+    the arithmetic, bench/arrivals.py)."""
+    out = torch.empty(4, own.shape[0], dtype=torch.float64)
+    for lo in range(0, own.shape[0], rows):
+        a, b = own[lo : lo + rows].double(), centres[lo : lo + rows].double()
+        both = (a != 0) & (b != 0)
+        a.masked_fill_(~both, 0.0)
+        b.masked_fill_(~both, 0.0)
+        out[0, lo : lo + rows] = a.norm(dim=1)
+        out[1, lo : lo + rows] = b.norm(dim=1)
+        out[2, lo : lo + rows] = a.mul_(b).sum(dim=1)
+        out[3, lo : lo + rows] = both.sum(dim=1)
+    return out[0], out[1], out[2], out[3]
 
 
 def tally(checks: Mapping[str, Check]) -> dict[str, Any]:
