@@ -8,7 +8,8 @@ finishes the round, or, after publish, makes its full files durable (``server.ro
 full_files``: rebuilt from the stored uploads after publish, found and marked after full).
 Then:
 - the published parameters and the outer momentum are ``torch.equal`` to a reference
-  computed in this process from the same uploads with the same library calls;
+  computed in this process from the same uploads with the same library calls, whichever
+  order the uploads arrived in (a's first at every other stage, b's at the rest);
 - the step was applied once: one checkpoint row per version, round 2 trains from version 1;
 - every upload acknowledged with a 2xx is counted in the step and credited.
 And a close that *fails* at each stage in turn (an exception, not a crash) is recorded on
@@ -74,18 +75,19 @@ def started() -> Iterator[list[ServerProcess]]:
         proc.stop()
 
 
-def _round_one_with_two_uploads(http: httpx.Client) -> tuple[dict, dict, list[Work]]:
-    """A run whose round 1 closes once two uploads are in; both uploaded (2xx)."""
+def _round_one_with_two_uploads(
+    http: httpx.Client, arrival: str = "ab"
+) -> tuple[dict, dict, list[Work]]:
+    """A run whose round 1 closes once two uploads are in: a's and b's, trained in that
+    order and uploaded (2xx) in the order ``arrival`` names; their work as trained."""
     config = server_run_config(rounds={"quorum": 2, "target": 2, "max_rounds": 3})
     run = create_run(http, config | {"seed": 7})
-    works = []
-    for name in ("a", "b"):
-        token = register(http, name)
-        work = train(http, token, run["id"], steps=2)
-        assert upload(http, token, work).status_code == 201
-        works.append(work)
-    base = safetensors_load(http.get(works[0].lease["checkpoint"]["url"]).content)
-    return run, base, works
+    tokens = {name: register(http, name) for name in "ab"}
+    works = {name: train(http, tokens[name], run["id"], steps=2) for name in "ab"}
+    for name in arrival:
+        assert upload(http, tokens[name], works[name]).status_code == 201
+    base = safetensors_load(http.get(works["a"].lease["checkpoint"]["url"]).content)
+    return run, base, [works["a"], works["b"]]
 
 
 def _state_file(store: Storage | ServerProcess, key: str) -> Path:
@@ -141,7 +143,10 @@ def test_a_server_killed_at_each_stage_of_a_close_publishes_the_exact_step_after
     )
     started.append(doomed)
     http = doomed.wait_ready().client()
-    run, base, works = _round_one_with_two_uploads(http)
+    # the uploads arrive in one order or the other (every other stage): the reference is
+    # computed in a's then b's, and the exact sum makes the order no matter, to the bit
+    arrival = "ba" if STAGES.index(stage) % 2 else "ab"
+    run, base, works = _round_one_with_two_uploads(http, arrival)
     expected = reference_step(run, base, works)
 
     # Execute: it dies at the stage; a new server on the same database and data dir
