@@ -7,7 +7,9 @@ same bits."""
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -67,11 +69,28 @@ def test_a_folded_round_publishes_the_reference_close(database_url, tmp_path, fa
             assert metric(http, "diloco_close_folded_uploads_total") == 0
         else:
             http, run_id, run = run_two_rounds(
-                server, lambda h: metric(h, "diloco_fold_seconds_count") >= 2
+                server, lambda h: metric(h, "diloco_folded_uploads_total") >= 2
             )
             # round 2's first two uploads (at least) were summed on arrival
             assert metric(http, "diloco_close_folded_uploads_total") >= 2
         cfg = parse_config(run["config"])
         assert assert_reference_closes(database_url, server.data_dir / "blobs", run_id, cfg) == 2
+        if not faults:  # the folds ran in a child, which does not outlive a killed server
+            children = _children(server.pid)
+            assert children, "no fold process"
+            server.stop(sig=signal.SIGKILL)
+            wait_for(
+                lambda: not any(Path(f"/proc/{c}").exists() for c in children),
+                timeout=30,
+                what="the fold process to exit after its server was killed",
+            )
     finally:
         server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found

@@ -19,7 +19,9 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -77,8 +79,8 @@ class FoldProcess:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=torch.set_num_threads,  # one pass at a time, one core
-                    initargs=(1,),
+                    initializer=_child_starts,
+                    initargs=(os.getpid(),),
                 )
             pool = self._pool
         try:
@@ -95,6 +97,20 @@ class FoldProcess:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _child_starts(parent: int) -> None:
+    """In the fold's child: one torch thread (one pass at a time, one core), and an exit
+    as soon as its parent is gone. A pool's worker outlives a parent killed with SIGKILL
+    (it holds its own queue's pipe open): it would hold its memory for good."""
+    torch.set_num_threads(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 async def fold_next(
