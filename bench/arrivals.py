@@ -56,11 +56,10 @@ from load_support import (
     fresh_database,
     http_session,
     lease_frame,
-    rss_mib,
     server,
     summarize,
-    tree_cpu_s,
 )
+from procstat import rss_mib, tree_cpu_s
 
 LIMIT_S = 5.0  # issue 29: deadline -> delta published, 1,000 uploads at 10M
 REFUSED = ("429", "503")  # what a server refusing for load answers

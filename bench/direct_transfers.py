@@ -61,6 +61,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.loopback import Answer, http_request  # noqa: E402
+from bench.procstat import total_cpu_s  # noqa: E402
 from bench.server_metrics import evals_done, metric_count, metric_sums, metrics, poll  # noqa: E402
 from bench.server_round import SIZES  # noqa: E402
 from bench.transport import (  # noqa: E402
@@ -69,7 +70,6 @@ from bench.transport import (  # noqa: E402
     DilocoServer,
     Volunteer,
     contribution_body,
-    cpu_seconds,
     create_run,
     diloco_server,
     download,
@@ -89,26 +89,6 @@ IDLE_S = 3.0  # the server's idle CPU rate is measured this long before the roun
 STAGES = ("join + download", "upload: PUT body", "upload: commit", "close", "eval")
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU-seconds of a process and every live descendant (``weed mini`` may fork)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            total += cpu_seconds(p)
-        except OSError:
-            continue
-        todo += parents.get(p, [])
-    return total
-
-
 @dataclass
 class Meter:
     """Wall and CPU-seconds per stage, of the server and (if any) of the S3 server."""
@@ -120,15 +100,15 @@ class Meter:
     s3_cpu: dict[str, float] = field(default_factory=dict)
 
     def charge(self, stage: str, fn: Callable[[], object]) -> object:
-        start, cpu = time.perf_counter(), cpu_seconds(self.server_pid)
-        s3 = tree_cpu_seconds(self.s3_pid) if self.s3_pid else 0.0
+        start, cpu = time.perf_counter(), total_cpu_s(self.server_pid)
+        s3 = total_cpu_s(self.s3_pid) if self.s3_pid else 0.0
         try:
             return fn()
         finally:
             self.wall[stage] = self.wall.get(stage, 0.0) + time.perf_counter() - start
-            self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu_seconds(self.server_pid) - cpu
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + total_cpu_s(self.server_pid) - cpu
             if self.s3_pid:
-                spent = tree_cpu_seconds(self.s3_pid) - s3
+                spent = total_cpu_s(self.s3_pid) - s3
                 self.s3_cpu[stage] = self.s3_cpu.get(stage, 0.0) + spent
 
 
@@ -212,9 +192,9 @@ def play_round(mode: str, shape: tuple[int, int, int], k: int, data: Path,
         evals_done(server, 1)
         before = counters(server)
         version0_eval = metric_sums(metrics(server), "diloco_version_eval_seconds")[""]
-        idle = cpu_seconds(server.pid)
+        idle = total_cpu_s(server.pid)
         time.sleep(IDLE_S)  # what the server spends doing nothing (its sweeps): per second
-        idle_rate = (cpu_seconds(server.pid) - idle) / IDLE_S
+        idle_rate = (total_cpu_s(server.pid) - idle) / IDLE_S
         meter = Meter(server.pid, s3.pid if s3 else None)
         volunteers: list[Volunteer] = []
 
@@ -377,10 +357,10 @@ def main() -> None:
         s3 = S3Server(root / "s3")
         try:
             s3.wait_ready()
-            idle = tree_cpu_seconds(s3.pid)
+            idle = total_cpu_s(s3.pid)
             direct, _ = play_round("direct", shape, k, args.data, shapes, s3, root / "scratch")
             print(f"direct round done: server CPU {sum(direct.meter.cpu.values()):.2f} s; "
-                  f"S3 server {tree_cpu_seconds(s3.pid) - idle:.2f} s since ready "
+                  f"S3 server {total_cpu_s(s3.pid) - idle:.2f} s since ready "
                   f"(run creation included)", flush=True)  # fmt: skip
         finally:
             s3.stop()

@@ -45,10 +45,10 @@ from load_support import (
     fresh_database,
     make_corpus,
     plain_dsn,
-    rss_mib,
     server,
     summarize,
 )
+from procstat import rss_mib
 
 BIG_MODEL = {"n_layer": 24, "n_head": 16, "n_embd": 2048, "block_size": 128}
 KINDS = ("healthz", "heartbeat")

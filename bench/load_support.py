@@ -25,11 +25,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
+from procstat import proc_cpu_s, rss_mib, self_cpu_s, total_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 API = "/api/v1"
 ADMIN = "adm_loadbench"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- database and server
@@ -114,43 +114,6 @@ def _healthy(url: str) -> bool:
 # ---------------------------------------------------------------- CPU and memory
 
 
-def proc_cpu_s(pid: int) -> float:
-    """user + system CPU seconds of a process, all its threads (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime: fields 14, 15
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under ``pid`` (children, theirs...), as /proc lists them now."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError, ValueError):
-            for child in (task / "children").read_text().split():
-                found += [int(child), *descendants(int(child))]
-    return found
-
-
-def tree_cpu_s(pid: int) -> dict[int, float]:
-    """``proc_cpu_s`` of ``pid`` and of each process under it, by pid."""
-    cpu: dict[int, float] = {}
-    for p in [pid, *descendants(pid)]:
-        with contextlib.suppress(OSError):
-            cpu[p] = proc_cpu_s(p)
-    return cpu
-
-
-def rss_mib(pid: int, key: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def self_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 class Monitor:
     """Samples, every ``every`` seconds: the server's RSS, and the CPU of the Postgres
     backends serving our database (found in pg_stat_activity, read from /proc), plus that
@@ -201,7 +164,7 @@ class Monitor:
                 backends[row["pid"]] = proc_cpu_s(row["pid"])
         s = {
             "t": time.time(),
-            "server_cpu": sum(tree_cpu_s(self.pid).values()),  # with its fold process
+            "server_cpu": total_cpu_s(self.pid),  # with its fold process
             "rss": rss_mib(self.pid),
             "backends": backends,
             "xacts": int(xacts or 0),

@@ -40,7 +40,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from load_support import ADMIN, API, fresh_database, make_corpus, plain_dsn, proc_cpu_s
+from load_support import ADMIN, API, fresh_database, make_corpus, plain_dsn
+from procstat import proc_cpu_s
 
 Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 

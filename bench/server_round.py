@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.loopback import mbps, plain_http_mbps, raw_tcp_mbps  # noqa: E402
+from bench.procstat import rss_mib  # noqa: E402
 from bench.server_metrics import evals_done, metric_count, metric_sums, metrics, poll  # noqa: E402
 from bench.transport import (  # noqa: E402
     API,
@@ -54,7 +55,6 @@ from bench.transport import (  # noqa: E402
     diloco_server,
     download,
     join,
-    rss_mib,
     safetensors_shapes,
     upload,
 )

@@ -52,6 +52,7 @@ from bench.loopback import (  # noqa: E402
     plain_server,
     raw_tcp_mbps,
 )
+from bench.procstat import proc_cpu_s, rss_mib, total_cpu_s  # noqa: E402
 from bench.server_metrics import evals_done  # noqa: E402
 
 API = "/api/v1"
@@ -59,19 +60,6 @@ ADMIN = "adm_bench"
 INGEST_GOAL_MBPS = 300  # per upload, on loopback (issue 29, item 4)
 
 # ---------------------------------------------------------------- (c, d) diloco serve
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    raise SystemExit(f"no {field} in /proc: this benchmark needs Linux")
 
 
 class RssSampler:
@@ -318,12 +306,12 @@ def main() -> None:
         with plain_server() as limit:
             for i in range(args.uploads):
                 body = reseeded(bodies[i % 2], i)
-                cpu = cpu_seconds(limit.pid)
+                cpu = proc_cpu_s(limit.pid)
                 plain.append(mbps(size, limit.put(body).seconds))
-                plain_cpu += cpu_seconds(limit.pid) - cpu
-                cpu = cpu_seconds(server.pid)
+                plain_cpu += proc_cpu_s(limit.pid) - cpu
+                cpu = total_cpu_s(server.pid)  # with its fold process
                 ingest.append(mbps(size, upload(server, run_id, volunteers[i], body).seconds))
-                ingest_cpu += cpu_seconds(server.pid) - cpu
+                ingest_cpu += total_cpu_s(server.pid) - cpu
         line("(a) raw TCP loopback, upload direction", tcp_up)
         line("(b) plain uvicorn httptools+uvloop PUT", plain, ("(a)", statistics.median(tcp_up)),
              cpu=cpu_note(plain_cpu, size * args.uploads))  # fmt: skip
