@@ -366,8 +366,9 @@ def main() -> None:
             s3.stop()
     report(args.size, k, proxied, direct)
     print(
-        f"\n(server CPU: the diloco serve Python process only, user + system from /proc; "
-        f"{os.cpu_count()} cores on this machine, shared: ratios hold, seconds do not)"
+        f"\n(server CPU: the diloco serve process and its child processes (the fold's), "
+        f"user + system from /proc; {os.cpu_count()} cores on this machine, shared: ratios "
+        "hold, seconds do not)"
     )
 
 
