@@ -4,7 +4,6 @@ the close leaves out, and whatever state a crash left the running sum in."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -15,7 +14,7 @@ import torch
 
 from diloco.outer.attempt import open_base
 from diloco.outer.close import Closed, CloseInputs, Folding, Upload, VersionPaths, close_round
-from diloco.outer.fold import Arrival, FoldPlan, FoldState
+from diloco.outer.fold import Arrival, FoldPlan, FoldState, folded_ids
 from diloco.outer.robust import SourceUnreadable
 from diloco.simulate.server import Standings, open_round
 from diloco.simulate.versions import Versions
@@ -176,7 +175,7 @@ def test_a_child_process_folds_the_same_bits_and_is_replaced_when_it_dies(tmp_pa
         fold(round_, folder, [2, 3], batch=2, process=process)
 
         # Assert: the sum holds the four, and the close publishes the reference's bits
-        assert _folded(folder) == ["c0", "c1", "c2", "c3"]
+        assert folded_ids(folder) == ["c0", "c1", "c2", "c3"]
         _, files = close(tmp_path, "folded", round_, folder)
         assert files == want_files
 
@@ -189,10 +188,6 @@ def test_a_child_process_folds_the_same_bits_and_is_replaced_when_it_dies(tmp_pa
         assert raised.value.source_id == "c4"
     finally:
         process.shutdown()
-
-
-def _folded(folder: Path) -> list[str]:
-    return list(json.loads((folder / "meta.json").read_text())["ids"])
 
 
 def test_a_sum_of_another_plan_or_sampling_is_not_used(tmp_path, round_):

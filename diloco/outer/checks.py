@@ -218,10 +218,8 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     cos: dict[str, float] = {}
     tau: dict[str, float] = {}  # where noise lands: SIGMAS / √(the coordinates both hold)
     for k, i in enumerate(ids):
-        n_a, n_b = float(na[k]), float(nb[k])
-        if n_a > 0 and n_b > 0 and math.isfinite(n_a) and math.isfinite(n_b):
-            cos[i] = max(-1.0, min(1.0, float(dots[k]) / (n_a * n_b)))
-            tau[i] = SIGMAS / math.sqrt(int(held[k]))
+        if (c := _cosine_of(float(dots[k]), float(na[k]), float(nb[k]))) is not None:
+            cos[i], tau[i] = c, SIGMAS / math.sqrt(int(held[k]))
     out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
     if len(cos) < DIRECTION_MIN or not statistics.median(c / tau[i] for i, c in cos.items()) > 3:
         return out
@@ -362,7 +360,11 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     if a.shape != b.shape:
         return None
     a64, b64 = a.double(), b.double()
-    na, nb = float(a64.norm()), float(b64.norm())
+    return _cosine_of(float(a64 @ b64), float(a64.norm()), float(b64.norm()))
+
+
+def _cosine_of(dot: float, na: float, nb: float) -> float | None:
+    """dot / (na nb), clamped to [−1, 1]; None when either norm is zero or not finite."""
     if not (na > 0 and nb > 0) or not (math.isfinite(na) and math.isfinite(nb)):
         return None
-    return max(-1.0, min(1.0, float(a64 @ b64) / (na * nb)))
+    return max(-1.0, min(1.0, dot / (na * nb)))

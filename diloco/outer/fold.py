@@ -112,6 +112,21 @@ class Arrival:
     factor: float
 
 
+def _read_meta(folder: Path) -> _Meta | None:
+    try:
+        return _Meta(**json.loads((folder / "meta.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def folded_ids(folder: Path) -> list[str]:
+    """The uploads the sum in ``folder`` holds; none when there is none or a fold was cut
+    short (the next fold starts it afresh). Whether it can be trusted for a round's plan
+    and samplings is ``FoldState.usable``'s to say."""
+    meta = _read_meta(folder)
+    return [] if meta is None or meta.pending is not None else list(meta.ids)
+
+
 class FoldState:
     """A round's running sum on this machine's disk (module docstring)."""
 
@@ -130,10 +145,7 @@ class FoldState:
         return self.folder / "sum.f64"
 
     def _meta(self) -> _Meta | None:
-        try:
-            return _Meta(**json.loads((self.folder / "meta.json").read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+        return _read_meta(self.folder)
 
     def _write_meta(self, meta: _Meta) -> None:
         with atomic_write_text(self.folder / "meta.json") as f:

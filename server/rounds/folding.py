@@ -15,8 +15,6 @@ behind the uploads (bench/arrivals.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import multiprocessing
 import os
@@ -35,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from diloco.config import RunConfig
 from diloco.faults import FaultInjector
 from diloco.model.architectures import parameter_shapes
-from diloco.outer.fold import Arrival, FoldPlan, fold_files
+from diloco.outer.fold import Arrival, FoldPlan, fold_files, folded_ids
 from diloco.outer.robust import SourceUnreadable
 from diloco.protocol.state import RoundState
 from diloco.wire.exchange import codec_for
@@ -167,7 +165,7 @@ async def _next_batch(session: AsyncSession, folds: Folds) -> _Batch | None:
     for run_id, index, state in open_rounds:
         if state != RoundState.OPEN:
             continue
-        done = set(_folded_ids(folds.folder(run_id, index))) | folds.failed
+        done = set(folded_ids(folds.folder(run_id, index))) | folds.failed
         rows = list(
             await session.scalars(
                 select(Contribution)
@@ -194,16 +192,6 @@ async def _next_batch(session: AsyncSession, folds: Folds) -> _Batch | None:
         ]
         return _Batch(run_id, index, r.cfg, r.plan, r.seeds, arrivals)
     return None
-
-
-def _folded_ids(folder: Path) -> list[str]:
-    """The uploads a round's sum holds; none when a fold was cut short (the next fold
-    starts the sum afresh, with every upload again). Read without trusting the rest of
-    it: the fold checks."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        meta = json.loads((folder / "meta.json").read_text())
-        return [] if meta.get("pending") is not None else list(meta.get("ids", []))
-    return []
 
 
 @dataclass(frozen=True)
