@@ -34,13 +34,16 @@ def _free(port: int) -> bool:
 
 
 def _port_pair(taken: set[int]) -> int:
-    """A free port p whose p + GRPC_OFFSET is free too."""
+    """A free port p whose p + GRPC_OFFSET is free too, neither of them one of ``taken``
+    (the ports of the pairs handed out before, not yet bound: weed refused an S3 port that
+    was another service's gRPC port)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port + GRPC_OFFSET < 65536 and port not in taken and _free(port + GRPC_OFFSET):
-            taken.update((port, port + GRPC_OFFSET))
+        grpc = port + GRPC_OFFSET
+        if grpc < 65536 and not {port, grpc} & taken and _free(grpc):
+            taken.update((port, grpc))
             return port
     raise RuntimeError("no free pair of ports for SeaweedFS")
 
