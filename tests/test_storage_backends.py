@@ -283,6 +283,48 @@ def test_the_file_cache_keeps_by_key_and_etag_and_evicts_the_least_recent(tmp_pa
     assert cache.get("runs/r/checkpoints/3.safetensors", '"etag2"', tmp_path / "y")
 
 
+def test_the_file_cache_evicts_uploads_before_checkpoints(tmp_path: Path) -> None:
+    cache = FileCache(tmp_path / "cache", max_bytes=250)
+    kept = [
+        ("runs/r/checkpoints/1.safetensors", 1000.0),  # the oldest, but a checkpoint
+        ("runs/r/rounds/1/c1-00aa.bin", 2000.0),
+        ("runs/r/rounds/1/c2-00bb.bin", 3000.0),
+    ]
+    for i, (key, when) in enumerate(kept):
+        src = tmp_path / f"src{i}"
+        src.write_bytes(bytes([i]) * 100)
+        cache.put(key, '"e"', src)
+        os.utime(cache._path(key, '"e"'), (when, when))
+    # 300 > 250 after the third: the older upload went, not the older checkpoint
+    assert cache.get("runs/r/checkpoints/1.safetensors", '"e"', tmp_path / "a")
+    assert not cache.get("runs/r/rounds/1/c1-00aa.bin", '"e"', tmp_path / "b")
+    assert cache.get("runs/r/rounds/1/c2-00bb.bin", '"e"', tmp_path / "c")
+
+
+def test_an_upload_fetched_once_is_read_from_the_cache_by_the_next_stage(
+    s3: S3Storage, tmp_path: Path
+) -> None:
+    """The fold, the score on arrival and the close each stage the same upload: the bucket
+    is asked for its bytes once (then one HEAD a stage), until the object changes."""
+    s3.scratch_dir, s3.scratch_cache_bytes = tmp_path / "scratch", 1 << 20
+    key = "runs/r1/rounds/3/c7-0a0b0c0d.bin"
+    with s3.writer(key) as w:
+        w.write(b"an upload")
+        w.commit()
+    with Stage(s3) as stage:
+        assert stage.input(key).read_bytes() == b"an upload"
+        assert stage.hits == []
+    with Stage(s3) as stage:
+        assert stage.input(key).read_bytes() == b"an upload"
+        assert stage.hits == [key]
+    with s3.writer(key) as w:  # not the object the cache holds: fetched again
+        w.write(b"another upload")
+        w.commit()
+    with Stage(s3) as stage:
+        assert stage.input(key).read_bytes() == b"another upload"
+        assert stage.hits == []
+
+
 def test_a_published_version_is_read_back_from_the_cache_until_the_store_changes_it(
     s3: S3Storage, tmp_path: Path
 ) -> None:

@@ -9,10 +9,13 @@ outputs are written there and put into the bucket by ``publish``; ``close`` remo
 folder, whatever happened. The scratch folder is ``DILOCO_SCRATCH_DIR`` (default: the
 system's temp dir), never the data dir.
 
-A worker keeps the checkpoint files it published or fetched (params and outer state) in a
-``FileCache`` beside the stages, up to ``DILOCO_SCRATCH_CACHE_BYTES``: the version a close
-publishes is the base of the next close and the file of its eval, usually on the same
-worker, so those need not come back from the bucket. An entry is used only while the
+A worker keeps the checkpoint files it published or fetched (params and outer state) and
+the uploads it fetched in a ``FileCache`` beside the stages, up to
+``DILOCO_SCRATCH_CACHE_BYTES``: the version a close publishes is the base of the next close
+and the file of its eval, and an accepted upload is read by its fold, its score on arrival
+and its round's close, usually on the same worker, so those need not come back from the
+bucket each time. Uploads leave the cache before checkpoints (a round's uploads can be
+many times the model, and the next close needs its base). An entry is used only while the
 object's ETag (one HEAD) is the one it was kept under: another worker's version of the
 same key (after a crash, a re-close) is fetched, never mistaken for it. It is a cache: a
 replica that loses it loses only the time to fetch again.
@@ -30,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+from server.storage import keys
 from server.storage.base import BlobMissing, Storage
 
 log = logging.getLogger("diloco.server.staging")
@@ -40,14 +44,21 @@ CACHE_FOLDER = "diloco-cache"
 
 
 def cacheable(key: str) -> bool:
-    """A version's parameters and outer state: what the next close and the eval read."""
-    return "/checkpoints/" in key and not key.endswith(".delta.safetensors")
+    """A version's parameters and outer state (what the next close and the eval read), and
+    an accepted upload (what its fold, its score and its close read)."""
+    return keys.is_contribution(key) or (
+        "/checkpoints/" in key and not key.endswith(".delta.safetensors")
+    )
+
+
+UPLOAD_ENTRY = "__rounds__"  # in the name of a cached upload's file (``FileCache._path``)
 
 
 class FileCache:
-    """Blobs kept as files under ``root``, by key and ETag, least recently used first out
-    once they pass ``max_bytes``. Safe to share between processes: entries are written to
-    a temp name and renamed, handed out as hard links."""
+    """Blobs kept as files under ``root``, by key and ETag, out once they pass ``max_bytes``:
+    uploads first, then checkpoints, each least recently used first. Safe to share
+    between processes: entries are written to a temp name and renamed, handed out as hard
+    links."""
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root, self.max_bytes = root, max_bytes
@@ -87,9 +98,9 @@ class FileCache:
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            entries.append((st.st_mtime, st.st_size, path))
-        total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries):
+            entries.append((UPLOAD_ENTRY not in path.name, st.st_mtime, st.st_size, path))
+        total = sum(size for _, _, size, _ in entries)
+        for _, _, size, path in sorted(entries):
             if total <= self.max_bytes:
                 break
             path.unlink(missing_ok=True)
