@@ -47,10 +47,10 @@ class Settings(BaseSettings):
     storage_public_endpoint: str = ""
     # where a replica on object storage stages the close's files (None: the system temp dir)
     scratch_dir: Path | None = None
-    # published checkpoint files (params and state) and fetched uploads a worker keeps there,
-    # uploads out first, then the least recently used: the next close's base and the eval's
-    # file need not come back from the bucket, nor an upload for its fold, score and close
-    # (12 bytes per parameter a version; 0: keep none)
+    # published checkpoint files (params and state), fetched uploads and data a worker keeps
+    # there, uploads out first, then the least recently used: the next close's base and the
+    # eval's file need not come back from the bucket, nor an upload for its fold, score and
+    # close, nor a shard for each score (12 bytes per parameter a version; 0: keep none)
     scratch_cache_bytes: int = Field(16 << 30, ge=0)
     # how long the signed URLs of direct transfers live: downloads, and an upload's PUT
     # (at least until its round's deadline, and this much longer)

@@ -30,6 +30,14 @@ def test_every_key_of_a_run_reads_back_as_its_run_and_kind(key, kind):
     assert key.startswith(keys.run(RUN)) and keys.run_of(key) == RUN
     assert keys.kind_of(key.removeprefix(keys.run(RUN))) == kind
     assert keys.is_contribution(key) == (kind == "contributions")
+    assert keys.is_data(key) == (kind == "data")
+
+
+def test_a_datasets_files_are_data_and_a_runs_other_keys_are_not():
+    assert keys.is_data(keys.training_shard(RUN, "ds_1", 3))
+    assert keys.is_data(keys.validation(RUN, "ds_1"))
+    assert not keys.is_data(keys.audit_state(RUN, "aud_1"))
+    assert not keys.is_data(keys.version(RUN, 3).params)
 
 
 def test_a_contributions_key_is_fresh_each_time_so_a_retry_never_overwrites_a_stored_blob():

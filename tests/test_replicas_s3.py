@@ -144,12 +144,13 @@ def test_three_replicas_on_one_bucket_close_each_round_once_with_no_blob_through
             files = [p for p in proc.data_dir.rglob("*") if p.is_file()]
             assert all(p.suffix == ".log" for p in files), (name, files)
         # no stage is left; what remains is the cache of published versions (params, state)
-        # and of the uploads its folds, scores and closes fetched, never a delta
+        # and of the uploads and data its folds, scores, closes and evals fetched, never a delta
         assert not list((tmp_path / "scratch-c").glob("diloco-stage-*"))
         kept = [p.name for p in (tmp_path / "scratch-c" / "diloco-cache").iterdir()]
         assert any("__checkpoints__" in n for n in kept), kept
         assert all(".delta." not in n for n in kept), kept
-        assert all("__checkpoints__" in n or "__rounds__" in n for n in kept), kept
+        kinds = ("__checkpoints__", "__rounds__", "__data__")
+        assert all(any(k in n for k in kinds) for n in kept), kept
     finally:
         volunteers.stop_all()
         for proc in replicas.values():

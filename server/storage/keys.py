@@ -151,6 +151,13 @@ def kind_of(rest: str) -> str:
     return kinds.get(top, "other")
 
 
+def is_data(key: str) -> bool:
+    """A run's own data (its shards and validation tokens) or a prepared dataset's file:
+    written once, read again by every score and eval."""
+    run_id = run_of(key)
+    return key.startswith(DATASETS) or (run_id is not None and key.startswith(data(run_id)))
+
+
 def written_at_creation(key: str) -> bool:
     """A run creation writes the run's data and version 0 (no delta), nothing else."""
     run_id = run_of(key)

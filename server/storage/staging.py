@@ -9,16 +9,17 @@ outputs are written there and put into the bucket by ``publish``; ``close`` remo
 folder, whatever happened. The scratch folder is ``DILOCO_SCRATCH_DIR`` (default: the
 system's temp dir), never the data dir.
 
-A worker keeps the checkpoint files it published or fetched (params and outer state) and
-the uploads it fetched in a ``FileCache`` beside the stages, up to
+A worker keeps the checkpoint files it published or fetched (params and outer state), the
+uploads and the data it fetched in a ``FileCache`` beside the stages, up to
 ``DILOCO_SCRATCH_CACHE_BYTES``: the version a close publishes is the base of the next close
-and the file of its eval, and an accepted upload is read by its fold, its score on arrival
-and its round's close, usually on the same worker, so those need not come back from the
-bucket each time. Uploads leave the cache before checkpoints (a round's uploads can be
-many times the model, and the next close needs its base). An entry is used only while the
-object's ETag (one HEAD) is the one it was kept under: another worker's version of the
-same key (after a crash, a re-close) is fetched, never mistaken for it. It is a cache: a
-replica that loses it loses only the time to fetch again.
+and the file of its eval, an accepted upload is read by its fold, its score on arrival and
+its round's close, and a shard or the validation tokens by every score and eval, usually on
+the same worker, so those need not come back from the bucket each time. Uploads leave the
+cache first (a round's uploads can be many times the model, and the next close needs its
+base). An entry is used only while the object's ETag (one HEAD) is the one it was kept
+under: another worker's version of the same key (after a crash, a re-close) is fetched,
+never mistaken for it. It is a cache: a replica that loses it loses only the time to
+fetch again.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ CACHE_FOLDER = "diloco-cache"
 
 
 def cacheable(key: str) -> bool:
-    """A version's parameters and outer state (what the next close and the eval read), and
-    an accepted upload (what its fold, its score and its close read)."""
-    return keys.is_contribution(key) or (
-        "/checkpoints/" in key and not key.endswith(".delta.safetensors")
+    """A version's parameters and outer state (what the next close and the eval read), an
+    accepted upload (what its fold, its score and its close read), and training or
+    validation data (what every score and eval reads)."""
+    return (
+        keys.is_contribution(key)
+        or keys.is_data(key)
+        or ("/checkpoints/" in key and not key.endswith(".delta.safetensors"))
     )
 
 
