@@ -192,7 +192,7 @@ async def accounts(session: AsyncSession, *, limit: int, offset: int) -> tuple[i
     counted = await session.execute(
         select(Run.owner_id, func.count(Run.id)).where(Run.owner_id.in_(ids)).group_by(Run.owner_id)
     )
-    owned = {owner_id: n for owner_id, n in counted.tuples()}  # a Result has keys(): no dict()
+    owned = {owner_id: n for owner_id, n in counted}  # a Result has keys(): no dict()
     return int(total or 0), [
         Account(
             id=c.id,

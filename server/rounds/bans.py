@@ -149,7 +149,7 @@ async def run_bans(session: AsyncSession, run_id: str) -> list[tuple[RunBan, str
         .where(RunBan.run_id == run_id)
         .order_by(RunBan.banned_at.desc())
     )
-    return [(ban, name) for ban, name in rows.tuples()]
+    return [(ban, name) for ban, name in rows]
 
 
 async def run_ban_reason(session: AsyncSession, run_id: str, contributor_id: str) -> str | None:

@@ -215,7 +215,7 @@ async def _claim(session: AsyncSession, settings: Settings, now: datetime) -> _J
     ids = [cid for cid, _, _ in recipe.contributions]
     blob_keys = dict(
         (await session.execute(select(Contribution.id, Contribution.blob_key).where(
-            Contribution.id.in_(ids)))).tuples().all()
+            Contribution.id.in_(ids)))).all()
     )  # fmt: skip
     blobs = [(cid, blob_keys[cid], w, n) for cid, w, n in recipe.contributions]
     cfg = runs_service.run_config(run)

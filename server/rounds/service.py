@@ -328,7 +328,7 @@ async def list_rounds(*, session: AsyncSession, run_id: str) -> list[RoundOut]:
         .where(*in_step(run_id), Contribution.staleness > 0)
         .group_by(Contribution.merged_into_round)
     )
-    lates = {index: n for index, n in counted.tuples()}
+    lates = {index: n for index, n in counted}
     rounds = list(
         await session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.index))
     )

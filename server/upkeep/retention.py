@@ -366,7 +366,7 @@ async def counts(session: AsyncSession, run_id: str) -> dict[str, int]:
     blobs = await session.execute(
         select(kept_blob, func.count()).where(Contribution.run_id == run_id).group_by(kept_blob)
     )
-    v, k = dict(versions.tuples().all()), dict(blobs.tuples().all())
+    v, k = dict(versions.all()), dict(blobs.all())
     return {
         "versions_kept": v.get(True, 0),
         "versions_retired": v.get(False, 0),

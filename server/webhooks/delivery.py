@@ -112,19 +112,15 @@ class Deliverer:
         hold = timedelta(seconds=self.settings.webhook_timeout_s + 30)
         async with self.sessions() as session, session.begin():
             rows = (
-                (
-                    await session.execute(
-                        select(WebhookDelivery, Webhook)
-                        .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
-                        .where(WebhookDelivery.next_at <= now)
-                        .order_by(WebhookDelivery.next_at)
-                        .limit(BATCH)
-                        .with_for_update(of=WebhookDelivery, skip_locked=True)
-                    )
+                await session.execute(
+                    select(WebhookDelivery, Webhook)
+                    .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+                    .where(WebhookDelivery.next_at <= now)
+                    .order_by(WebhookDelivery.next_at)
+                    .limit(BATCH)
+                    .with_for_update(of=WebhookDelivery, skip_locked=True)
                 )
-                .tuples()
-                .all()
-            )
+            ).all()
             for delivery, _ in rows:
                 delivery.next_at = now + hold  # ours while it is sent
         return list(rows)
