@@ -200,6 +200,28 @@ def test_a_sparse_runs_outer_step_is_the_plain_one_unless_its_config_names_one(o
     assert (plain.outer.lr, plain.outer.momentum, plain.outer.nesterov) == (0.7, 0.9, True)
 
 
+@pytest.mark.parametrize(
+    ("compression", "step", "download"),
+    [
+        ({}, (3.0, 0.0, False), ("sparse", 512)),  # the defaults: 64 of 4096, deltas 8x
+        ({"topk": 256}, (3.0, 0.0, False), ("sparse", 2048)),  # deltas keep half a chunk
+        ({"topk": 1024}, (3.0, 0.0, False), ("int8", 4096)),  # a quarter: still the plain step
+        ({"topk": 2048}, (0.7, 0.9, True), ("int8", 4096)),  # half: as dense uploads are
+        ({"topk": 2048, "download_topk": 4096}, (0.7, 0.9, True), ("sparse", 4096)),  # named
+        ({"topk": 32, "chunk": 64}, (0.7, 0.9, True), ("int8", 64)),  # the share, not the k
+    ],
+)
+def test_a_sparse_runs_defaults_follow_how_sparse_its_uploads_are(compression, step, download):
+    """The plain outer step only while uploads keep at most a quarter of each chunk, and
+    int8 deltas where a sparse delta would keep more than half of it (tuning notes,
+    "Sparse uploads, denser")."""
+    cfg = parse_config(minimal(compression={"kind": "sparse", **compression}))
+
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == step
+    pinned = cfg.compression.pinned()
+    assert (pinned.download, pinned.download_topk) == download
+
+
 def test_overrides_are_put_over_the_file_before_defaults_are_derived(tmp_path):
     # diloco simulate --compression sparse on an int8 file: the sparse run's outer step,
     # and --outer-lr over the file's own value

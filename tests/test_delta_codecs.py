@@ -153,7 +153,10 @@ def test_packed_codes_that_do_not_decode_are_a_delta_error_not_a_rebuild(tmp_pat
         ({"kind": "int2"}, "int4", 512),  # int2 deltas cost int2 uploads 7% more loss
         ({"kind": "sparse"}, "sparse", 512),  # 8 x the uploads' 64 of 4096
         ({"kind": "sparse", "topk": 32}, "sparse", 256),
-        ({"kind": "sparse", "chunk": 256, "topk": 64}, "sparse", 256),  # at most the chunk
+        # 8 x 64 is more than the chunk: at most the chunk, and a sparse delta of more than
+        # half of it would cost more bytes than int8
+        ({"kind": "sparse", "chunk": 256, "topk": 64}, "int8", 256),
+        ({"kind": "sparse", "chunk": 256, "topk": 64, "download": "sparse"}, "sparse", 256),
         ({"kind": "sparse", "download": "int2", "download_topk": 100}, "int2", 100),
         ({"kind": "int8", "download": "sparse"}, "sparse", 512),
     ],

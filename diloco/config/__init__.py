@@ -66,7 +66,8 @@ class RunConfig(_Section):
     @classmethod
     def _sparse_outer_step(cls, data: Any) -> Any:
         """A sparse run whose ``[outer]`` names none of lr, momentum and nesterov takes
-        ``SPARSE_OUTER``'s (one that names any keeps the others' defaults)."""
+        ``SPARSE_OUTER``'s (one that names any keeps the others' defaults), while its
+        uploads are that sparse (``CompressionSection.plain_step``)."""
         if not isinstance(data, dict) or not isinstance(data.get("compression"), dict):
             return data
         outer = data.get("outer", {})
@@ -74,7 +75,11 @@ class RunConfig(_Section):
             return data
         if SPARSE_OUTER.keys() & outer.keys():
             return data
-        return {**data, "outer": {**SPARSE_OUTER, **outer}}
+        try:
+            plain = CompressionSection.model_validate(data["compression"]).plain_step
+        except ValidationError:  # refused below, naming the key
+            return data
+        return {**data, "outer": {**SPARSE_OUTER, **outer}} if plain else data
 
     @property
     def total_inner_steps(self) -> int:

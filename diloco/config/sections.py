@@ -190,6 +190,11 @@ class InnerSection(_Section):
 # step (no server momentum: the volunteers' error feedback carries what momentum would),
 # with a larger lr than Nesterov's (docs/tuning-notes.md, "Sparse uploads: the outer step")
 SPARSE_OUTER = {"lr": 3.0, "momentum": 0.0, "nesterov": False}
+# ... while its uploads keep at most this share of each chunk: the less error feedback holds
+# back, the less it acts as momentum; at 2048 of 4096 Nesterov's defaults measured +1.16%
+# against int8 where the plain step measured +14% (docs/tuning-notes.md, "Sparse uploads,
+# denser"); a denser sparse run keeps Nesterov's defaults (``CompressionSection.plain_step``)
+SPARSE_PLAIN_MAX_SHARE = 0.25
 
 
 class OuterSection(_Section):
@@ -260,8 +265,8 @@ class CompressionSection(_Section):
     volunteer downloads (``diloco.wire.delta``; the server keeps their residual): int8,
     int4, int2 or sparse (its chunk and bits are the uploads', its top-k
     ``download_topk``, by default 8 × ``topk``). Left out, it follows ``kind``
-    (``DOWNLOAD_FOR``; ``download_kind``) and a run records the one it uses
-    (``RunConfig.pinned``)."""
+    (``DOWNLOAD_FOR``, int8 for a sparse run as dense as ``download_kind`` says) and a run
+    records the one it uses (``RunConfig.pinned``)."""
 
     kind: Literal["int8", "none", "int4", "int2", "sparse"] = "int8"
     block_size: int = Field(4096, ge=64, le=1 << 24)
@@ -292,8 +297,22 @@ class CompressionSection(_Section):
 
     @property
     def download_kind(self) -> str:
-        """The published deltas' codec: ``download``, else the one ``kind`` implies."""
-        return self.download or DOWNLOAD_FOR[self.kind]
+        """The published deltas' codec: ``download``, else the one ``kind`` implies; for a
+        sparse run whose default delta (8 × ``topk``, no ``download_topk``) would keep more
+        than half of each chunk, int8: fewer bytes than a sparse record of every other
+        value (index and code) and exact to int8."""
+        if self.download is not None:
+            return self.download
+        dense = self.download_topk is None and self.download_k > self.chunk // 2
+        if self.kind == "sparse" and dense:
+            return "int8"
+        return DOWNLOAD_FOR[self.kind]
+
+    @property
+    def plain_step(self) -> bool:
+        """Whether a run of these uploads takes ``SPARSE_OUTER`` when its [outer] names no
+        step: sparse ones that keep at most ``SPARSE_PLAIN_MAX_SHARE`` of each chunk."""
+        return self.kind == "sparse" and self.topk <= SPARSE_PLAIN_MAX_SHARE * self.chunk
 
     @property
     def download_k(self) -> int:
