@@ -338,13 +338,14 @@ def test_compression_bench_prints_each_arm_with_its_real_bytes_and_the_limits(tm
     doc = (tmp_path / "quick" / "benchmarks.md").read_text()
     k256 = "sparse, 256 of 4096, 2 bits, int8 downloads, plain step lr 3"
     k512 = "sparse, 512 of 4096, 4 bits, int8 downloads, plain step lr 3"
+    k2048 = "sparse, 2048 of 4096, 2 bits, int8 downloads, Nesterov lr 0.7 / 0.9"
     assert set(rows) == {
         "int8 (the default)", "int4", "int2", "sparse (64 of 4096, 2 bits)",
-        "sparse, int8 downloads", k256, k512, "int8, overlap 0.1", "sparse, overlap 0.1",
+        "sparse, int8 downloads", k256, k512, k2048, "int8, overlap 0.1", "sparse, overlap 0.1",
     }  # fmt: skip
     up = {arm: float(cells[3]) for arm, cells in rows.items()}
     # the sweep's best: more values, or more bits a value, than the default sparse uploads
-    assert up["sparse (64 of 4096, 2 bits)"] < up[k256] < up[k512]
+    assert up["sparse (64 of 4096, 2 bits)"] < up[k256] < up[k512] < up[k2048]
     down = {arm: float(cells[4]) for arm, cells in rows.items()}
     # the bytes are the real encoded ones: each codec smaller than the one above it
     assert up["int8 (the default)"] > up["int4"] > up["int2"] > up["sparse (64 of 4096, 2 bits)"]
