@@ -60,9 +60,9 @@ UPLOAD_ENTRY = "__rounds__"  # in the name of a cached upload's file (``FileCach
 
 class FileCache:
     """Blobs kept as files under ``root``, by key and ETag, out once they pass ``max_bytes``:
-    uploads first, then checkpoints, each least recently used first. Safe to share
-    between processes: entries are written to a temp name and renamed, handed out as hard
-    links."""
+    uploads first, then the rest (checkpoints, data), each least recently used first. Safe
+    to share between processes: entries are written to a temp name and renamed, handed out
+    as hard links."""
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root, self.max_bytes = root, max_bytes
