@@ -55,9 +55,6 @@ def cacheable(key: str) -> bool:
     )
 
 
-UPLOAD_ENTRY = "__rounds__"  # in the name of a cached upload's file (``FileCache._path``)
-
-
 class FileCache:
     """Blobs kept as files under ``root``, by key and ETag, out once they pass ``max_bytes``:
     uploads first, then the rest (checkpoints, data), each least recently used first. Safe
@@ -70,6 +67,11 @@ class FileCache:
     def _path(self, key: str, etag: str) -> Path:
         tag = re.sub(r"[^0-9A-Za-z-]", "", etag)
         return self.root / (key.replace("/", "__") + "." + tag)
+
+    @staticmethod
+    def _key_of(entry: Path) -> str:
+        """The key an entry's file was named after (``_path`` read back, its ETag dropped)."""
+        return entry.name.rpartition(".")[0].replace("__", "/")
 
     def get(self, key: str, etag: str, dest: Path) -> bool:
         """Link the entry for ``key`` at ``etag`` to ``dest``; False when there is none."""
@@ -102,7 +104,8 @@ class FileCache:
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            entries.append((UPLOAD_ENTRY not in path.name, st.st_mtime, st.st_size, path))
+            upload = keys.is_contribution(self._key_of(path))
+            entries.append((not upload, st.st_mtime, st.st_size, path))
         total = sum(size for _, _, size, _ in entries)
         for _, _, size, path in sorted(entries):
             if total <= self.max_bytes:
