@@ -102,7 +102,7 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> l
     plan = FoldPlan.of_run(cfg, history)
     assert plan is not None
 
-    def close(folder: Path | None, name: str) -> tuple[float, dict, bytes]:
+    def close(folder: Path | None, name: str) -> tuple[float, dict, bytes, int]:
         out = work / name
         out.mkdir()
         paths = VersionPaths(out / "p", out / "s", out / "d")
@@ -117,13 +117,15 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> l
         closed.pending.commit_rest()  # the server commits them after publishing
         digest = paths.params.read_bytes()[-64:] + paths.delta.read_bytes()[-64:]
         shutil.rmtree(out)
-        return seconds, closed.seconds, digest
+        return seconds, closed.seconds, digest, closed.folded
 
-    all_s, all_stages, want = close(None, "all")
+    all_s, all_stages, want, _ = close(None, "all")
     folder = work / "fold"
     fold_s = fold_all(cfg, versions, uploads[:-1], plan, folder)
-    folded_s, folded_stages, got = close(folder, "folded")
+    folded_s, folded_stages, got, folded = close(folder, "folded")
     assert got == want, "the folded close published other bytes"
+    # the folded close took what was folded from the sum: it measures what it says it does
+    assert folded == len(fold_s), f"the close took {folded} of {len(fold_s)} from the sum"
     shutil.rmtree(folder)
     versions.cleanup()
 
