@@ -57,6 +57,8 @@ def test_an_upload_is_scored_while_its_round_is_open_and_the_close_uses_that_sco
     assert score["own_gain"] > 0 and score["own_base"] > 0 and score["other_base"] > 0
     assert closed["checks"]["own_gain"] == score["own_gain"]
     assert closed["checks"]["other_gain"] == score["other_gain"]
+    assert isinstance(score["own_alignment"], float)  # measured with it, carried to the checks
+    assert closed["checks"]["own_alignment"] == score["own_alignment"]
     assert closed["aggregated"] and closed["excluded"] is None
 
 

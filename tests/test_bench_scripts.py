@@ -190,6 +190,25 @@ def test_audit_bench_tells_the_honest_lease_from_every_forgery():
     assert "every other kind fails: met" in proc.stdout
 
 
+def test_own_alignment_bench_scores_both_kinds_of_work_and_puts_the_rule_to_them(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench/own_alignment.py", "--quick", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in (tmp_path / "benchmarks.md").read_text().splitlines()
+        if line.startswith(("| honest", "| other data"))
+    }
+    assert rows.keys() == {"honest", "other data"}
+    assert all(cells[3].endswith("of 3") for cells in rows.values())  # three leases each
+    mean, lowest, highest = (float(c) for c in rows["honest"][:3])
+    assert lowest <= mean <= highest
+    assert re.search(r"names the latter \d+% of the time \(\d+% within three", proc.stdout)
+
+
 def test_hostile_bench_drops_every_stalled_connection_and_refuses_the_big_model(pg_admin_url):
     proc = subprocess.run(
         [sys.executable, "bench/hostile.py", "--quick", "--database-url", pg_admin_url],

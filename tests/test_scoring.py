@@ -58,14 +58,15 @@ def body(folder: Path, name: str, delta: dict[str, torch.Tensor]) -> Path:
     return path
 
 
-def trained_delta(setting: dict) -> dict[str, torch.Tensor]:
-    """Δ = θ_base − θ after 30 AdamW steps on the own batches (what a volunteer sends)."""
+def trained_delta(setting: dict, batches: list | None = None) -> dict[str, torch.Tensor]:
+    """Δ = θ_base − θ after 30 AdamW steps on the own batches (what a volunteer sends), or
+    on ``batches`` (other data than its lease's)."""
     model, base = setting["model"], setting["base"]
     with torch.no_grad():
         for n, p in parameters_of(model).items():
             p.copy_(base[n])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for x, y in setting["own"]:
+    for x, y in batches or setting["own"]:
         opt.zero_grad()
         model(x, y).backward()
         opt.step()
@@ -94,6 +95,40 @@ def test_work_that_raises_the_loss_on_both_fails_with_its_figures(setting: dict,
     assert score.other_gain < -0.005 * score.other_base
     assert "raises the loss both" in score.reason()
     assert f"{-score.own_gain:.4g}" in score.reason()
+
+
+def test_work_on_other_data_points_less_along_the_leases_own_gradient(setting: dict) -> None:
+    # Prepare: the honest Δ, and Δs of the same training on three other draws of the text
+    scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
+    own = Windows.first(iter(setting["own"]).__next__, 8)
+    text = torch.frombuffer(bytearray(TINYSHAKESPEARE.read_bytes()[:200_000]), dtype=torch.uint8)
+    others = []
+    for seed in (5, 6, 7):
+        gen = torch.Generator().manual_seed(seed)
+        others.append([random_batch(text, batch_size=8, block_size=32, generator=gen)
+                       for _ in range(30)])  # fmt: skip
+
+    # Execute
+    honest = scorer.score(body(setting["folder"], "honest", trained_delta(setting)), own)
+    elsewhere = [
+        scorer.score(body(setting["folder"], f"other{i}", trained_delta(setting, b)), own)
+        for i, b in enumerate(others)
+    ]
+
+    # Assert: the honest Δ points along its own windows' gradient more than along the
+    # judging windows', the other-data ones do not, and all pass the gains' check
+    assert honest.own_alignment is not None and honest.own_alignment > 0.01
+    for score in elsewhere:
+        assert score.own_alignment is not None
+        assert score.own_alignment < honest.own_alignment - 0.01, (honest, score)
+        assert not score.failed
+
+
+def test_a_score_stored_before_its_alignment_was_measured_reads_back_without_it() -> None:
+    old = {"own_gain": 0.1, "other_gain": 0.05, "own_base": 2.5, "other_base": 2.6}
+    assert Score.from_figures(old) == Score(0.1, 0.05, 2.5, 2.6, None)
+    new = Score(0.1, 0.05, 2.5, 2.6, 0.03)
+    assert Score.from_figures(new.figures()) == new
 
 
 def test_zeros_change_nothing_and_are_left_to_the_zero_check(setting: dict) -> None:

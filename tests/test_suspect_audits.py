@@ -44,6 +44,26 @@ def test_the_suspect_is_the_least_aligned_when_far_below_the_round(cosines, expe
     assert suspect(cosines) == expected
 
 
+ROUND = {"a": 0.8, "b": 0.7, "c": 0.75, "d": 0.72}  # a common direction, no one far below
+
+
+@pytest.mark.parametrize(
+    ("cosines", "alignments", "expected"),
+    [
+        (ROUND, {"a": 0.04, "b": 0.03, "c": 0.035, "d": 0.005}, "d"),  # other data
+        (ROUND, {"a": 0.04, "b": 0.03, "c": 0.035, "d": 0.02}, None),  # above half the median
+        ({**ROUND, "b": 0.2}, {"a": 0.04, "b": 0.03, "c": 0.035, "d": 0.005}, "b"),  # direction
+        (ROUND, {"a": 0.04, "d": 0.001}, None),  # too few scored to tell
+        (ROUND, {"a": -0.01, "b": 0.0, "c": -0.02, "d": -0.05}, None),  # no lean at all
+        (ROUND, {}, None),  # nothing scored
+    ],
+)
+def test_else_the_suspect_is_the_upload_least_aligned_with_its_own_data(
+    cosines, alignments, expected
+) -> None:
+    assert suspect(cosines, alignments) == expected
+
+
 def test_the_start_of_the_upload_before_is_kept_too(tmp_path: Path) -> None:
     state = tmp_path / STATE_FILE
     for content in (b"first", b"second", b"third"):  # each saved as save_state does: replaced
@@ -121,3 +141,39 @@ def test_a_close_audits_its_least_aligned_upload_and_its_volunteer_sends_the_sta
     assert [a["status"] for a in audits] == ["pending"]
     mixer = next(c for c in listed if c["contributor_name"] == "mixer")
     assert mixer["credit_status"] == "pending"  # escrow: the audit settles it
+
+
+def test_with_no_one_pointing_away_a_close_audits_the_work_least_aligned_with_its_own_data(
+    server, http: httpx.Client
+) -> None:
+    # Prepare: the draw all but off, the uploads scored; three honest volunteers and one that
+    # trains as honestly, but on other batches of its shard than its lease deals (another
+    # seed): it points with the round, and its Δ holds no step on its lease's first windows
+    config = server_run_config(rounds={"quorum": 4, "target": 4, "max_rounds": 2})
+    config["audit"] = {"fraction": 0.0001, "newcomers": False}
+    run_id = create_run(http, config)["id"]
+    names = ("honest-a", "honest-b", "honest-c", "elsewhere")
+    tokens = {name: register(http, name) for name in names}
+    works = {name: train(http, tokens[name], run_id) for name in names[:3]}
+    works["elsewhere"] = train(http, tokens["elsewhere"], run_id, seed=12345)
+
+    # Execute: the round closes on the four uploads
+    for name in names:
+        assert upload(http, tokens[name], works[name]).status_code == 201
+    wait_for(
+        lambda: http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == 1,
+        timeout=120,
+        what="round 1 to close",
+    )
+
+    # Assert: nobody pointed away from the round; the other-data work is the least aligned
+    # with its own windows, far below the others, and the close audited it alone
+    listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
+    checks = {c["contributor_name"]: c["checks"] for c in listed}
+    cosines = {n: c["median_cosine"] for n, c in checks.items()}
+    aligned = {n: c["own_alignment"] for n, c in checks.items()}
+    assert suspect(cosines) is None, cosines
+    assert min(aligned, key=aligned.__getitem__) == "elsewhere", aligned
+    audits = http.get(f"{API}/runs/{run_id}/audits", headers=admin_headers()).json()["audits"]
+    by_id = {c["id"]: c["contributor_name"] for c in listed}
+    assert [by_id[a["contribution_id"]] for a in audits] == ["elsewhere"], (audits, aligned)

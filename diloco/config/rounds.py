@@ -126,8 +126,10 @@ class AuditSection(_Section):
     # close, as when nothing is audited (fraction 0)
     escrow: bool = True
     # each close audits the round's least aligned upload (diloco.protocol.audit.suspect)
-    # besides the draw's, so that stale work of a trusted account is replayed soon; the
-    # volunteer reveals its starting state after its next upload. Ignored with fraction 0
+    # besides the draw's, so that stale work of a trusted account is replayed soon, or, when
+    # none points away, the scored upload least aligned with its own lease's data (work on
+    # other data: bench/own_alignment.py; most rounds name one, at most one replay a round);
+    # the volunteer reveals its starting state after its next upload. Ignored with fraction 0
     suspects: bool = True
 
 

@@ -156,6 +156,8 @@ class Check:
     # its effect on the loss, applied alone (diloco.outer.scoring; None: not scored)
     own_gain: float | None = None
     other_gain: float | None = None
+    # how much more it points along its lease windows' gradient than the judging windows'
+    own_alignment: float | None = None
 
     def figures(self) -> dict[str, float | str | None]:
         """What a contribution stores and shows: every field but the reason (which the

@@ -257,7 +257,12 @@ class _LeftOut:
         """Each upload's latest checks, with its score where it was scored."""
         out = dict(self.checks)
         for i, score in self.scores.items():
-            check = replace(out[i], own_gain=score.own_gain, other_gain=score.other_gain)
+            check = replace(
+                out[i],
+                own_gain=score.own_gain,
+                other_gain=score.other_gain,
+                own_alignment=score.own_alignment,
+            )
             if score.failed:
                 check = replace(check, code="no_gain", reason=score.reason())
             out[i] = check

@@ -25,16 +25,26 @@ averaged base on its first windows, on the judging sample, or on both (measured:
 Which uploads are scored: all of a round of at most ``SCORE_ALL``; of a larger round, half
 of them (rounded up), drawn with the round's secret seed, so nobody knows beforehand
 whether theirs will be; and every upload already scored when the close begins. The cost is
-three forward passes of ``score_windows`` windows per scored upload, and the model three
-times in memory (base, Δ, the model); ``score_windows = 0`` turns scoring off. A score does
+a forward and backward pass and two forward passes of ``score_windows`` windows per scored
+upload (and one forward and backward pass on the judging windows per scorer), and the
+model five times in memory (base, Δ, the model, two gradients); ``score_windows = 0`` turns
+scoring off. A score does
 not depend on the other uploads, so the server takes it as each upload arrives, off the
 close's critical path (``server.rounds.arrival_scores``): its close then scores only the
 chosen uploads that arrived too late to be scored before.
 
-What it does not catch: work trained honestly on other data than the lease's (it lowers
+What the gains do not catch: work trained honestly on other data than the lease's (it lowers
 the loss on the lease's data as much as honest work does at this scale: measured, the
 own-data advantage of honest work was within noise), and shifts that point the right way
-(ALIE): both are bounded by clipping.
+(ALIE): both are bounded by clipping. For the first, a score also takes ``own_alignment``:
+cos(Δ, ∇L(θ_base; own)) − cos(Δ, ∇L(θ_base; other)), the gradients at the base (one
+backward pass each; the judging windows' once per scorer). An honest Δ holds its first
+inner step, taken at the base on exactly the ``own`` windows, so it points along their
+gradient more than along other windows'; Δ trained on other data does not (bench/
+own_alignment.py, the demo model, 16 leases: honest +0.040 on average, lowest −0.003; other
+data +0.007, highest +0.034; in each lease the honest Δ above the other-data one). Too
+close to leave an upload out by, it picks whom to replay (``diloco.protocol.audit.suspect``):
+an audit decides.
 """
 
 from __future__ import annotations
@@ -93,6 +103,9 @@ class Score:
     other_gain: float  # the same on the judging windows
     own_base: float  # L(base; own)
     other_base: float  # L(base; other)
+    # cos(Δ, ∇L(base; own)) − cos(Δ, ∇L(base; other)) (module docstring); None: a score
+    # stored before it was measured
+    own_alignment: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -107,8 +120,11 @@ class Score:
         return asdict(self)
 
     @classmethod
-    def from_figures(cls, figures: Mapping[str, float]) -> Score:
-        return cls(**{f.name: float(figures[f.name]) for f in fields(cls)})
+    def from_figures(cls, figures: Mapping[str, float | None]) -> Score:
+        """What ``figures`` stored; a figure it lacks or holds as None takes its default."""
+        return cls(
+            **{f.name: float(v) for f in fields(cls) if (v := figures.get(f.name)) is not None}
+        )
 
     def reason(self) -> str:
         return (
@@ -136,18 +152,29 @@ class Scorer:
         self.shapes = {n: tuple(t.shape) for n, t in self.base.items()}
         self.codec = codec_for(cfg.compression)
         load_parameters(self.model, self.base)
-        self.base_other = self._loss(other)
+        self.base_other, self.grad_other = self._gradient(other)
 
     def score(self, upload: Path, own: Windows) -> Score:
-        base_own = self._loss(own)
+        base_own, grad_own = self._gradient(own)
         delta = self._decode(upload)
+        alignment = _cosine(delta, grad_own) - _cosine(delta, self.grad_other)
+        del grad_own
         load_parameters(self.model, {n: t - delta[n].view_as(t) for n, t in self.base.items()})
         try:
             own_gain = base_own - self._loss(own)
             other_gain = self.base_other - self._loss(self.other)
-            return Score(own_gain, other_gain, base_own, self.base_other)
+            return Score(own_gain, other_gain, base_own, self.base_other, alignment)
         finally:
             load_parameters(self.model, self.base)
+
+    def _gradient(self, w: Windows) -> tuple[float, dict[str, torch.Tensor]]:
+        """L(base; w) and its gradient at the base, by parameter."""
+        self.model.eval()
+        params = parameters_of(self.model)
+        with torch.enable_grad():
+            loss = self.model(w.x, w.y)
+            grads = torch.autograd.grad(loss, list(params.values()))
+        return float(loss.detach()), dict(zip(params, grads, strict=True))
 
     def _decode(self, upload: Path) -> Mapping[str, torch.Tensor]:
         with open(upload, "rb") as f:
@@ -159,3 +186,13 @@ class Scorer:
     def _loss(self, w: Windows) -> float:
         self.model.eval()
         return float(self.model(w.x, w.y))
+
+
+def _cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """cos(a, b) over every parameter, summed in float64 a tensor at a time (no flat copy of
+    either); 0 for a zero vector (a zero Δ is the zero check's to judge)."""
+    dot = aa = bb = 0.0
+    for name, x in a.items():
+        x, y = x.reshape(-1).double(), b[name].reshape(-1).double()
+        dot, aa, bb = dot + float(x @ y), aa + float(x @ x), bb + float(y @ y)
+    return dot / (aa * bb) ** 0.5 if aa > 0 and bb > 0 else 0.0

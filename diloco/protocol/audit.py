@@ -35,6 +35,8 @@ CLAIM_S = 1800.0  # a verifier holds a claimed audit this long before another ma
 CODE = "replay"  # the exclusion code of work an audit found was not what it claims
 SUSPECT_RATIO = 0.85  # a round's least aligned upload below this share of its median ...
 SUSPECT_MIN_ROUND = 3  # ... in a round of at least this many is audited (``suspect``)
+# else the scored upload of least own_alignment below this share of the round's median
+ALIGNMENT_RATIO = 0.5
 
 
 class AuditStatus(StrEnum):
@@ -65,24 +67,42 @@ def drawn(check_seed: int, contributor_id: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
-def suspect(median_cosines: Mapping[str, float]) -> str | None:
+def suspect(
+    median_cosines: Mapping[str, float], alignments: Mapping[str, float] | None = None
+) -> str | None:
     """The upload of a closed round that is audited whatever the draw said: the one that
     points least with the others (the lowest cosine to the others' coordinate-wise median
     on the sampled coordinates, ``diloco.outer.checks``), in a round of at least
     ``SUSPECT_MIN_ROUND`` with a common direction (their median is positive), when it is
-    below ``SUSPECT_RATIO`` times that median; else None.
+    below ``SUSPECT_RATIO`` times that median; else, by the same rule with
+    ``ALIGNMENT_RATIO``, the scored upload that points least along its own lease windows'
+    gradient (``alignments``: ``diloco.outer.scoring``'s ``own_alignment``); else None.
 
     Why: the random draw finds a trusted account that turns to freeloading only slowly (1 −
     (1 − f)³ within three rounds: 14% at f = 0.05). Work trained from a stale base points
     away from the round's (bench/attacks.py's setting: mostly 0.23–0.87 of its round's
     median, honest work's lowest 0.85–1.0; docs/verification.md), so the round's least aligned
     upload is the one worth a replay; honest work that happens to be it passes and loses
-    nothing."""
-    if len(median_cosines) < SUSPECT_MIN_ROUND:
+    nothing. Work trained honestly on other data points with the round; what gives it away
+    is that its Δ holds no step taken on its lease's first windows. The alignment's honest
+    spread is wide at the demo's size (bench/own_alignment.py: a round of four honest
+    uploads and one on other data names the latter in 57% of rounds, 92% within three, and
+    a round of five honest ones names one in 79%): a suspect is a replay's cost, not a
+    verdict."""
+    by_direction = _far_below(median_cosines, SUSPECT_RATIO)
+    if by_direction is not None:
+        return by_direction
+    return _far_below(alignments or {}, ALIGNMENT_RATIO)
+
+
+def _far_below(figures: Mapping[str, float], ratio: float) -> str | None:
+    """The id of the lowest of ``figures`` when there are at least ``SUSPECT_MIN_ROUND``,
+    their median is positive and it is below ``ratio`` times that median (ties: the first id)."""
+    if len(figures) < SUSPECT_MIN_ROUND:
         return None
-    typical = statistics.median(median_cosines.values())
-    lowest = min(median_cosines, key=lambda i: (median_cosines[i], i))
-    if typical <= 0.0 or median_cosines[lowest] >= SUSPECT_RATIO * typical:
+    typical = statistics.median(figures.values())
+    lowest = min(figures, key=lambda i: (figures[i], i))
+    if typical <= 0.0 or figures[lowest] >= ratio * typical:
         return None
     return lowest
 

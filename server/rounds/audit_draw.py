@@ -52,23 +52,27 @@ async def suspect_at_close(
     *,
     run_id: str,
     median_cosines: Mapping[str, float],
+    alignments: Mapping[str, float],
     now: datetime,
 ) -> str | None:
     """In the close's transaction: audit the round's least aligned upload
     (``diloco.protocol.audit.suspect``, among the round's own contributions the step took,
-    by their cosines to the others' median) unless it is audited already or cannot be
-    replayed. Its volunteer learns it after its next upload (``GET …/audits/mine``). The
-    new audit's id, or None."""
+    by their cosines to the others' median, else by their scores' ``own_alignment``) unless
+    it is audited already or cannot be replayed. Its volunteer learns it after its next
+    upload (``GET …/audits/mine``). The new audit's id, or None."""
     if cfg.audit.fraction <= 0.0 or not cfg.audit.suspects:
         return None
     on_time = set(
         await session.scalars(
             select(Contribution.id).where(
-                Contribution.id.in_(list(median_cosines)), Contribution.staleness == 0
+                Contribution.id.in_([*median_cosines, *alignments]), Contribution.staleness == 0
             )
         )
     )  # late work points from an older base by rights: not a suspect for it
-    cid = suspect({i: c for i, c in median_cosines.items() if i in on_time})
+    cid = suspect(
+        {i: c for i, c in median_cosines.items() if i in on_time},
+        {i: a for i, a in alignments.items() if i in on_time},
+    )
     if cid is None:
         return None
     found = (

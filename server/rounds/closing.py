@@ -191,8 +191,9 @@ async def _publish(
             )
         )
         await _credit(session, claim.run_id, cfg.audit, result, effects.credit, now)
+        cosines, aligned = _suspect_figures(result)
         await audit_draw.suspect_at_close(
-            session, cfg, run_id=claim.run_id, median_cosines=_alignment(result), now=now
+            session, cfg, run_id=claim.run_id, median_cosines=cosines, alignments=aligned, now=now
         )
         await session.execute(  # only the last few are compared with
             update(Round)
@@ -314,14 +315,13 @@ async def _exclude(session: AsyncSession, result: OuterResult) -> None:
         )
 
 
-def _alignment(result: OuterResult) -> dict[str, float]:
-    """Each aggregated contribution's cosine to the others' median, as the checks measured
-    it (``diloco.outer.checks``), where they did."""
-    return {
-        cid: check.median_cosine
-        for cid, check in result.checks.items()
-        if cid in result.shares and check.median_cosine is not None
-    }
+def _suspect_figures(result: OuterResult) -> tuple[dict[str, float], dict[str, float]]:
+    """Each aggregated contribution's cosine to the others' median and its scored
+    ``own_alignment``, where the checks and the scoring measured them (``suspect_at_close``)."""
+    checks = {cid: c for cid, c in result.checks.items() if cid in result.shares}
+    cosines = {i: c.median_cosine for i, c in checks.items() if c.median_cosine is not None}
+    aligned = {i: c.own_alignment for i, c in checks.items() if c.own_alignment is not None}
+    return cosines, aligned
 
 
 def _figures(result: OuterResult, contribution_id: str) -> dict | None:

@@ -74,6 +74,9 @@ class UploadChecks(BaseModel):
     # first windows and off the judging sample, in nats (None: not scored)
     own_gain: float | None = None
     other_gain: float | None = None
+    # cos(Δ, its lease windows' gradient at the base) − cos(Δ, the judging windows'): work
+    # trained on other data than the lease's points along its own windows' no more
+    own_alignment: float | None = None
 
 
 class ArrivalScore(BaseModel):
@@ -83,6 +86,7 @@ class ArrivalScore(BaseModel):
     other_gain: float  # ... off the validation sample
     own_base: float  # the base version's loss on those windows
     other_base: float
+    own_alignment: float | None = None  # as in UploadChecks (None: stored before it was)
 
 
 class RoundContribution(BaseModel):
