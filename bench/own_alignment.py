@@ -53,9 +53,11 @@ from tests.support.corpora import TINYSHAKESPEARE  # noqa: E402
 HONEST, ELSEWHERE = 4, 1  # a round's uploads in the draws
 
 
-def run_config(quick: bool) -> RunConfig:
+def run_config(quick: bool, windows: int | None = None) -> RunConfig:
     raw = tomllib.loads((REPO / "examples" / "demo.toml").read_text())
     raw["data"]["path"] = str(TINYSHAKESPEARE)
+    if windows is not None:
+        raw["aggregation"] = {"score_windows": windows}
     if quick:
         raw["model"] = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
         raw["inner"]["batch_size"] = 8
@@ -72,7 +74,7 @@ def lease_batches(text: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> l
 
 def measure(args: argparse.Namespace, work: Path) -> list[tuple[Score, Score]]:
     """Each lease's (honest, other-data) scores."""
-    cfg = run_config(args.quick)
+    cfg = run_config(args.quick, args.windows)
     raw = TINYSHAKESPEARE.read_bytes()
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     cut = int(len(data) * 0.95)
@@ -155,7 +157,7 @@ def render(args: argparse.Namespace, pairs: list[tuple[Score, Score]], odds: dic
         and o.own_alignment is not None
         and h.own_alignment > o.own_alignment
     )
-    cfg = run_config(args.quick)
+    cfg = run_config(args.quick, args.windows)
     m = cfg.model
     return "\n".join(
         [
@@ -170,7 +172,9 @@ def render(args: argparse.Namespace, pairs: list[tuple[Score, Score]], odds: dic
             "the lease's first windows)) − cos(Δ, ∇L(base; the judging windows)).",
             "",
             "```",
-            "python bench/own_alignment.py" + (" --quick" if args.quick else ""),
+            "python bench/own_alignment.py"
+            + (" --quick" if args.quick else "")
+            + (f" --windows {args.windows}" if args.windows is not None else ""),
             "```",
             "",
             "| work | own_alignment, mean | lowest | highest | failed by the gains |",
@@ -194,6 +198,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--warm", type=int, default=800, help="the base's training steps")
     p.add_argument("--leases", type=int, default=16)
+    p.add_argument("--windows", type=int, help="[aggregation] score_windows (the run's default)")
     p.add_argument("--rounds", type=int, default=20_000, help="rounds drawn for the rule")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--work-dir", type=Path, default=REPO / "bench" / "out" / "own_alignment")
