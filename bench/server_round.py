@@ -64,7 +64,13 @@ from diloco.train import evaluate  # noqa: E402
 from diloco.wire.exchange import codec_for, delta_codec_for  # noqa: E402
 
 # layers, width, heads; "tiny" is for the test that runs this script
-SIZES = {"10M": (6, 384, 6), "50M": (8, 720, 6), "150M": (12, 1024, 16), "tiny": (1, 64, 4)}
+SIZES = {
+    "10M": (6, 384, 6),
+    "50M": (8, 720, 6),
+    "150M": (12, 1024, 16),
+    "1B": (20, 2048, 16),
+    "tiny": (1, 64, 4),
+}
 EVAL_WINDOWS = 16  # per version, the server's and the reference's
 # what a returning volunteer's delta may weigh against the fp32 checkpoint, by its codec
 DELTA_SHARE = {"int8": 0.26, "int2": 0.07, "sparse": 0.06}
