@@ -43,6 +43,7 @@ from diloco.checkpoint import write_params  # noqa: E402
 from diloco.config import RunConfig, parse_config  # noqa: E402
 from diloco.data.text import random_batch  # noqa: E402
 from diloco.model.architectures import build_model  # noqa: E402
+from diloco.outer.optimizer import pseudo_gradient  # noqa: E402
 from diloco.outer.scoring import Score, Scorer, Windows  # noqa: E402
 from diloco.protocol.audit import suspect  # noqa: E402
 from diloco.train import InnerTrainer, load_parameters, snapshot  # noqa: E402
@@ -64,17 +65,14 @@ def run_config(quick: bool, windows: int | None = None) -> RunConfig:
     return parse_config(raw)
 
 
-def lease_batches(text: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> list:
-    return [
-        random_batch(text, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
-                     generator=gen)
-        for _ in range(cfg.inner.steps)
-    ]  # fmt: skip
+def batch(text: torch.Tensor, cfg: RunConfig, gen: torch.Generator) -> tuple:
+    return random_batch(
+        text, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size, generator=gen
+    )
 
 
-def measure(args: argparse.Namespace, work: Path) -> list[tuple[Score, Score]]:
+def measure(args: argparse.Namespace, cfg: RunConfig, work: Path) -> list[tuple[Score, Score]]:
     """Each lease's (honest, other-data) scores."""
-    cfg = run_config(args.quick, args.windows)
     raw = TINYSHAKESPEARE.read_bytes()
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     cut = int(len(data) * 0.95)
@@ -87,14 +85,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[tuple[Score, Score]]:
     )  # fmt: skip
     warm = torch.Generator().manual_seed(1)
     trainer.start_lease(snapshot(trainer.model))
-    trainer.run(
-        args.warm,
-        start_step=0,
-        next_batch=lambda: random_batch(
-            train_text, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
-            generator=warm,
-        ),
-    )  # fmt: skip
+    trainer.run(args.warm, start_step=0, next_batch=lambda: batch(train_text, cfg, warm))
     base, state = snapshot(trainer.model), copy.deepcopy(trainer.optimizer.state_dict())
     write_params(work / "base.safetensors", base, version=0)
     windows = cfg.aggregation.score_windows
@@ -107,7 +98,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[tuple[Score, Score]]:
         trainer.start_lease(base)
         feed = iter(batches)
         trainer.run(H, start_step=args.warm, next_batch=lambda: next(feed))
-        delta = {n: base[n] - t for n, t in snapshot(trainer.model).items()}
+        delta = pseudo_gradient(base, snapshot(trainer.model))
         encoded, codec, _ = encode_delta(delta, cfg.compression)
         meta = ContributionMeta("run", 1, 0, 1000, H, 3.0, codec)
         path = work / f"{name}.upload"
@@ -117,7 +108,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[tuple[Score, Score]]:
     pairs = []
     for lease in range(args.leases):
         gen = torch.Generator().manual_seed(100 + lease)
-        own, other = lease_batches(train_text, cfg, gen), lease_batches(train_text, cfg, gen)
+        own, other = ([batch(train_text, cfg, gen) for _ in range(H)] for _ in range(2))
         first = Windows.first(iter(own).__next__, windows)
         honest = scorer.score(upload(own, "honest"), first)
         pairs.append((honest, scorer.score(upload(other, "other"), first)))
@@ -143,7 +134,9 @@ def draws(pairs: list[tuple[Score, Score]], rounds: int) -> dict[str, float]:
     return {"named": per_round, "within3": 1 - (1 - per_round) ** 3, "honest": flagged / rounds}
 
 
-def render(args: argparse.Namespace, pairs: list[tuple[Score, Score]], odds: dict) -> str:
+def render(
+    args: argparse.Namespace, cfg: RunConfig, pairs: list[tuple[Score, Score]], odds: dict
+) -> str:
     def row(label: str, scores: list[Score]) -> str:
         a = [s.own_alignment for s in scores if s.own_alignment is not None]
         gains = sum(s.failed for s in scores)
@@ -157,7 +150,6 @@ def render(args: argparse.Namespace, pairs: list[tuple[Score, Score]], odds: dic
         and o.own_alignment is not None
         and h.own_alignment > o.own_alignment
     )
-    cfg = run_config(args.quick, args.windows)
     m = cfg.model
     return "\n".join(
         [
@@ -209,9 +201,10 @@ def main() -> None:
         args.warm, args.leases, args.rounds = 30, 3, 200
         args.work_dir.mkdir(parents=True, exist_ok=True)
         args.doc = args.work_dir / "benchmarks.md"
+    cfg = run_config(args.quick, args.windows)
     with tempfile.TemporaryDirectory(prefix="own-alignment-") as work:
-        pairs = measure(args, Path(work))
-    section = render(args, pairs, draws(pairs, args.rounds))
+        pairs = measure(args, cfg, Path(work))
+    section = render(args, cfg, pairs, draws(pairs, args.rounds))
     replace_section(args.doc, "own-alignment", section)
     print(section, flush=True)
 

@@ -220,7 +220,7 @@ def _judge_directions(f: RoundFigures, out: dict[str, Check]) -> dict[str, Check
     cos: dict[str, float] = {}
     tau: dict[str, float] = {}  # where noise lands: SIGMAS / √(the coordinates both hold)
     for k, i in enumerate(ids):
-        if (c := _cosine_of(float(dots[k]), float(na[k]), float(nb[k]))) is not None:
+        if (c := cosine_of(float(dots[k]), float(na[k]), float(nb[k]))) is not None:
             cos[i], tau[i] = c, SIGMAS / math.sqrt(int(held[k]))
     out = {i: replace(c, median_cosine=cos.get(i)) for i, c in out.items()}
     if len(cos) < DIRECTION_MIN or not statistics.median(c / tau[i] for i, c in cos.items()) > 3:
@@ -362,10 +362,10 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     if a.shape != b.shape:
         return None
     a64, b64 = a.double(), b.double()
-    return _cosine_of(float(a64 @ b64), float(a64.norm()), float(b64.norm()))
+    return cosine_of(float(a64 @ b64), float(a64.norm()), float(b64.norm()))
 
 
-def _cosine_of(dot: float, na: float, nb: float) -> float | None:
+def cosine_of(dot: float, na: float, nb: float) -> float | None:
     """dot / (na nb), clamped to [−1, 1]; None when either norm is zero or not finite."""
     if not (na > 0 and nb > 0) or not (math.isfinite(na) and math.isfinite(nb)):
         return None

@@ -49,6 +49,7 @@ an audit decides.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -59,6 +60,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.data.text import eval_batches
 from diloco.model.architectures import empty_model
+from diloco.outer.checks import cosine_of
 from diloco.train import load_parameters, parameters_of
 from diloco.wire.contribution import decode_contribution
 from diloco.wire.exchange import codec_for
@@ -189,10 +191,12 @@ class Scorer:
 
 
 def _cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    """cos(a, b) over every parameter, summed in float64 a tensor at a time (no flat copy of
-    either); 0 for a zero vector (a zero Δ is the zero check's to judge)."""
+    """cos(a, b) over every parameter (the checks' rule, ``cosine_of``), its sums taken in
+    float64 a tensor at a time (no flat copy of either); 0 for a zero vector (a zero Δ is
+    the zero check's to judge)."""
     dot = aa = bb = 0.0
     for name, x in a.items():
         x, y = x.reshape(-1).double(), b[name].reshape(-1).double()
         dot, aa, bb = dot + float(x @ y), aa + float(x @ x), bb + float(y @ y)
-    return dot / (aa * bb) ** 0.5 if aa > 0 and bb > 0 else 0.0
+    c = cosine_of(dot, math.sqrt(aa), math.sqrt(bb))
+    return 0.0 if c is None else c
