@@ -129,10 +129,26 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> l
     shutil.rmtree(folder)
     versions.cleanup()
 
+    lines = _table(label, n, k, (all_s, all_stages), fold_s, (folded_s, folded_stages))
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _table(
+    label: str,
+    n: int,
+    k: int,
+    reading: tuple[float, dict[str, float]],
+    fold_s: list[float],
+    folded: tuple[float, dict[str, float]],
+) -> list[str]:
+    """One size's table: the close reading every upload and the folded one (each its
+    seconds and stages), the folds' seconds, beside the bytes-moved bounds of this run."""
+    (all_s, all_stages), (folded_s, folded_stages) = reading, folded
     bw = copy_bandwidth()
     bound = 34 * n / bw
     bound_delta = 22 * n / bw
-    lines = [
+    return [
         f"\n{label}: {n:,} parameters, {k} int8 uploads; copy bandwidth {bw / 1e9:.1f} GB/s\n",
         "| measure | seconds | limit (same run) | ratio |",
         "|---|---|---|---|",
@@ -147,8 +163,6 @@ def bench_size(label: str, shape: tuple[int, int, int], k: int, work: Path) -> l
         f"| stages, reading every upload | {_stages(all_stages)} | | |",
         f"| speed-up after the deadline | {all_s / folded_s:.1f}x | | |",
     ]
-    print("\n".join(lines), flush=True)
-    return lines
 
 
 def _stages(seconds: dict[str, float]) -> str:
