@@ -308,6 +308,20 @@ def render(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
     return "\n".join(lines)
 
 
+def links_table(args: argparse.Namespace) -> None:
+    """The home-links table: every ``LINK_ARMS`` arm at every ``--link-seeds`` seed, into
+    its section of ``args.doc``, and printed."""
+    links = [(arm, seed) for seed in args.link_seeds for arm in LINK_ARMS]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        linked = list(pool.map(lambda j: run_link(*j, args), links))
+    link_rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in LINK_ARMS}
+    for (arm, _), result in zip(links, linked, strict=True):
+        link_rows[arm].append(figures(result, LINK_STEP_S))
+    link_section = render_links(link_rows, args)
+    replace_section(args.doc, "goodput-links", link_section, after="goodput")
+    print(link_section, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", type=Path, default=EXCERPT)
@@ -335,15 +349,7 @@ def main() -> None:
         args.model, args.batch_size = TOY_MODEL, 4
         args.doc = args.work_dir / "benchmarks.md"
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    links = [(arm, seed) for seed in args.link_seeds for arm in LINK_ARMS]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        linked = list(pool.map(lambda j: run_link(*j, args), links))
-    link_rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in LINK_ARMS}
-    for (arm, _), result in zip(links, linked, strict=True):
-        link_rows[arm].append(figures(result, LINK_STEP_S))
-    link_section = render_links(link_rows, args)
-    replace_section(args.doc, "goodput-links", link_section, after="goodput")
-    print(link_section, flush=True)
+    links_table(args)
     if args.links_only:
         return
     jobs = [(arm, seed) for seed in args.seeds for arm in ARMS]
