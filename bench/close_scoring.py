@@ -5,7 +5,7 @@ For each size, K uploads of a round (one shared direction and a little noise eac
 the real int8 codec and wire encoder) are closed by ``diloco.outer.close.close_round`` from
 the same files, on the same base version:
 
-- **in the close**: each upload with its lease's first windows and no score: the close
+- **in the close**: each upload with its lease's scored windows and no score: the close
   scores all K (a round of at most 8 is scored whole), as every close did before;
 - **on arrival**: each upload scored first, one after the other as the round worker does
   while the round is open (timed: the arrival cost), then the close with those scores;

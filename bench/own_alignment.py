@@ -6,7 +6,7 @@ returning volunteer's), then ``--leases`` leases, each trained twice from that b
 that state for H steps: honestly on its lease's batches, and on other batches of the same
 text (a volunteer that trains, but not on what it was dealt). Both Δs go through the run's
 codec into upload bodies and are scored as the close scores them (``diloco.outer.scoring``:
-the first ``score_windows`` windows of the lease's data, the judging windows of held-out
+``score_windows`` windows drawn across the lease's batches, the judging windows of held-out
 text), with the gains' verdict beside the alignment.
 
 Then rounds of four honest uploads and one on other data, drawn from the measured figures
@@ -44,7 +44,7 @@ from diloco.config import RunConfig, parse_config  # noqa: E402
 from diloco.data.text import random_batch  # noqa: E402
 from diloco.model.architectures import build_model  # noqa: E402
 from diloco.outer.optimizer import pseudo_gradient  # noqa: E402
-from diloco.outer.scoring import Score, Scorer, Windows  # noqa: E402
+from diloco.outer.scoring import Score, Scorer, Windows, lease_windows  # noqa: E402
 from diloco.protocol.audit import suspect  # noqa: E402
 from diloco.train import InnerTrainer, load_parameters, snapshot  # noqa: E402
 from diloco.wire.contribution import ContributionMeta, encode_contribution  # noqa: E402
@@ -109,9 +109,10 @@ def measure(args: argparse.Namespace, cfg: RunConfig, work: Path) -> list[tuple[
     for lease in range(args.leases):
         gen = torch.Generator().manual_seed(100 + lease)
         own, other = ([batch(train_text, cfg, gen) for _ in range(H)] for _ in range(2))
-        first = Windows.first(iter(own).__next__, windows)
-        honest = scorer.score(upload(own, "honest"), first)
-        pairs.append((honest, scorer.score(upload(other, "other"), first)))
+        # the windows the close reads again, drawn by a round's secret (here the lease's)
+        picked = lease_windows(iter(own).__next__, cfg, steps=H, secret=lease, lease=100 + lease)
+        honest = scorer.score(upload(own, "honest"), picked)
+        pairs.append((honest, scorer.score(upload(other, "other"), picked)))
     return pairs
 
 
@@ -161,7 +162,8 @@ def render(
             "from that base and its AdamW state, each trained honestly and on other batches of "
             "the same text, int8 uploads scored as the close scores them "
             f"({cfg.aggregation.score_windows} windows). *own_alignment* = cos(Δ, ∇L(base; "
-            "the lease's first windows)) − cos(Δ, ∇L(base; the judging windows)).",
+            "the windows scored, drawn across the lease's batches)) − cos(Δ, ∇L(base; the "
+            "judging windows)).",
             "",
             "```",
             "python bench/own_alignment.py"

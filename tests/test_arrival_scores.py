@@ -51,7 +51,7 @@ def test_an_upload_is_scored_while_its_round_is_open_and_the_close_uses_that_sco
     _close_with_the_last(http, run_id, tokens["last"])
 
     # Assert: its score is what the close's checks say, to the bit (taken, not recomputed);
-    # honest work takes loss off its own first windows
+    # honest work takes loss off its own lease's windows
     closed = _contributions(http, run_id)["early"]
     score = early["score"]
     assert score["own_gain"] > 0 and score["own_base"] > 0 and score["other_base"] > 0

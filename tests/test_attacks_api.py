@@ -143,7 +143,7 @@ def test_one_attacker_is_refused_or_bounded(
     for i in range(HONEST):  # no honest volunteer is ever left out by a check
         work = by_name[f"honest-{attack}-{i}"]
         assert work["aggregated"] and work["checks"]["code"] is None, work
-        # scored on its lease's first windows, read again by the server: it lowered the loss
+        # scored on its lease's windows, read again by the server: it lowered the loss
         assert work["checks"]["own_gain"] > 0 or work["checks"]["other_gain"] > 0, work
     for c in listed["contributions"]:  # telemetry for every aggregated contribution
         if c["aggregated"]:

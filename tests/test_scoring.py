@@ -13,7 +13,15 @@ from diloco.checkpoint import write_params
 from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.architectures import build_model
-from diloco.outer.scoring import SCORE_ALL, Score, Scorer, Windows, chosen
+from diloco.outer.scoring import (
+    SCORE_ALL,
+    Score,
+    Scorer,
+    Windows,
+    chosen,
+    lease_picks,
+    lease_windows,
+)
 from diloco.train import parameters_of
 from diloco.wire.contribution import ContributionMeta, encode_contribution
 from diloco.wire.exchange import encode_delta
@@ -58,6 +66,11 @@ def body(folder: Path, name: str, delta: dict[str, torch.Tensor]) -> Path:
     return path
 
 
+def scored_windows(setting: dict) -> Windows:
+    """The windows of the own batches a close scores on (a round's secret: 0)."""
+    return lease_windows(iter(setting["own"]).__next__, CFG, steps=30, secret=0, lease=1)
+
+
 def trained_delta(setting: dict, batches: list | None = None) -> dict[str, torch.Tensor]:
     """Δ = θ_base − θ after 30 AdamW steps on the own batches (what a volunteer sends), or
     on ``batches`` (other data than its lease's)."""
@@ -75,7 +88,7 @@ def trained_delta(setting: dict, batches: list | None = None) -> dict[str, torch
 
 def test_honest_work_lowers_the_loss_and_passes(setting: dict) -> None:
     scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
-    own = Windows.first(iter(setting["own"]).__next__, 8)
+    own = scored_windows(setting)
     score = scorer.score(body(setting["folder"], "honest", trained_delta(setting)), own)
     assert score.own_gain > 0.05 and score.other_gain > 0 and not score.failed
 
@@ -89,7 +102,7 @@ def test_work_that_raises_the_loss_on_both_fails_with_its_figures(setting: dict,
     else:
         delta = {n: -t for n, t in honest.items()}
     scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
-    own = Windows.first(iter(setting["own"]).__next__, 8)
+    own = scored_windows(setting)
     score = scorer.score(body(setting["folder"], kind, delta), own)
     assert score.failed and score.own_gain < -0.005 * score.own_base
     assert score.other_gain < -0.005 * score.other_base
@@ -100,7 +113,7 @@ def test_work_that_raises_the_loss_on_both_fails_with_its_figures(setting: dict,
 def test_work_on_other_data_points_less_along_the_leases_own_gradient(setting: dict) -> None:
     # Prepare: the honest Δ, and Δs of the same training on three other draws of the text
     scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
-    own = Windows.first(iter(setting["own"]).__next__, 8)
+    own = scored_windows(setting)
     text = torch.frombuffer(bytearray(TINYSHAKESPEARE.read_bytes()[:200_000]), dtype=torch.uint8)
     others = []
     for seed in (5, 6, 7):
@@ -134,7 +147,7 @@ def test_a_score_stored_before_its_alignment_was_measured_reads_back_without_it(
 def test_zeros_change_nothing_and_are_left_to_the_zero_check(setting: dict) -> None:
     zeros = {n: torch.zeros_like(t) for n, t in setting["base"].items()}
     scorer = Scorer(CFG, setting["folder"] / "base.safetensors", setting["other"])
-    own = Windows.first(iter(setting["own"]).__next__, 8)
+    own = scored_windows(setting)
     score = scorer.score(body(setting["folder"], "zeros", zeros), own)
     assert (score.own_gain, score.other_gain, score.failed) == (0.0, 0.0, False)
 
@@ -154,10 +167,31 @@ def test_a_small_round_is_scored_whole_and_a_large_one_half_drawn_by_its_seed() 
     assert a == chosen(many, seed=1) and a != b  # replays, and no one knows beforehand
 
 
-def test_windows_come_in_the_order_the_stream_gives_them() -> None:
+def test_the_windows_scored_are_one_from_each_stretch_of_the_lease_drawn_by_the_secret() -> None:
+    # Prepare: 10 steps of 4 windows; 8 windows scored (CFG's score_windows)
+    cfg = CFG.model_copy(update={"inner": CFG.inner.model_copy(update={"batch_size": 4})})
+    assert cfg.aggregation.score_windows == 8
+
+    # Execute
+    picks = lease_picks(cfg, steps=10, secret=7, lease=3)
+    flat = sorted(b * 4 + r for b, rows in picks.items() for r in rows)
+
+    # Assert: one window in each eighth of the 40, so spread over the steps
+    assert [w * 8 // 40 for w in flat] == list(range(8))
+    assert max(picks) >= 8 and min(picks) <= 1
+    assert picks == lease_picks(cfg, steps=10, secret=7, lease=3)  # a close replays it
+    draws = {str(lease_picks(cfg, steps=10, secret=s, lease=3)) for s in range(20)}
+    assert len(draws) > 15  # the volunteer, without the secret, cannot tell which
+    every = lease_picks(cfg, steps=1, secret=7, lease=3)  # fewer windows than asked: all
+    assert every == {0: [0, 1, 2, 3]}
+
+
+def test_picked_windows_come_in_stream_order_and_stop_at_the_streams_end() -> None:
     batches = [(torch.full((3, 4), i), torch.full((3, 4), -i)) for i in range(4)]
-    w = Windows.first(iter(batches).__next__, 7)
-    assert w.x.shape == (7, 4) and w.x[:, 0].tolist() == [0, 0, 0, 1, 1, 1, 2]
+    w = Windows.picked(iter(batches).__next__, {0: [2], 2: [0, 1], 3: [5], 9: [0]})
+    assert w.x[:, 0].tolist() == [0, 2, 2] and w.y[:, 0].tolist() == [0, -2, -2]
+    with pytest.raises(ValueError, match="none of the windows"):
+        Windows.picked(iter(batches).__next__, {7: [0]})
     val = torch.arange(100)
     v = Windows.validation(val, 3, 10)
     assert v.x[1].tolist() == list(range(10, 20)) and v.y[1].tolist() == list(range(11, 21))

@@ -148,7 +148,7 @@ def test_with_no_one_pointing_away_a_close_audits_the_work_least_aligned_with_it
 ) -> None:
     # Prepare: the draw all but off, the uploads scored; three honest volunteers and one that
     # trains as honestly, but on other batches of its shard than its lease deals (another
-    # seed): it points with the round, and its Δ holds no step on its lease's first windows
+    # seed): it points with the round, and its Δ holds no step on its lease's windows
     config = server_run_config(rounds={"quorum": 4, "target": 4, "max_rounds": 2})
     config["audit"] = {"fraction": 0.0001, "newcomers": False}
     run_id = create_run(http, config)["id"]

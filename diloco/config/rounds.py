@@ -93,8 +93,9 @@ class AggregationSection(_Section):
     max_loss_ratio: float = Field(2.0, ge=1.0, le=1000.0)
     judge_windows: int = Field(8, ge=0, le=4096)
     # scoring by the loss (diloco.outer.scoring): each scored upload applied alone to the
-    # base, measured on the first score_windows windows of its lease's data and of the
-    # validation data; one that raises both losses is left out (no_gain).
+    # base, measured on score_windows windows of its lease's data (drawn across its inner
+    # steps by the round's secret: scoring.lease_picks) and of the validation data; one
+    # that raises both losses is left out (no_gain).
     # Every upload of a round of up to 8, half of a larger one. 0: no scoring
     score_windows: int = Field(8, ge=0, le=256)
     # no longer read: every step is judged (judge_windows). Accepted so that run configs

@@ -52,7 +52,8 @@ class Upload:
     path: Path  # its stored body (``diloco.wire.contribution``); may be missing or damaged
     weight: float  # the tokens it counts for
     norm: float  # ‖Δ‖, measured when it was accepted
-    # the first windows of its lease's data, as its volunteer read them, for the scoring
+    # the windows of its lease's data the scoring reads (scoring.lease_picks), as its
+    # volunteer read them
     # (diloco.outer.scoring); None: not scored (late work, whose base is an older version)
     own: Windows | None = None
     # its score, when it was taken before the close (on arrival, by the server); the close

@@ -5,9 +5,11 @@ base, on its lease's data: applied alone to the base, θ_base − Δ is (up to t
 model it trained, and it must lower the loss on the data it trained on. The close applies
 each scored upload alone and measures the loss on two small samples with the same model:
 
-- ``own``: the first ``[aggregation] score_windows`` windows of the upload's lease data, read
-  as the volunteer read them (``diloco.data.text.lease_stream``: its shard or range, its
-  seed): what it trained on first;
+- ``own``: ``[aggregation] score_windows`` windows of the upload's lease data, read as the
+  volunteer read them (``diloco.data.text.lease_stream``: its shard or range, its seed),
+  one from each of as many equal stretches of the batches its inner steps took
+  (``lease_picks``), drawn with the round's secret: what it trained on, over the whole
+  lease, and nothing a volunteer can single out to train on alone;
 - ``other``: the same number of the run's judging windows (its validation data), the same
   for everyone.
 
@@ -19,7 +21,7 @@ already holds it, it overshoots) do (a stale Δ in about half the rounds measure
 left out as ``no_gain``, like a failed cheap check (``diloco.outer.checks``; zeros, which
 change nothing, are the zero check's). Neither gain alone is enough to judge by, nor
 their sign: late in a run an honest volunteer's own model can be a little worse than the
-averaged base on its first windows, on the judging sample, or on both (measured: down to
+averaged base on its own windows, on the judging sample, or on both (measured: down to
 −0.003 and −0.024 nats at once, at a loss of 2.5).
 
 Which uploads are scored: all of a round of at most ``SCORE_ALL``; of a larger round, half
@@ -38,11 +40,11 @@ the loss on the lease's data as much as honest work does at this scale: measured
 own-data advantage of honest work was within noise), and shifts that point the right way
 (ALIE): both are bounded by clipping. For the first, a score also takes ``own_alignment``:
 cos(Δ, ∇L(θ_base; own)) − cos(Δ, ∇L(θ_base; other)), the gradients at the base (one
-backward pass each; the judging windows' once per scorer). An honest Δ holds its first
-inner step, taken at the base on exactly the ``own`` windows, so it points along their
-gradient more than along other windows'; Δ trained on other data does not (bench/
-own_alignment.py, the demo model, 16 leases: honest +0.040 on average, lowest −0.003; other
-data +0.007, highest +0.034; in each lease the honest Δ above the other-data one). Too
+backward pass each; the judging windows' once per scorer). An honest Δ holds a step taken
+on each of the ``own`` windows (near the base: H steps move it little), so it points along
+their gradient more than along other windows'; Δ trained on other data does not (bench/
+own_alignment.py, the demo model, 16 leases: honest +0.030 on average, lowest −0.001; other
+data −0.001, highest +0.017; in each lease the honest Δ above the other-data one). Too
 close to leave an upload out by, it picks whom to replay (``diloco.protocol.audit.suspect``):
 an audit decides.
 """
@@ -71,6 +73,7 @@ SCORE_ALL = 8  # rounds of up to this many uploads have every upload scored
 # late in a run honest work can raise both a little (measured down to −0.003 and −0.024
 # nats at a loss of 2.5), work that did nothing useful raises them by far more
 TOLERANCE = 0.005
+Picks = Mapping[int, Sequence[int]]  # a lease stream's batch index -> rows of that batch
 
 
 @dataclass(frozen=True)
@@ -81,15 +84,25 @@ class Windows:
     y: torch.Tensor
 
     @classmethod
-    def first(cls, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int) -> Windows:
-        """The first ``n`` windows a lease's stream gives (``next_batch`` called as needed)."""
-        xs, ys, have = [], [], 0
-        while have < n:
-            x, y = next_batch()
-            xs.append(x)
-            ys.append(y)
-            have += len(x)
-        return cls(torch.cat(xs)[:n].long(), torch.cat(ys)[:n].long())
+    def picked(
+        cls, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], picks: Picks
+    ) -> Windows:
+        """The windows ``picks`` names (``lease_picks``) of a lease's stream, in stream order,
+        ``next_batch`` called up to the last batch it names. Windows past the stream's end
+        (a dataset range shorter than its steps) or past a short batch are left out."""
+        xs, ys = [], []
+        for index in range(max(picks, default=-1) + 1):
+            try:
+                x, y = next_batch()
+            except StopIteration:
+                break
+            rows = [r for r in picks.get(index, ()) if r < len(x)]
+            if rows:
+                xs.append(x[rows])
+                ys.append(y[rows])
+        if not xs:
+            raise ValueError("the lease's stream holds none of the windows to score it on")
+        return cls(torch.cat(xs).long(), torch.cat(ys).long())
 
     @classmethod
     def validation(cls, val: torch.Tensor, n: int, block_size: int) -> Windows:
@@ -97,6 +110,35 @@ class Windows:
         sample's first ones): the same for every upload."""
         (x, y), *_ = eval_batches(val, batch_size=n, block_size=block_size, max_windows=n)
         return cls(x.long(), y.long())
+
+
+def lease_picks(cfg: RunConfig, *, steps: int, secret: int, lease: int) -> Picks:
+    """The ``[aggregation] score_windows`` windows of a lease's stream the scoring reads
+    (module docstring): the stream's first ``steps`` batches of ``[inner] batch_size``
+    windows, in order, cut into that many equal stretches, one window drawn from each by
+    ``secret`` (the round's check seed, which the volunteer never sees) with ``lease`` (the
+    lease's own seed): spread over every inner step, and unknown to the volunteer until
+    its upload is scored."""
+    n, batch_size = cfg.aggregation.score_windows, cfg.inner.batch_size
+    total = steps * batch_size
+    rng = random.Random(f"{secret}/{lease}")
+    picks: dict[int, list[int]] = {}
+    for k in range(min(n, total)):
+        w = rng.randrange(k * total // n, (k + 1) * total // n) if n <= total else k
+        picks.setdefault(w // batch_size, []).append(w % batch_size)
+    return picks
+
+
+def lease_windows(
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    cfg: RunConfig,
+    *,
+    steps: int,
+    secret: int,
+    lease: int,
+) -> Windows:
+    """The windows of a lease's stream (``next_batch``, read afresh) its score is taken on."""
+    return Windows.picked(next_batch, lease_picks(cfg, steps=steps, secret=secret, lease=lease))
 
 
 @dataclass(frozen=True)

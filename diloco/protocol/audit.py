@@ -84,10 +84,10 @@ def suspect(
     median, honest work's lowest 0.85–1.0; docs/verification.md), so the round's least aligned
     upload is the one worth a replay; honest work that happens to be it passes and loses
     nothing. Work trained honestly on other data points with the round; what gives it away
-    is that its Δ holds no step taken on its lease's first windows. The alignment's honest
+    is that its Δ holds no step taken on its lease's scored windows. The alignment's honest
     spread is wide at the demo's size (bench/own_alignment.py: a round of four honest
-    uploads and one on other data names the latter in 57% of rounds, 92% within three, and
-    a round of five honest ones names one in 79%): a suspect is a replay's cost, not a
+    uploads and one on other data names the latter in 75% of rounds, 98% within three, and
+    a round of five honest ones names one in 70%): a suspect is a replay's cost, not a
     verdict."""
     by_direction = _far_below(median_cosines, SUSPECT_RATIO)
     if by_direction is not None:

@@ -25,7 +25,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.data.text import AHEAD_SEED, Dataset, lease_stream, random_batch
 from diloco.data.units import UnitDealer, plan_units
-from diloco.outer.scoring import Windows
+from diloco.outer.scoring import Picks, Windows, lease_picks
 from diloco.protocol.rules import assign_lease
 from diloco.protocol.state import LeaseAssignment
 
@@ -105,25 +105,30 @@ class Units:
 
 @dataclass
 class Dealt:
-    """One worker's data for one round; the first batches it drew are kept (``own``)."""
+    """One worker's data for one round; the windows its scoring reads are kept as it draws
+    them (``own``)."""
 
     source: Callable[[], Batch]
     unit: int | None = None  # the data unit of a dataset run's lease
-    keep: int = 0  # windows of the first batches to keep, for the close's scoring
-    drawn: list[Batch] = field(default_factory=list)
+    picks: Picks = field(default_factory=dict)  # the windows the close scores it on
+    drawn: int = 0  # batches drawn
+    kept: list[Batch] = field(default_factory=list)
 
     def next_batch(self) -> Batch:
-        batch = self.source()
-        if sum(len(x) for x, _ in self.drawn) < self.keep:
-            self.drawn.append(batch)
+        x, y = batch = self.source()
+        rows = [r for r in self.picks.get(self.drawn, ()) if r < len(x)]
+        if rows:
+            self.kept.append((x[rows], y[rows]))
+        self.drawn += 1
         return batch
 
     def own(self) -> Windows | None:
-        """The first ``keep`` windows it trained on (the close scores the upload on them, as
-        the server scores a lease on the first windows of its stream)."""
-        if not self.keep or sum(len(x) for x, _ in self.drawn) < self.keep:
+        """The windows of ``picks`` it trained on (the close scores the upload on them, as the
+        server reads them again from the lease's stream); None when it drew none of them."""
+        if not self.kept:
             return None
-        return Windows.first(iter(self.drawn).__next__, self.keep)
+        return Windows(torch.cat([x for x, _ in self.kept]).long(),
+                       torch.cat([y for _, y in self.kept]).long())  # fmt: skip
 
 
 class Dealer:
@@ -141,15 +146,22 @@ class Dealer:
         ]
         self.units = Units.of(data, cfg, seed) if batches == "lease" else None
 
-    def deal(self, round: int, worker: int) -> Dealt:
-        """Worker ``worker``'s (from 0) batches for round ``round`` (from 1)."""
-        keep = self.cfg.aggregation.score_windows
+    def deal(self, round: int, worker: int, secret: int | None = None) -> Dealt:
+        """Worker ``worker``'s (from 0) batches for round ``round`` (from 1); with the round's
+        ``secret`` (its check seed) the windows its scoring reads are kept (``lease_picks``:
+        the lease's seed, or the worker's number where it keeps one stream)."""
         if self.batches == "worker":
-            return Dealt(self.streams[worker], keep=keep)
+            return Dealt(self.streams[worker], picks=self._picks(secret, worker))
         n_shards = len(self.data.shards)
         lease = assign_lease(worker, round=round, run_seed=self.seed, n_shards=n_shards)
         unit = None if self.units is None else self.units.pick()
-        return Dealt(lease_batches(self.data, self.cfg, lease, self.units, unit), unit, keep)
+        batches = lease_batches(self.data, self.cfg, lease, self.units, unit)
+        return Dealt(batches, unit, self._picks(secret, lease.seed))
+
+    def _picks(self, secret: int | None, lease: int) -> Picks:
+        if secret is None or not self.cfg.aggregation.score_windows:
+            return {}
+        return lease_picks(self.cfg, steps=self.cfg.inner.steps, secret=secret, lease=lease)
 
     def trained(self, dealt: Dealt) -> None:
         """The worker's upload reached the server: its unit is covered."""

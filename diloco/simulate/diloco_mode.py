@@ -78,15 +78,17 @@ class _Workers:
         self.ahead = cfg.inner.ahead_cap(cfg.inner.steps)  # steps it trains before the fold
         self.bytes_up = self.bytes_down = self.tokens = 0
 
-    def train(self, r: int, start: dict[str, torch.Tensor], desk: RoundDesk) -> list[float]:
+    def train(
+        self, r: int, start: dict[str, torch.Tensor], desk: RoundDesk, secret: int
+    ) -> list[float]:
         """Round ``r`` (from 0): every worker downloads θ(t−1) = ``start``, trains H steps
         and sends Δ through codec and wire to ``desk`` (unless its upload is dropped);
-        their mean training losses."""
+        their mean training losses. ``secret``: the round's check seed (what it scores)."""
         losses: list[float] = []
         first_delta = None  # what a copier sends: the first honest worker's Δ
         honest: list[dict[str, torch.Tensor]] = []  # what the round's attackers see
         for i, trainer in enumerate(self.trainers):
-            dealt = self.dealer.deal(r + 1, i)  # this round's batches (simulate.dealing)
+            dealt = self.dealer.deal(r + 1, i, secret)  # this round's batches (simulate.dealing)
             if self.ledger is None:
                 self.bytes_down += self.checkpoint_bytes
             else:
@@ -160,7 +162,7 @@ def _rounds(
     standings = Standings()  # each worker's standing, as the server keeps it
     for r in range(cfg.rounds.max_rounds):
         desk = open_round(cfg, r + 1, standings)
-        losses = workers.train(r, versions.theta, desk)
+        losses = workers.train(r, versions.theta, desk, versions.check_seed(r + 1))
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it
         stepped = desk.close(

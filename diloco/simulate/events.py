@@ -43,7 +43,7 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
-from diloco.outer.scoring import Windows
+from diloco.outer.scoring import lease_windows
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EPOCH, EventClock
@@ -345,8 +345,11 @@ class _ProtocolRun:
         v.last = lease
         assert upload.result.tokens == claim.tokens
         self.bytes_up += upload.nbytes
-        # the scoring reads the lease's first windows again, as the server does
-        own = Windows.first(stream(), cfg.aggregation.score_windows) if late is None else None
+        own = None  # the scoring reads the lease's windows again, as the server does
+        if late is None and cfg.aggregation.score_windows:
+            secret = self.hub.files.check_seed(lease.round)
+            own = lease_windows(stream(), cfg, steps=lease.inner_steps, secret=secret,
+                                lease=lease.assignment.seed)  # fmt: skip
         refused = self.hub.store(v.name, lease.round, upload, spent, late, own=own)
         if refused is not None:  # an honest volunteer's body is never refused: a bug
             raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")

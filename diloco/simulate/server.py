@@ -53,7 +53,7 @@ class Admitted:
     loss: float  # the contributor's mean inner loss, as its header says
     tokens: int  # its weight discounted by its staleness: what the round counts for it
     staleness: int = 0  # late work: versions published since its base (0: fresh)
-    own: Windows | None = None  # its lease's first windows, for the scoring (None: unscored)
+    own: Windows | None = None  # its lease's scored windows (lease_picks; None: unscored)
     standing: float = 1.0  # its contributor's: the share of ``tokens`` step and credit take
 
 
@@ -104,8 +104,8 @@ class RoundDesk:
         """An upload for a lease of ``inner_steps`` (None: the run's steps), checked and
         weighed as the server does, or refused. ``origin``: the round a late upload was
         trained for (its header is checked against that round), merged into this one
-        ``staleness`` versions on. ``own``: the first windows of its lease's data, for the
-        close's scoring (``diloco.outer.scoring``)."""
+        ``staleness`` versions on. ``own``: the windows of its lease's data the close's
+        scoring reads (``diloco.outer.scoring``)."""
         shapes, codec = _model(self.cfg)
         decoder = ContributionDecoder(shapes, codec=codec)
         inspector = UploadInspector(codec)

@@ -1,7 +1,7 @@
 """Scores by the loss taken as uploads arrive, off the close's critical path.
 
 An upload's score (``diloco.outer.scoring``: applied alone to the round's base, the loss on
-its lease's first windows and on the validation sample) depends on nothing else of the
+windows drawn across its lease's data and on the validation sample) depends on nothing else of the
 round, so the round worker takes it while the round is still open: the close then only
 scores what arrived too late (``diloco.outer.close`` uses a stored score as it is). At a
 hundred million parameters one score is a few forward passes of the whole model, seconds
@@ -35,7 +35,7 @@ from server.checkpoints.models import Checkpoint
 from server.metrics import SCORE_SECONDS
 from server.rounds.close_inputs import lease_data
 from server.rounds.models import Contribution, Round
-from server.rounds.outer_step import LeaseData, lease_windows, score_sample
+from server.rounds.outer_step import LeaseData, read_lease_windows, score_sample
 from server.runs import service as runs_service
 from server.runs.models import Run, RunStatus
 from server.storage.base import Storage
@@ -144,7 +144,7 @@ def _score(storage: Storage, job: _Job) -> Score | None:
     with Stage(storage) as stage:
         base = stage.input(job.base_params_key)
         upload = stage.input(job.blob_key)
-        own = lease_windows(job.lease, stage.input(job.lease.shard_key), {}, job.cfg)
+        own = read_lease_windows(job.lease, stage.input(job.lease.shard_key), {}, job.cfg)
         return Scorer(job.cfg, base, sample).score(upload, own)
 
 

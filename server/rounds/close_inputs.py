@@ -129,8 +129,10 @@ async def lease_data(
     if not rows or not rounds_service.run_config(run).aggregation.score_windows:
         return {}
     found = await session.execute(
-        select(Contribution.id, Lease.shard, Lease.seed, DataUnit.start, DataUnit.tokens)
+        select(Contribution.id, Lease.shard, Lease.seed, Contribution.inner_steps,
+               Round.check_seed, DataUnit.start, DataUnit.tokens)
         .join(Lease, Lease.id == Contribution.lease_id)
+        .join(Round, (Round.run_id == Lease.run_id) & (Round.index == Lease.round_index))
         .outerjoin(DataUnit, (DataUnit.run_id == Lease.run_id) & (DataUnit.unit == Lease.unit))
         .where(Contribution.id.in_([c.id for c in rows]))
     )  # fmt: skip
@@ -140,10 +142,12 @@ async def lease_data(
             seed,
             run.token_dtype,
             run.chunk_len,
+            steps,
+            secret,
             start,
             tokens,
         )
-        for cid, shard, seed, start, tokens in found.all()
+        for cid, shard, seed, steps, secret, start, tokens in found.all()
     }
 
 

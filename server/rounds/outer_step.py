@@ -35,7 +35,7 @@ from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
 from diloco.outer.close import Closed, CloseInputs, Upload, VersionPaths, close_round, folding
 from diloco.outer.robust import Share
-from diloco.outer.scoring import Score, Windows
+from diloco.outer.scoring import Score, Windows, lease_windows
 from diloco.protocol.state import Decision
 from server.checkpoints import evals
 from server.checkpoints import service as checkpoints_service
@@ -55,12 +55,14 @@ __all__ = ["OuterResult", "StepInputs", "Stored", "apply_outer_step"]
 @dataclass(frozen=True)
 class LeaseData:
     """Where a contribution's lease read its data, as its volunteer read it (``load_shard``,
-    ``lease_stream``): the scoring reads its first windows again."""
+    ``lease_stream``), and which of its windows the scoring reads again (``lease_picks``)."""
 
     shard_key: str
     seed: int
     dtype: str  # the shard's tokens
     chunk_len: int  # a text run's shard rows
+    steps: int  # the inner steps the upload trained (its stream's batches)
+    secret: int  # the lease's round's check seed: draws the windows scored
     start: int | None = None  # a dataset lease's range
     tokens: int | None = None
 
@@ -217,10 +219,10 @@ def _close(
 def _score_data(
     storage: Storage, stage: Stage, inputs: StepInputs
 ) -> tuple[dict[str, Windows], Windows | None]:
-    """The scoring's windows (``diloco.outer.scoring``): the first ``score_windows`` windows
-    of each contribution's lease's data that was not scored on arrival, read from its shard
-    as its volunteer read them, and the validation data's first ones; nothing with scoring
-    off."""
+    """The scoring's windows (``diloco.outer.scoring``): ``score_windows`` windows of each
+    contribution's lease's data that was not scored on arrival (``lease_picks``), read from
+    its shard as its volunteer read them, and the validation data's first ones; nothing
+    with scoring off."""
     cfg = inputs.cfg
     leased = [c for c in inputs.contributions if c.lease is not None]
     if not cfg.aggregation.score_windows or not leased:
@@ -236,7 +238,7 @@ def _score_data(
     for c in unscored:
         assert c.lease is not None
         try:
-            own[c.id] = lease_windows(c.lease, paths.get(c.lease.shard_key), shards, cfg)
+            own[c.id] = read_lease_windows(c.lease, paths.get(c.lease.shard_key), shards, cfg)
         except (OSError, ValueError, RuntimeError, StopIteration) as err:  # unscored, logged
             log.warning("run %s: contribution %s not scored: its lease's data: %s",
                         inputs.run_id, c.id, err)  # fmt: skip
@@ -253,20 +255,13 @@ def score_sample(storage: Storage, run_id: str, cfg: RunConfig) -> Windows | Non
     return Windows.validation(val, n, block)
 
 
-def lease_windows(
+def read_lease_windows(
     lease: LeaseData, path: Path | None, shards: dict[str, torch.Tensor], cfg: RunConfig
 ) -> Windows:
-    """The first ``score_windows`` windows of a lease's stream, its shard staged at
-    ``path`` (None: it could not be fetched)."""
+    """The ``score_windows`` windows of a lease's stream its scoring reads (``lease_picks``),
+    its shard staged at ``path`` (None: it could not be fetched)."""
     if path is None:
         raise OSError(f"its shard {lease.shard_key} could not be fetched")
-    return _first_windows(lease, path, shards, cfg)
-
-
-def _first_windows(
-    lease: LeaseData, path: Path, shards: dict[str, torch.Tensor], cfg: RunConfig
-) -> Windows:
-    """The first ``score_windows`` windows of a lease's stream (``lease_stream``)."""
     ranged = lease.start is not None
     data = shards.get(lease.shard_key)
     if data is None:
@@ -280,7 +275,7 @@ def _first_windows(
         data, ranged=ranged, batch_size=cfg.inner.batch_size, block_size=cfg.model.block_size,
         seed=lease.seed,
     )  # fmt: skip
-    return Windows.first(batches, cfg.aggregation.score_windows)
+    return lease_windows(batches, cfg, steps=lease.steps, secret=lease.secret, lease=lease.seed)
 
 
 def _judge(storage: Storage, inputs: StepInputs) -> Callable[[Path], float]:

@@ -70,8 +70,8 @@ class UploadChecks(BaseModel):
     copy_cosine: float | None  # the largest |cosine| to an earlier upload or a recent change
     copy_of: str | None  # which one
     norm_ratio: float | None  # ‖Δ‖ over the round's reference norm
-    # scoring by the loss, applied alone to the base: the loss it takes off its lease's
-    # first windows and off the judging sample, in nats (None: not scored)
+    # scoring by the loss, applied alone to the base: the loss it takes off windows of its
+    # lease's data and off the judging sample, in nats (None: not scored)
     own_gain: float | None = None
     other_gain: float | None = None
     # cos(Δ, its lease windows' gradient at the base) − cos(Δ, the judging windows'): work
@@ -82,7 +82,7 @@ class UploadChecks(BaseModel):
 class ArrivalScore(BaseModel):
     """Its score by the loss, taken as it arrived (``server.rounds.arrival_scores``)."""
 
-    own_gain: float  # the loss it takes off its lease's first windows, applied alone, nats
+    own_gain: float  # the loss it takes off its lease's scored windows, applied alone, nats
     other_gain: float  # ... off the validation sample
     own_base: float  # the base version's loss on those windows
     other_base: float
