@@ -17,7 +17,7 @@ from diloco.config import parse_config
 from diloco.data.text import random_batch
 from diloco.model.gpt import GPT
 from diloco.protocol.reputation import counted_weight, standing
-from diloco.simulate.attacks import ATTACKS, CHECKED, Attack, hostile_body
+from diloco.simulate.attacks import ATTACKS, CHECKED, TRAINING, Attack, hostile_body
 from diloco.train import load_parameters
 from diloco.wire.exchange import encode_delta
 from server.storage import keys
@@ -60,16 +60,24 @@ def close_round(
     attack: Attack | None,
     *,
     stale: Work | None = None,
+    older: dict[str, torch.Tensor] | None = None,
 ) -> tuple[httpx.Response, list[Work], Work]:
     """Everyone joins and trains; the honest upload, then the attacker (honest too when
-    ``attack`` is None); the round closes."""
-    works = {token: train(http, token, run["id"], steps=1) for token in [*honest, attacker]}
+    ``attack`` is None; a training attack trains from ``older`` parameters or on other
+    batches); the round closes."""
+    works = {token: train(http, token, run["id"], steps=1) for token in honest}
+    if attack == "stale_base":
+        works[attacker] = train(http, attacker, run["id"], steps=1, start=older)
+    elif attack == "other_data":
+        works[attacker] = train(http, attacker, run["id"], steps=1, seed=12345)
+    else:
+        works[attacker] = train(http, attacker, run["id"], steps=1)
     before = version(http, run["id"])
     for token in honest:
         assert upload(http, token, works[token]).status_code == 201
     mine, cfg = works[attacker], parse_config(run["config"])
     body = None
-    if attack is not None:
+    if attack is not None and attack not in TRAINING:
         body = hostile_body(
             attack,
             mine.delta,
@@ -102,14 +110,15 @@ def test_one_attacker_is_refused_or_bounded(
     run = create_run(http, config)
     honest = [register(http, f"honest-{attack}-{i}") for i in range(HONEST)]
     attacker = register(http, f"attacker-{attack}")
-    stale = None
-    if attack == "stale":  # round 1 honest by all; the attacker keeps its Δ for round 2
+    stale = older = None
+    if attack in ("stale", "stale_base"):  # round 1 honest by all; the attacker keeps its Δ
+        older = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/latest")  # and base
         _, _, stale = close_round(http, run, honest, attacker, None)
     base = fetch_params(http, f"{API}/runs/{run['id']}/checkpoints/latest")
     index = version(http, run["id"]) + 1
 
     # Execute
-    sent, works, _ = close_round(http, run, honest, attacker, attack, stale=stale)
+    sent, works, _ = close_round(http, run, honest, attacker, attack, stale=stale, older=older)
 
     # Assert: refused with its code, or taken and bounded
     if attack in REFUSED:
@@ -140,6 +149,11 @@ def test_one_attacker_is_refused_or_bounded(
         assert mine["checks"]["code"] == CHECKED[attack]
         me = http.get(f"{API}/contributors/me", headers=auth(attacker)).json()
         assert me["recent"][0]["excluded"].startswith(f"{CHECKED[attack]}: "), me["recent"]
+    mine = by_name.get(name)
+    if mine is not None and attack != "token_inflation":  # (whose work is honest)
+        # nothing an attacker sent earns confirmed credit: left out (0), or pending until
+        # an audit of its work decides (tests/test_escrow.py: the quiet ones forfeit it)
+        assert mine["credit"] == 0 or mine["credit_status"] == "pending", mine
     for i in range(HONEST):  # no honest volunteer is ever left out by a check
         work = by_name[f"honest-{attack}-{i}"]
         assert work["aggregated"] and work["checks"]["code"] is None, work

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -262,6 +262,18 @@ def _masked_figures(
         out[2, lo : lo + rows] = a.mul_(b).sum(dim=1)
         out[3, lo : lo + rows] = both.sum(dim=1)
     return out[0], out[1], out[2], out[3]
+
+
+def suspect_figures(
+    checks: Mapping[str, Check], taken: Iterable[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Of the uploads a step took (``taken``), each one's cosine to the others' median and
+    its score's ``own_alignment``, where measured: what ``diloco.protocol.audit.suspect``
+    names the round's suspect from (the server's close and the simulator's alike)."""
+    mine = {i: checks[i] for i in taken if i in checks}
+    cosines = {i: c.median_cosine for i, c in mine.items() if c.median_cosine is not None}
+    aligned = {i: c.own_alignment for i, c in mine.items() if c.own_alignment is not None}
+    return cosines, aligned
 
 
 def tally(checks: Mapping[str, Check]) -> dict[str, Any]:

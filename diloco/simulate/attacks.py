@@ -1,9 +1,11 @@
 """What a hostile volunteer can send: one function per attack, for the attack benchmark
 (``bench/attacks.py``, in the simulator) and the tests that send the same bytes to a real
-server. Each takes the honest work of the round and returns what the attacker uploads.
+server. Each takes the honest work of the round and returns what the attacker uploads; the
+``TRAINING`` ones change how the work is trained instead (the simulator and the tests
+train them so), and send it as it came out.
 
-Not a library for attacking anyone: every attack here is one that issue 11 measured
-against the server, and that the server must refuse or bound.
+Not a library for attacking anyone: every attack here is one that issues 11 and 26
+measure against the server, and that the server must refuse, bound or find out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ Attack = Literal[
     "zeros",  # an update of zeros: claims the lease's work, did none
     "copycat",  # another volunteer's Δ times 0.9: not byte-equal, so no replay
     "alie",  # "a little is enough": the honest mean minus one standard deviation per value
+    "stale_base",  # trains its lease from the version before last, sends it as from the latest
+    "other_data",  # trains as honestly, on other batches than its lease deals
 ]
 # the freeloaders and direction attackers the close's checks leave out (diloco.outer.checks):
 # they earn nothing
@@ -38,6 +42,11 @@ CHECKED: dict[Attack, str] = {
     "noise": "unaligned",
     "sign_flip": "opposed",
 }
+# attacks on how the work is trained, not on what is sent: the attacker uploads what it
+# trained, encoded as any volunteer's
+TRAINING: tuple[Attack, ...] = ("stale_base", "other_data")
+# the freeloaders: work not done as leased (issue 26: detected within 3 rounds, no credit)
+FREELOADERS: tuple[Attack, ...] = ("zeros", "noise", "copycat", "stale", *TRAINING)
 ALIE_Z = 1.0
 ATTACKS: tuple[Attack, ...] = get_args(Attack)
 INFLATED_TOKENS = 10**12

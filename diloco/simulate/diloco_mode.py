@@ -16,6 +16,8 @@ folds the published θ in (``InnerTrainer.fold``) and trains the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from safetensors.torch import save as safetensors_save
 
@@ -23,10 +25,11 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
-from diloco.outer.checks import tally
+from diloco.outer.checks import suspect_figures, tally
+from diloco.protocol.audit import suspect
 from diloco.protocol.state import Refusal
-from diloco.simulate.attacks import Attack, hostile_body
-from diloco.simulate.dealing import Dealer, stream_generator
+from diloco.simulate.attacks import TRAINING, Attack, hostile_body
+from diloco.simulate.dealing import Batch, Dealer, Dealt, batch_source, stream_generator
 from diloco.simulate.downloads import DeltaReport, Ledger
 from diloco.simulate.run import (
     Progress,
@@ -34,10 +37,12 @@ from diloco.simulate.run import (
     SimOptions,
     Trained,
 )
-from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings, open_round
+from diloco.simulate.server import SIM_RUN_ID, RoundDesk, Standings, Stepped, open_round
 from diloco.simulate.versions import Versions
 from diloco.simulate.work import Upload, train_upload
 from diloco.train import InnerTrainer, load_parameters, parameters_of, train_ahead
+
+ELSEWHERE_STREAM = 50_000  # other_data's streams: past every worker's own
 
 
 def run_diloco(
@@ -75,6 +80,8 @@ class _Workers:
         self.drops = stream_generator(opts.seed, 10_000)
         self.checkpoint_bytes, self.ledger = checkpoint_bytes, ledger
         self.earlier: dict[int, dict[str, torch.Tensor]] = {}  # each one's Δ of the round before
+        self.starts: dict[int, dict[str, torch.Tensor]] = {}  # θ each recent round began from
+        self.elsewhere: dict[int, Callable[[], Batch]] = {}  # other_data: its own stream
         self.ahead = cfg.inner.ahead_cap(cfg.inner.steps)  # steps it trains before the fold
         self.bytes_up = self.bytes_down = self.tokens = 0
 
@@ -93,16 +100,23 @@ class _Workers:
                 self.bytes_down += self.checkpoint_bytes
             else:
                 self.ledger.fetch(f"worker-{i}", r)
+            attack = self.opts.attacks.get(i) if r + 1 >= self.opts.attack_from else None
+            begin, feed = self._training(attack, i, r, start, dealt)
             ahead = None
             if self.ahead and r > 0:  # from its own end of round r, on its own stream
                 ahead = train_ahead(trainer, self.ahead, start_step=r * self.cfg.inner.steps,
-                                    next_batch=dealt.next_batch, counted=True)  # fmt: skip
-            upload = train_upload(trainer, start, cfg=self.cfg, round=r + 1,
-                                  next_batch=dealt.next_batch, ahead=ahead)  # fmt: skip
+                                    next_batch=feed, counted=True)  # fmt: skip
+            upload = train_upload(trainer, begin, cfg=self.cfg, round=r + 1,
+                                  next_batch=feed, ahead=ahead)  # fmt: skip
+            if attack == "other_data":  # the batches it was dealt, as the server reads them
+                for _ in range(self.cfg.inner.steps):
+                    dealt.next_batch()
             self.tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks
-            if attack := self.opts.attacks.get(i):  # what a hostile volunteer sends instead
+            if attack in TRAINING:  # sent as it came out
+                pass
+            elif attack is not None:  # what a hostile volunteer sends instead
                 chunks = [self._hostile(attack, i, r, upload, first_delta, honest)]
             else:
                 honest.append(upload.delta)
@@ -119,6 +133,25 @@ class _Workers:
             if not isinstance(admitted, Refusal):
                 self.dealer.trained(dealt)  # the server counts the unit covered at upload
         return losses
+
+    def _training(
+        self, attack: Attack | None, i: int, r: int, start: dict[str, torch.Tensor], dealt: Dealt
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], Batch]]:
+        """Where worker ``i``'s round ``r`` trains from and what it reads: θ(t−1) and the
+        batches it was dealt, or what a training attack (``attacks.TRAINING``) takes
+        instead: the version before last (``stale_base``), other batches of its shard
+        (``other_data``, a stream of its own)."""
+        self.starts[r] = start
+        self.starts.pop(r - 3, None)
+        if attack == "stale_base":
+            return self.starts.get(r - 2, self.starts[min(self.starts)]), dealt.next_batch
+        if attack == "other_data":
+            if i not in self.elsewhere:
+                shards = self.dealer.data.shards
+                gen = stream_generator(self.opts.seed, ELSEWHERE_STREAM + i)
+                self.elsewhere[i] = batch_source(shards[i % len(shards)], self.cfg, gen)
+            return start, self.elsewhere[i]
+        return start, dealt.next_batch
 
     def _hostile(
         self,
@@ -163,6 +196,7 @@ def _rounds(
     for r in range(cfg.rounds.max_rounds):
         desk = open_round(cfg, r + 1, standings)
         losses = workers.train(r, versions.theta, desk, versions.check_seed(r + 1))
+        drawn = desk.drawn(versions.check_seed(r + 1))  # by the standings before this close
         # the server's close (no step when every contribution was lost or refused); version
         # r+1 is published either way, the next round starts from it
         stepped = desk.close(
@@ -184,6 +218,8 @@ def _rounds(
             refused=sum(desk.refused.values()),
             left_out=len(stepped.left_out),
             checks=tally(stepped.checks),
+            suspect=_suspect(cfg, stepped),
+            drawn=drawn,
         )
     if ledger is None:
         return Trained(recorder.records, workers.bytes_up // K, workers.bytes_down // K)
@@ -196,3 +232,11 @@ def _rounds(
         delta=report,
         outer_params=versions.exact(),
     )
+
+
+def _suspect(cfg: RunConfig, stepped: Stepped) -> str | None:
+    """The upload the server's close would audit as the round's suspect (``[audit]
+    suspects``; ``server.rounds.audit_draw.suspect_at_close``)."""
+    if cfg.audit.fraction <= 0.0 or not cfg.audit.suspects or stepped.update_norm is None:
+        return None
+    return suspect(*suspect_figures(stepped.checks, stepped.shares))

@@ -79,6 +79,7 @@ class SimOptions:
     # diloco mode: worker index -> the attack it makes (diloco.simulate.attacks), for
     # bench/attacks.py
     attacks: Mapping[int, Attack] = field(default_factory=dict)
+    attack_from: int = 1  # the round they begin (honest before: an account with standing)
     # diloco, protocol: workers download fp32 checkpoints, or the deltas (simulate.downloads)
     downloads: Downloads = "full"
     delta_dir: Path | None = None  # delta downloads: write each version's delta file here
@@ -95,6 +96,10 @@ class RoundRecord:
     refused: int = 0  # uploads the server would refuse (non-finite, a replay, ...)
     left_out: int = 0  # admitted, then left out of the step by the guard or the checks
     checks: dict[str, Any] = field(default_factory=dict)  # diloco.outer.checks.tally
+    # the upload the close would audit as its suspect (diloco.protocol.audit.suspect), and
+    # those the round's secret drew for an audit as they arrived (audit.drawn)
+    suspect: str | None = None
+    drawn: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from diloco.outer.close import CloseInputs, Upload, close_round, folding
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
 from diloco.outer.scoring import Windows
+from diloco.protocol.audit import audit_share, drawn
 from diloco.protocol.late import late_weight
 from diloco.protocol.messages import ErrorCode
 from diloco.protocol.reputation import VERIFY_CODES, counted_weight, standing
@@ -140,6 +141,18 @@ class RoundDesk:
     def _refuse(self, refusal: Refusal) -> Refusal:
         self.refused[str(refusal.code)] = self.refused.get(str(refusal.code), 0) + 1
         return refusal
+
+    def drawn(self, check_seed: int) -> list[str]:
+        """The uploads the round's secret draws for an audit, as the server draws each one
+        as it arrives (``server.rounds.audit_draw.draw``: ``audit_share`` of its
+        contributor's standing; the simulator replays none of them)."""
+        a = self.cfg.audit
+
+        def share(contributor: str) -> float:
+            return audit_share(a.fraction, self.standings.of(contributor), newcomers=a.newcomers)
+
+        ups = self.admitted
+        return [u.source.id for u in ups if drawn(check_seed, u.contributor, share(u.contributor))]
 
     def close(
         self,

@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from diloco.config.rounds import AuditSection
 from diloco.faults import FaultInjector
-from diloco.outer.checks import RECENT_CHANGES
+from diloco.outer.checks import RECENT_CHANGES, suspect_figures
 from diloco.protocol.audit import CreditStatus
 from diloco.protocol.outcome import close_effects
 from diloco.protocol.reputation import VERIFY_CODES
@@ -191,7 +191,7 @@ async def _publish(
             )
         )
         await _credit(session, claim.run_id, cfg.audit, result, effects.credit, now)
-        cosines, aligned = _suspect_figures(result)
+        cosines, aligned = suspect_figures(result.checks, result.shares)
         await audit_draw.suspect_at_close(
             session, cfg, run_id=claim.run_id, median_cosines=cosines, alignments=aligned, now=now
         )
@@ -313,15 +313,6 @@ async def _exclude(session: AsyncSession, result: OuterResult) -> None:
                 for cid, why in result.excluded.items()
             ],
         )
-
-
-def _suspect_figures(result: OuterResult) -> tuple[dict[str, float], dict[str, float]]:
-    """Each aggregated contribution's cosine to the others' median and its scored
-    ``own_alignment``, where the checks and the scoring measured them (``suspect_at_close``)."""
-    checks = {cid: c for cid, c in result.checks.items() if cid in result.shares}
-    cosines = {i: c.median_cosine for i, c in checks.items() if c.median_cosine is not None}
-    aligned = {i: c.own_alignment for i, c in checks.items() if c.own_alignment is not None}
-    return cosines, aligned
 
 
 def _figures(result: OuterResult, contribution_id: str) -> dict | None:
