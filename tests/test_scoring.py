@@ -184,6 +184,10 @@ def test_the_windows_scored_are_one_from_each_stretch_of_the_lease_drawn_by_the_
     assert len(draws) > 15  # the volunteer, without the secret, cannot tell which
     every = lease_picks(cfg, steps=1, secret=7, lease=3)  # fewer windows than asked: all
     assert every == {0: [0, 1, 2, 3]}
+    # with overlap 0.2 the last 2 of 10 steps may have been trained ahead on the previous
+    # lease's data: only the first 8 batches are surely the lease's
+    ahead = cfg.model_copy(update={"inner": cfg.inner.model_copy(update={"overlap": 0.2})})
+    assert max(lease_picks(ahead, steps=10, secret=7, lease=3)) == 7
 
 
 def test_picked_windows_come_in_stream_order_and_stop_at_the_streams_end() -> None:

@@ -114,13 +114,14 @@ class Windows:
 
 def lease_picks(cfg: RunConfig, *, steps: int, secret: int, lease: int) -> Picks:
     """The ``[aggregation] score_windows`` windows of a lease's stream the scoring reads
-    (module docstring): the stream's first ``steps`` batches of ``[inner] batch_size``
-    windows, in order, cut into that many equal stretches, one window drawn from each by
-    ``secret`` (the round's check seed, which the volunteer never sees) with ``lease`` (the
-    lease's own seed): spread over every inner step, and unknown to the volunteer until
-    its upload is scored."""
+    (module docstring): the batches of ``[inner] batch_size`` windows its ``steps`` inner
+    steps drew from it, in order (less those a volunteer may have trained ahead on its
+    previous lease's data, ``[inner] overlap``: ``ahead_cap``), cut into that many equal
+    stretches, one window drawn from each by ``secret`` (the round's check seed, which the
+    volunteer never sees) with ``lease`` (the lease's own seed): spread over its inner
+    steps, and unknown to the volunteer until its upload is scored."""
     n, batch_size = cfg.aggregation.score_windows, cfg.inner.batch_size
-    total = steps * batch_size
+    total = (steps - cfg.inner.ahead_cap(steps)) * batch_size
     rng = random.Random(f"{secret}/{lease}")
     picks: dict[int, list[int]] = {}
     for k in range(min(n, total)):
