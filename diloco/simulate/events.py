@@ -43,11 +43,10 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
-from diloco.outer.scoring import lease_windows
 from diloco.protocol.state import Action, LateGrant, Refusal, RunStatus, UploadClaim
 from diloco.protocol.volunteer import Do, Request, heartbeat_every
 from diloco.simulate.clock import EPOCH, EventClock
-from diloco.simulate.dealing import Batch, Units, lease_batches
+from diloco.simulate.dealing import Units
 from diloco.simulate.hub import Hub, HubLease
 from diloco.simulate.protocol_mode import (
     WASTE,
@@ -66,7 +65,7 @@ from diloco.simulate.run import (
 )
 from diloco.simulate.server import SIM_RUN_ID
 from diloco.simulate.volunteer import Volunteer, build_volunteers
-from diloco.simulate.work import train_upload, upload_nbytes
+from diloco.simulate.work import upload_nbytes
 
 
 def protocol_runner(proto: ProtocolOptions, opts: SimOptions) -> tuple[Runner, int]:
@@ -327,29 +326,12 @@ class _ProtocolRun:
         # client: its AdamW moments would also carry the steps of such wasted work.
         # Late work trains from its own base version, which the hub keeps.
         assert late is not None or self.hub.version == lease.round - 1
-
-        def stream() -> Callable[[], Batch]:
-            return lease_batches(self.data, cfg, lease.assignment, self.hub.units, lease.unit)
-
-        next_batch = stream()
+        secret = None if late is not None else self.hub.files.check_seed(lease.round)
         base = self.hub.params_of(lease.round - 1)
-        upload = train_upload(
-            v.trainer,
-            base,
-            cfg=cfg,
-            round=lease.round,
-            next_batch=next_batch,
-            steps=lease.inner_steps,
-            ahead=v.train_ahead(last, self.cfg, self.data, self.hub.units),
-        )
-        v.last = lease
+        upload, own = v.train_lease(lease, base, cfg, self.data, self.hub.units, last=last,
+                                    secret=secret)  # fmt: skip
         assert upload.result.tokens == claim.tokens
         self.bytes_up += upload.nbytes
-        own = None  # the scoring reads the lease's windows again, as the server does
-        if late is None and cfg.aggregation.score_windows:
-            secret = self.hub.files.check_seed(lease.round)
-            own = lease_windows(stream(), cfg, steps=lease.inner_steps, secret=secret,
-                                lease=lease.assignment.seed)  # fmt: skip
         refused = self.hub.store(v.name, lease.round, upload, spent, late, own=own)
         if refused is not None:  # an honest volunteer's body is never refused: a bug
             raise RuntimeError(f"{v.name}: upload refused: {refused.code}: {refused.reason}")

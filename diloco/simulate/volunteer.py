@@ -5,6 +5,7 @@ table the client (``client.worker``) follows."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -13,13 +14,15 @@ import torch
 from diloco.config import RunConfig
 from diloco.data.text import Dataset
 from diloco.model.architectures import build_model
+from diloco.outer.scoring import Windows, lease_windows
 from diloco.protocol.state import Refusal
 from diloco.protocol.volunteer import Answer, Reaction, Request, VolunteerState, step
 from diloco.simulate.clock import EPOCH
-from diloco.simulate.dealing import Units, lease_batches
+from diloco.simulate.dealing import Batch, Units, lease_batches
 from diloco.simulate.hub import HubLease
 from diloco.simulate.protocol_mode import ProtocolOptions, VolunteerTotals
 from diloco.simulate.run import SimOptions
+from diloco.simulate.work import Upload, train_upload
 from diloco.train import Ahead, InnerTrainer, train_ahead
 
 
@@ -82,6 +85,36 @@ class Volunteer:
         again = lease_batches(data, cfg, last.assignment, units, last.unit, ahead=True)
         start = last.round * cfg.inner.steps
         return train_ahead(self.trainer, self.ahead, start_step=start, next_batch=again)
+
+    def train_lease(
+        self,
+        lease: HubLease,
+        base: dict[str, torch.Tensor],
+        cfg: RunConfig,
+        data: Dataset,
+        units: Units | None,
+        *,
+        last: HubLease | None,
+        secret: int | None,
+    ) -> tuple[Upload, Windows | None]:
+        """Its ``lease`` trained from ``base`` (after its steps ahead from its end of
+        ``last``, its lease before), and the windows of the lease's stream the close scores
+        it on, read again as the server does (``secret``: the round's check seed; None:
+        not scored, late work)."""
+
+        def stream() -> Callable[[], Batch]:
+            return lease_batches(data, cfg, lease.assignment, units, lease.unit)
+
+        upload = train_upload(
+            self.trainer, base, cfg=cfg, round=lease.round, next_batch=stream(),
+            steps=lease.inner_steps, ahead=self.train_ahead(last, cfg, data, units),
+        )  # fmt: skip
+        self.last = lease
+        if secret is None or not cfg.aggregation.score_windows:
+            return upload, None
+        own = lease_windows(stream(), cfg, steps=lease.inner_steps, secret=secret,
+                            lease=lease.assignment.seed)  # fmt: skip
+        return upload, own
 
     def granted(self, round: int, max_staleness: int) -> None:
         """It holds a lease on ``round`` of a run that merges work ``max_staleness`` late."""
