@@ -333,11 +333,16 @@ def contribution_bodies(lease: dict[str, Any], k: int) -> list[bytes]:
 
 
 async def create_run(
-    http: aiohttp.ClientSession, rec: Recorder, name: str, model: dict, rounds: dict
+    http: aiohttp.ClientSession,
+    rec: Recorder,
+    name: str,
+    model: dict,
+    rounds: dict,
+    extra: dict | None = None,
 ) -> dict[str, Any]:
-    """A run of ``model`` with these ``[rounds]`` on a generated corpus, its uploads neither
-    scored nor audited (the benches' Δs are random: they lower no loss and would not
-    replay); the run as the API answers it."""
+    """A run of ``model`` with these ``[rounds]`` (and ``extra`` sections) on a generated
+    corpus, its uploads neither scored nor audited (the benches' Δs are random: they lower
+    no loss and would not replay); the run as the API answers it."""
     config = {
         "name": name,
         "model": model,
@@ -346,6 +351,7 @@ async def create_run(
         "rounds": rounds,
         "aggregation": {"score_windows": 0},
         "audit": {"fraction": 0.0},
+        **(extra or {}),
     }
     form = aiohttp.FormData()
     form.add_field("config", json.dumps(config))

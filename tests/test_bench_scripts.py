@@ -98,7 +98,7 @@ def test_arrivals_bench_folds_every_upload_of_a_round_as_it_arrives(pg_admin_url
 
     proc = subprocess.run(
         [sys.executable, "bench/arrivals.py", "--volunteers", "12", "--spread-s", "3",
-         "--round-s", "6", "--small-model", "--database-url", pg_admin_url,
+         "--round-s", "6", "--model", "small", "--database-url", pg_admin_url,
          "--json", str(out)],
         capture_output=True, text=True, timeout=240, cwd=REPO,
     )  # fmt: skip
@@ -107,6 +107,9 @@ def test_arrivals_bench_folds_every_upload_of_a_round_as_it_arrives(pg_admin_url
     result = json.loads(out.read_text())
     assert result["uploads"]["ok"] == result["uploads"]["count"] == 12
     assert result["close_after_last_s"] is not None  # round 2 closed: its version published
+    # its full files durable after that, measured from the same last upload
+    assert result["full_after_last_s"] >= result["close_after_last_s"] - 1.0
+    assert result["server_peak_rss_mib"] >= result["server_idle_rss_mib"] * 0.5 > 0
     # round 2 folded on arrival (round 1 gave it a history): the close found uploads in the
     # sum (those still unfolded when the 12th closed it, it added itself)
     assert 1 <= result["metrics"]["diloco_close_folded_uploads_total"] <= 12
