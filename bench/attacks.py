@@ -160,31 +160,12 @@ def report(
     rounds: int,
     seconds: float,
 ) -> bool:
-    """Print the table and the goals; whether both goals were met."""
+    """Print the table, when each attacker was found out and the goals; whether every goal
+    was met."""
     free = {m: results[Arm(m, None, 0).key]["final_eval_loss"] for m in methods}
     truth = free["mean"]  # the attack-free run of the plain mean: what training reaches
     print("\nattack-free final eval loss: " + ", ".join(f"{m} {free[m]:.4f}" for m in methods))
-    head = "".join(f"  {m:>22}" for m in methods)
-    print(f"\n{'attack':<16} {'attackers':>9}{head}   (final eval loss, vs attack-free mean)")
-    worst_one = worst_two = 0.0
-    for attack in attacks:
-        for n in (1, 2):
-            cells = []
-            for m in methods:
-                r = results[Arm(m, attack, n).key]
-                rel = r["final_eval_loss"] / truth - 1
-                note = f" r{r['refused']}" if r["refused"] else ""
-                note += f" g{r['left_out']}" if r["left_out"] else ""
-                cells.append(f"  {r['final_eval_loss']:>8.4f} {rel:+7.2%}{note:>6}")
-                if m == DEFAULT_METHOD and n == 1:
-                    worst_one = max(worst_one, rel)
-                if m == DEFAULT_METHOD and n == 2 and attack in DIRECTION:
-                    worst_two = max(worst_two, rel)
-            print(f"{attack:<16} {n:>9}" + "".join(cells))
-    print(
-        "(r: uploads the server refused; g: contributions the close left out: its checks, "
-        "its scoring or its guard)"
-    )
+    worst_one, worst_two = loss_table(results, attacks, methods, truth)
     late = detection(results, list(attacks), rounds)
     cost = free[DEFAULT_METHOD] / free["mean"] - 1
     print(f"\nGoals ({seconds:.0f} s):")
@@ -215,6 +196,36 @@ def report(
             + ("met" if ok_found else f"NOT MET ({', '.join(late)})")
         )
     return ok_one and (ok_two or not directed) and ok_free and ok_found
+
+
+def loss_table(
+    results: dict[str, dict], attacks: tuple[str, ...], methods: tuple[str, ...], truth: float
+) -> tuple[float, float]:
+    """Print each attack's final eval loss per method beside ``truth`` (the attack-free
+    plain mean); the default method's worst with one attacker, and with two direction
+    attackers."""
+    head = "".join(f"  {m:>22}" for m in methods)
+    print(f"\n{'attack':<16} {'attackers':>9}{head}   (final eval loss, vs attack-free mean)")
+    worst_one = worst_two = 0.0
+    for attack in attacks:
+        for n in (1, 2):
+            cells = []
+            for m in methods:
+                r = results[Arm(m, attack, n).key]
+                rel = r["final_eval_loss"] / truth - 1
+                note = f" r{r['refused']}" if r["refused"] else ""
+                note += f" g{r['left_out']}" if r["left_out"] else ""
+                cells.append(f"  {r['final_eval_loss']:>8.4f} {rel:+7.2%}{note:>6}")
+                if m == DEFAULT_METHOD and n == 1:
+                    worst_one = max(worst_one, rel)
+                if m == DEFAULT_METHOD and n == 2 and attack in DIRECTION:
+                    worst_two = max(worst_two, rel)
+            print(f"{attack:<16} {n:>9}" + "".join(cells))
+    print(
+        "(r: uploads the server refused; g: contributions the close left out: its checks, "
+        "its scoring or its guard)"
+    )
+    return worst_one, worst_two
 
 
 def trusted_from(rounds: int) -> int:

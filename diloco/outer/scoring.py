@@ -90,19 +90,15 @@ class Windows:
         """The windows ``picks`` names (``lease_picks``) of a lease's stream, in stream order,
         ``next_batch`` called up to the last batch it names. Windows past the stream's end
         (a dataset range shorter than its steps) or past a short batch are left out."""
-        xs, ys = [], []
-        for index in range(max(picks, default=-1) + 1):
+        picker = WindowPicker(picks)
+        for _ in range(max(picks, default=-1) + 1):
             try:
-                x, y = next_batch()
+                picker.take(next_batch())
             except StopIteration:
                 break
-            rows = [r for r in picks.get(index, ()) if r < len(x)]
-            if rows:
-                xs.append(x[rows])
-                ys.append(y[rows])
-        if not xs:
+        if (windows := picker.windows()) is None:
             raise ValueError("the lease's stream holds none of the windows to score it on")
-        return cls(torch.cat(xs).long(), torch.cat(ys).long())
+        return windows
 
     @classmethod
     def validation(cls, val: torch.Tensor, n: int, block_size: int) -> Windows:
@@ -110,6 +106,29 @@ class Windows:
         sample's first ones): the same for every upload."""
         (x, y), *_ = eval_batches(val, batch_size=n, block_size=block_size, max_windows=n)
         return cls(x.long(), y.long())
+
+
+class WindowPicker:
+    """Keeps the windows ``picks`` names as a lease's batches go by, in order (each batch
+    given to ``take``): the scoring's windows, read again or kept while a worker trains."""
+
+    def __init__(self, picks: Picks) -> None:
+        self.picks, self.seen = picks, 0
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        rows = [r for r in self.picks.get(self.seen, ()) if r < len(x)]
+        if rows:
+            self.kept.append((x[rows], y[rows]))
+        self.seen += 1
+
+    def windows(self) -> Windows | None:
+        """The windows kept so far; None when no batch held one."""
+        if not self.kept:
+            return None
+        return Windows(torch.cat([x for x, _ in self.kept]).long(),
+                       torch.cat([y for _, y in self.kept]).long())  # fmt: skip
 
 
 def lease_picks(cfg: RunConfig, *, steps: int, secret: int, lease: int) -> Picks:

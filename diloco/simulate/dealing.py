@@ -25,7 +25,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.data.text import AHEAD_SEED, Dataset, lease_stream, random_batch
 from diloco.data.units import UnitDealer, plan_units
-from diloco.outer.scoring import Picks, Windows, lease_picks
+from diloco.outer.scoring import Picks, WindowPicker, Windows, lease_picks
 from diloco.protocol.rules import assign_lease
 from diloco.protocol.state import LeaseAssignment
 
@@ -111,24 +111,20 @@ class Dealt:
     source: Callable[[], Batch]
     unit: int | None = None  # the data unit of a dataset run's lease
     picks: Picks = field(default_factory=dict)  # the windows the close scores it on
-    drawn: int = 0  # batches drawn
-    kept: list[Batch] = field(default_factory=list)
+    picker: WindowPicker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.picker = WindowPicker(self.picks)
 
     def next_batch(self) -> Batch:
-        x, y = batch = self.source()
-        rows = [r for r in self.picks.get(self.drawn, ()) if r < len(x)]
-        if rows:
-            self.kept.append((x[rows], y[rows]))
-        self.drawn += 1
+        batch = self.source()
+        self.picker.take(batch)
         return batch
 
     def own(self) -> Windows | None:
         """The windows of ``picks`` it trained on (the close scores the upload on them, as the
         server reads them again from the lease's stream); None when it drew none of them."""
-        if not self.kept:
-            return None
-        return Windows(torch.cat([x for x, _ in self.kept]).long(),
-                       torch.cat([y for _, y in self.kept]).long())  # fmt: skip
+        return self.picker.windows()
 
 
 class Dealer:

@@ -94,6 +94,8 @@ class _Workers:
         losses: list[float] = []
         first_delta = None  # what a copier sends: the first honest worker's Δ
         honest: list[dict[str, torch.Tensor]] = []  # what the round's attackers see
+        self.starts[r] = start  # what a stale_base attacker trains from two rounds on
+        self.starts.pop(r - 3, None)
         for i, trainer in enumerate(self.trainers):
             dealt = self.dealer.deal(r + 1, i, secret)  # this round's batches (simulate.dealing)
             if self.ledger is None:
@@ -114,11 +116,9 @@ class _Workers:
             self.tokens += upload.result.tokens
             losses.append(upload.result.mean_loss)
             chunks = upload.chunks
-            if attack in TRAINING:  # sent as it came out
-                pass
-            elif attack is not None:  # what a hostile volunteer sends instead
+            if attack is not None and attack not in TRAINING:  # sent instead of its work
                 chunks = [self._hostile(attack, i, r, upload, first_delta, honest)]
-            else:
+            elif attack is None:
                 honest.append(upload.delta)
                 first_delta = honest[0]
             self.earlier[i] = upload.delta
@@ -141,8 +141,6 @@ class _Workers:
         batches it was dealt, or what a training attack (``attacks.TRAINING``) takes
         instead: the version before last (``stale_base``), other batches of its shard
         (``other_data``, a stream of its own)."""
-        self.starts[r] = start
-        self.starts.pop(r - 3, None)
         if attack == "stale_base":
             return self.starts.get(r - 2, self.starts[min(self.starts)]), dealt.next_batch
         if attack == "other_data":
