@@ -149,8 +149,13 @@ def test_leftovers_from_before_a_restart_are_collected_when_the_server_starts(
 
     # Execute: a server whose next periodic pass is an hour away
     with running(serve(data_dir, database_url, janitor_interval_s=3600, **GRACE)) as server:
+        # (the janitor removes, then logs: under load the line can trail the removal)
         wait_for(
-            lambda: not half_run.exists() and not old_upload.exists(),
+            lambda: (
+                not half_run.exists()
+                and not old_upload.exists()
+                and f"janitor: removed {old_upload}" in server.output()
+            ),
             timeout=60,
             what="the janitor's pass at start",
         )
