@@ -100,10 +100,10 @@ def close(
         versions.paths(1), score_sample=sample,
     )  # fmt: skip
     started = time.perf_counter()
-    closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
+    closed = close_round(inputs, evaluate=lambda p, d: 0.0, base_judge_loss=0.0)
     seconds = time.perf_counter() - started
     assert closed.committed and closed.pending is not None and not closed.excluded
-    closed.pending.commit_rest()
+    closed.pending.write().commit_rest()
     return seconds, closed.seconds.get("score", 0.0)
 
 

@@ -22,6 +22,7 @@ from diloco.config import InnerSection
 from diloco.data.text import eval_batches
 from diloco.outer.memory import EVAL_BATCH
 from diloco.precision import MixedPrecision, Precision, choose_precision
+from diloco.wire.delta import apply_delta, read_delta
 from diloco.wire.tensorfile import TensorFileReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -66,6 +67,23 @@ def load_parameters_file(model: nn.Module, path: Path) -> None:
                 f.read_into(name, 0, p.data.view(-1))
             else:
                 p.copy_(f.tensor(name).view(p.shape))
+
+
+@torch.no_grad()
+def load_version_files(model: nn.Module, params: Path, delta: Path | None = None) -> None:
+    """A version's parameters into the model: the parameters file, stepped by the delta
+    file when one is given (θ + decode(q), ``diloco.wire.delta.apply_delta``: the bits a
+    returning volunteer gets). The close's judge measures a step this way before the new
+    parameters are written (``diloco.outer.close``)."""
+    load_parameters_file(model, params)
+    if delta is None:
+        return
+    own = parameters_of(model)
+    flat = {n: p.detach().float().cpu().contiguous().view(-1) for n, p in own.items()}
+    apply_delta(flat, read_delta(delta, {n: tuple(p.shape) for n, p in own.items()}))
+    for name, p in own.items():
+        if p.data.view(-1).data_ptr() != flat[name].data_ptr():  # not the model's own memory
+            p.copy_(flat[name].view(p.shape))
 
 
 @torch.no_grad()

@@ -405,5 +405,6 @@ def test_fold_close_bench_closes_a_folded_round_to_the_same_bytes_beside_its_bou
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "| fold, per upload (median of 2) |" in out
-    assert "| close after the deadline, folded |" in out and "bound 34 B/param" in out
+    assert "| close after the deadline, folded: to the delta published |" in out
+    assert "bound 22 B/param" in out and "| second pass, after the publish:" in out
     assert "<!-- begin fold-close-3 -->" in doc.read_text()

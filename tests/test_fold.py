@@ -4,6 +4,7 @@ the close leaves out, and whatever state a crash left the running sum in."""
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -12,12 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.model.architectures import build_model
 from diloco.outer.attempt import open_base
 from diloco.outer.close import Closed, CloseInputs, Folding, Upload, VersionPaths, close_round
 from diloco.outer.fold import Arrival, FoldPlan, FoldState, folded_ids
 from diloco.outer.robust import SourceUnreadable
 from diloco.simulate.server import Standings, open_round
 from diloco.simulate.versions import Versions
+from diloco.train import load_parameters_file, load_version_files, parameters_of
+from server.rounds.fold_sums import Folds
 from server.rounds.folding import FoldProcess
 from tests.test_one_close import RUN, body, config, honest_deltas, initial_params
 
@@ -60,9 +64,9 @@ def close(tmp_path: Path, name: str, round_, folder: Path | None) -> tuple[Close
         RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
         paths, check_seed=11, fold=Folding(plan, folder),
     )  # fmt: skip
-    closed = close_round(inputs, evaluate=lambda p: 1.0, base_judge_loss=1.0)
+    closed = close_round(inputs, evaluate=lambda p, d: 1.0, base_judge_loss=1.0)
     assert closed.committed and closed.pending is not None
-    closed.pending.commit_rest()  # the server commits them after publishing
+    closed.pending.write().commit_rest()  # the server commits them after publishing
     return closed, {p.name: p.read_bytes() for p in (paths.params, paths.state, paths.delta)}
 
 
@@ -124,6 +128,51 @@ def test_the_close_does_not_read_the_folded_uploads_again(tmp_path, round_):
     got, files = close(tmp_path, "folded", round_, folder)
 
     assert files == want_files and got.checks == want.checks
+
+
+def test_the_close_writes_the_delta_alone_and_its_second_pass_the_rest_bit_for_bit(
+    tmp_path, round_
+):
+    # Prepare: the reference close (every upload read, its files written by both passes),
+    # and the judge a server runs, which records what it was given
+    _, want_files = close(tmp_path, "reference", round_, None)
+    cfg, versions, uploads, plan = round_
+    folder = tmp_path / "fold"
+    fold(round_, folder, [0, 1, 2])
+    out = tmp_path / "closed"
+    out.mkdir()
+    paths = VersionPaths(out / "p", out / "s", out / "d")
+    inputs = CloseInputs(
+        RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
+        paths, check_seed=11, fold=Folding(plan, folder),
+    )  # fmt: skip
+    judged: list[dict[str, torch.Tensor]] = []
+
+    def judge(params: Path, delta: Path | None) -> float:
+        model = build_model(cfg.model)
+        load_version_files(model, params, delta)
+        judged.append({n: t.detach().clone() for n, t in parameters_of(model).items()})
+        return 1.0
+
+    # Execute: the close, up to what it publishes
+    closed = close_round(inputs, evaluate=judge)
+
+    # Assert: only the delta is on disk, the published one; the parameters' sha256 is known
+    assert closed.committed and closed.pending is not None
+    assert [p.name for p in out.iterdir()] == ["d"] and paths.delta.read_bytes() == want_files["d"]
+    assert closed.params_sha256 == hashlib.sha256(want_files["p"]).hexdigest()
+
+    # Execute: the second pass, as the server's closer runs it after publishing
+    assert closed.pending.write().commit_rest() == closed.params_sha256
+
+    # Assert: the reference's files, bit for bit; the judge measured the step it published
+    assert {p.name: p.read_bytes() for p in (paths.params, paths.state, paths.delta)} == want_files
+    assert len(judged) == 2  # the base, then the step (base + the published delta)
+    model = build_model(cfg.model)
+    load_parameters_file(model, paths.params)
+    assert all(torch.equal(judged[1][n], t) for n, t in parameters_of(model).items())
+    load_parameters_file(model, versions.latest.params)
+    assert all(torch.equal(judged[0][n], t) for n, t in parameters_of(model).items())
 
 
 def test_a_sum_a_crash_cut_short_is_not_used(tmp_path, round_):
@@ -210,3 +259,16 @@ def test_only_clipped_rounds_with_history_are_folded():
     assert FoldPlan.of_run(config(fold=False), HISTORY) is None
     plan = FoldPlan.of_run(cfg, HISTORY)
     assert plan is not None and plan.limit == cfg.aggregation.clip_multiple * 1.0
+
+
+def test_a_closed_rounds_sum_stays_while_its_lock_is_held(tmp_path):
+    # the closer's second pass holds the round's lock while it reads the running sum
+    folds = Folds(tmp_path)
+    for index in (1, 2):
+        folds.folder("run", index).mkdir(parents=True)
+        (folds.folder("run", index) / "sum.f64").write_bytes(b"\0" * 8)
+    with folds.lock("run", 1):
+        folds.keep_only(set())  # both rounds closed: the second goes, the first waits
+        assert folds.folder("run", 1).exists() and not folds.folder("run", 2).exists()
+    folds.keep_only(set())
+    assert not folds.folder("run", 1).exists()

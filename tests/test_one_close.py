@@ -101,10 +101,11 @@ def test_the_server_and_the_simulator_close_the_same_uploads_to_the_same_version
                     .to(torch.uint8).numpy().tobytes())  # fmt: skip
     versions = Versions(cfg, params, run_id=RUN)
 
-    def judge(path: Path) -> float:  # the server's judge, on the run's own data
+    def judge(path: Path, delta: Path | None) -> float:  # the server's judge, on the run's data
         return evals.evaluate_file(
-            storage, run_id=RUN, cfg=cfg, params_path=path, windows=cfg.aggregation.judge_windows
-        )
+            storage, run_id=RUN, cfg=cfg, params_path=path,
+            windows=cfg.aggregation.judge_windows, delta_path=delta,
+        )  # fmt: skip
 
     history: list[float] = []
     standings = Standings()
@@ -205,9 +206,9 @@ def test_the_close_is_torch_sgd_nesterov_with_an_int8_delta_for_several_rounds(t
             RUN, index, cfg, versions.latest.params, versions.latest.state, uploads,
             list(history), 1, versions.paths(index),
         )  # fmt: skip
-        closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
+        closed = close_round(inputs, evaluate=lambda p, d: 0.0, base_judge_loss=0.0)
         assert closed.committed and closed.pending is not None and not closed.excluded
-        assert closed.pending.commit_rest() == closed.params_sha256
+        assert closed.pending.write().commit_rest() == closed.params_sha256
         versions.published(index, closed.judge_loss)
         history = [*history, *(u.norm for u in uploads)]
 
@@ -264,7 +265,7 @@ def test_the_close_takes_scores_taken_on_arrival_as_they_are(tmp_path):
     )  # fmt: skip
 
     # Execute
-    closed = close_round(inputs, evaluate=lambda p: 0.0, base_judge_loss=0.0)
+    closed = close_round(inputs, evaluate=lambda p, d: 0.0, base_judge_loss=0.0)
 
     # Assert: the failing score left its upload out, as a score the close took would; the
     # passing one's figures are its checks'; the unscored one (no windows) stays unscored

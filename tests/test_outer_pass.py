@@ -311,6 +311,29 @@ def test_the_tensor_file_writer_takes_pieces_in_any_order(tmp_path):
         TensorFileReader(tmp_path / "short.safetensors")
 
 
+def test_a_digest_only_writer_takes_the_sha256_of_the_file_and_writes_nothing(tmp_path):
+    entries = [Entry("a", torch.float32, (6,)), Entry("b", torch.float32, (3,))]
+    a, b = torch.randn(6), torch.randn(3)
+    with TensorFileWriter(tmp_path / "stored", entries, {"k": "v"}) as w:
+        for name, t in (("a", a), ("b", b)):
+            w.write(name, 0, t)
+        want = w.commit()
+
+    digest = TensorFileWriter(tmp_path / "digest", entries, {"k": "v"}, store=False)
+    digest.write("a", 0, a[:4])
+    digest.write("a", 4, a[4:])
+    digest.write("b", 0, b)
+    assert digest.commit() == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stored"]  # no file, no temp
+
+    out_of_order = TensorFileWriter(tmp_path / "digest", entries, {}, store=False)
+    with pytest.raises(ValueError, match="in order"):
+        out_of_order.write("b", 0, b)  # its bytes come after a's, which are not hashed yet
+    out_of_order.abort()
+    with pytest.raises(ValueError, match="must take the digest"):
+        TensorFileWriter(tmp_path / "x", entries, {}, store=False, digest=False)
+
+
 def test_an_aborted_writer_leaves_nothing(tmp_path):
     w = TensorFileWriter(tmp_path / "f.safetensors", [Entry("a", torch.float32, (4,))], {})
     w.write("a", 0, torch.ones(4))

@@ -160,10 +160,15 @@ def open_base(inputs: CloseInputs) -> Base:
     )
 
 
-def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageClock) -> Tried:
+def try_step(
+    inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageClock, *, full: bool
+) -> Tried:
     """One try of the step with ``kept``: the pass (two for ``centered_clip``), the
-    version's files written to temp names, and what each contribution put in. sha256 runs
-    on a thread of its own (the uploads' trailers, the parameters file), beside the sums."""
+    version's files written to temp names, and what each contribution put in. ``full``
+    False: the delta alone is written, the parameters only digested (the close's critical
+    pass); True: the parameters, the outer state and the delta (``diloco.outer.rebuild``).
+    sha256 runs on a thread of its own (the uploads' trailers, the parameters), beside the
+    sums."""
     norms = {u.id: u.norm for u in kept}
     summing = _summing(inputs, base, kept)
     n_params = sum(math.prod(shape) for shape in base.shapes.values())
@@ -172,7 +177,7 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
         if i in norms:  # folded and kept: sampled when it was folded
             assert summing.state is not None
             sampler.put(i, summing.state.samples(i))
-    out, result, dots, v_sq, factors = _passes(inputs, base, kept, summing, sampler)
+    out, result, dots, v_sq, factors = _passes(inputs, base, kept, summing, sampler, full)
     if inputs.fold is not None:  # not every upload was read: on the sample
         dots = sampler.dots(list(norms), n_params)
     clock.lap("pass")
@@ -201,14 +206,19 @@ def try_step(inputs: CloseInputs, base: Base, kept: list[Upload], clock: StageCl
 
 
 def _passes(
-    inputs: CloseInputs, base: Base, kept: list[Upload], summing: _Summing, sampler: Sampler
+    inputs: CloseInputs,
+    base: Base,
+    kept: list[Upload],
+    summing: _Summing,
+    sampler: Sampler,
+    full: bool,
 ) -> tuple[Outputs, PassResult, dict[str, float], float, dict[str, float]]:
     """The try's pass (two for ``centered_clip``): the outputs written, the stepping pass's
     result, each upload's dot product with the centre and its ‖·‖², and the factors."""
     norms = {u.id: u.norm for u in kept}
     with contextlib.ExitStack() as stack:
         hasher = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="close-sha256"))
-        out = outputs(inputs, base, hasher)
+        out = outputs(inputs, base, hasher, full=full)
         folded = None
         if summing.state is not None:
             folded = stack.enter_context(contextlib.closing(summing.state.open_sum()))
@@ -291,7 +301,9 @@ def _summing(inputs: CloseInputs, base: Base, kept: list[Upload]) -> _Summing:
     return _Summing(terms, add + taken_out, clip, seeds, state, list(ids))
 
 
-def outputs(inputs: CloseInputs, base: Base, hasher: ThreadPoolExecutor) -> Outputs:
+def outputs(inputs: CloseInputs, base: Base, hasher: ThreadPoolExecutor, *, full: bool) -> Outputs:
+    """The pass's writers (``chunked.Outputs``): the delta always; the parameters written
+    when ``full``, else only digested; the outer state only when ``full``."""
     names = list(base.shapes)
     meta = {"run_id": inputs.run_id}
     hp = base.hyper
@@ -311,16 +323,18 @@ def outputs(inputs: CloseInputs, base: Base, hasher: ThreadPoolExecutor) -> Outp
                 params_entries(base.shapes),
                 params_metadata(version=inputs.version, names=names, metadata=meta),
                 hasher=hasher,
+                store=full,
             )
         )
-        writers.append(
-            TensorFileWriter(
+        state = None
+        if full:
+            state = TensorFileWriter(
                 inputs.out.state,
                 state_entries(base.shapes),
                 state_metadata(version=inputs.version, names=names, hparams=hparams, metadata=meta),
                 digest=False,
             )
-        )
+            writers.append(state)
         writers.append(
             TensorFileWriter(
                 inputs.out.delta, deltas.entries(base.shapes, base.delta_codec), delta_meta
@@ -330,7 +344,7 @@ def outputs(inputs: CloseInputs, base: Base, hasher: ThreadPoolExecutor) -> Outp
         for w in writers:
             w.abort()
         raise
-    return Outputs(*writers)
+    return Outputs(writers[0], state, writers[-1])
 
 
 class StageClock:

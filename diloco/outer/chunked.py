@@ -5,8 +5,10 @@ round's stored uploads (``diloco.outer.upload_file``: small reusable buffers, ne
 whole blob), dequantises them and sums them exactly with their weights (``diloco.outer.exact``:
 the same bits in any order), measures each one's dot product
 with the sum, then — when asked to step — applies the Nesterov outer step with the delta's
-error feedback (``diloco.wire.delta``) and writes the new parameters, momentum, residual and
-compressed delta in place in their files (``diloco.wire.tensorfile``). Memory is a few chunks per
+error feedback (``diloco.wire.delta``) and writes what its ``Outputs`` take in place in their
+files (``diloco.wire.tensorfile``): the compressed delta and the new parameters' digest on
+the close's critical path, the parameters, momentum and residual in its second pass
+(``diloco.outer.rebuild``). Memory is a few chunks per
 upload, whatever the model's size; the base version is read, never modified, so a step
 the guard discards costs nothing to undo.
 
@@ -67,21 +69,25 @@ class Hyper:
 
 @dataclass
 class Outputs:
-    """Where a stepping pass writes the new version (temp files until committed), committed
-    in two steps: the delta first (what returning volunteers need, on the close's critical
-    path), the parameters and the outer state after (``commit_rest``, off it)."""
+    """Where a stepping pass writes the new version (temp files until committed). The close
+    runs two passes over the same inputs (``diloco.outer.close``): the first writes the delta
+    alone (what returning volunteers need, on the critical path) and only takes the sha256 of
+    the parameters (a digest-only writer, no outer state); the second, off the critical path,
+    writes the parameters and the outer state and only takes the delta's sha256, which must
+    be the published one (``diloco.outer.rebuild``)."""
 
     params: TensorFileWriter
-    state: TensorFileWriter
+    state: TensorFileWriter | None  # None: the outer state is not written by this pass
     delta: TensorFileWriter
 
     def commit_delta(self) -> tuple[str, str]:
-        """fsync and rename the delta; the sha256 of the params file (as written, not yet
-        committed) and of the delta file."""
+        """fsync and rename the delta (a digest-only one: its sha256 alone); the sha256 of
+        the params file (as written or digested, not committed) and of the delta file."""
         return self.params.sha256(), self.delta.commit()
 
     def commit_rest(self) -> str:
         """fsync and rename the parameters and the outer state; the params file's sha256."""
+        assert self.state is not None, "a pass that wrote no outer state has none to commit"
         sha = self.params.commit()
         self.state.commit()
         return sha
@@ -89,7 +95,8 @@ class Outputs:
     def abort(self) -> None:
         """Remove what is not committed (a committed file stays)."""
         for w in (self.params, self.state, self.delta):
-            w.abort()
+            if w is not None:
+                w.abort()
 
 
 @dataclass
@@ -151,7 +158,9 @@ def run_pass(
     term_buf = torch.empty(chunk, dtype=torch.float64)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
     result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
-    order = uploads[0].order if uploads else list(shapes)  # the uploads' file order
+    # the model's order, which is the new version's files' order (a digest-only writer takes
+    # its pieces in order) and an honest upload's: one sent in another is hashed again at the end
+    order = list(shapes)
     for name in order:
         shape = shapes[name]
         numel = math.prod(shape)
@@ -243,8 +252,9 @@ def _step_chunk(
     t = res.lap("step", t)
     out = step.out
     out.params.write(name, start, theta)
-    out.state.write(MOMENTUM_PREFIX + name, start, m)
-    out.state.write(RESIDUAL_PREFIX + name, start, done.residual)
+    if out.state is not None:
+        out.state.write(MOMENTUM_PREFIX + name, start, m)
+        out.state.write(RESIDUAL_PREFIX + name, start, done.residual)
     at, scale_at = deltas.piece_offsets(step.codec, start)
     out.delta.write(deltas.DATA + name, at, done.data)
     out.delta.write(deltas.SCALES + name, scale_at, done.scales)

@@ -16,10 +16,14 @@ differ.
   delta from the base version in the run's download codec (``diloco.wire.delta``): the
   published parameters are the base's plus the decoded delta, and what the compression
   left out is carried in the residual. Memory stays a few chunks a contribution: nothing
-  of the model's size is held but by ``centered_clip``.
+  of the model's size is held but by ``centered_clip``. The close's pass writes the delta
+  alone and takes the parameters' sha256 without writing them: the parameters and the
+  outer state are written by a second pass over the same inputs, off the critical path
+  (``diloco.outer.rebuild.Rest``), checked against the first.
 - Every step is judged before anything is published (``diloco.protocol.rules``:
   ``should_judge`` then ``judge_step``): one that is not finite, or whose loss on the
-  run's small fixed judging sample (``[aggregation] judge_windows``) passes
+  run's small fixed judging sample (``[aggregation] judge_windows``; the step measured as
+  the base's parameters plus the decoded delta, as a returning volunteer applies it) passes
   ``max_loss_ratio`` times the base version's, is discarded and the contribution farthest
   from the aggregate left out for good; the step is tried again without it while the
   others make quorum, else the round is reopened to wait for more (``decide_after_guard``):
@@ -32,9 +36,9 @@ differ.
 Given the same inputs it writes the same bytes, so a close that a crash interrupts is
 simply done again, and a version whose parameters and outer state were lost before they
 were committed is rebuilt by running its last try again (``diloco.outer.rebuild``). The
-close commits the delta (what a returning volunteer needs) and hands the parameters and
-the outer state back written but not committed (``Closed.pending``): the caller commits
-them off its critical path.
+close commits the delta (what a returning volunteer needs) and hands back what writes the
+parameters and the outer state (``Closed.pending``): the caller runs it and commits them
+off its critical path.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from diloco.outer.attempt import (
     try_step,
 )
 from diloco.outer.checks import Check, check_uploads
-from diloco.outer.chunked import Outputs
+from diloco.outer.rebuild import Rest
 from diloco.outer.robust import Share, SourceUnreadable
 from diloco.outer.scoring import Score, Scorer, chosen
 from diloco.protocol.outcome import (
@@ -73,7 +77,14 @@ from diloco.protocol.state import Action, Decision, StepVerdict
 
 log = logging.getLogger("diloco.rounds")
 
-__all__ = ["CloseInputs", "Closed", "Folding", "Upload", "VersionPaths", "close_round", "folding"]
+__all__ = [
+    "CloseInputs", "Closed", "Evaluate", "Folding", "Rest", "Upload", "VersionPaths", "close_round",
+    "folding",
+]  # fmt: skip
+
+# a version's loss on the run's judging sample: the parameters file, stepped by the delta
+# file when one is given (θ + decode(q), as a returning volunteer applies it)
+Evaluate = Callable[[Path, Path | None], float]
 
 
 @dataclass(frozen=True)
@@ -99,22 +110,22 @@ class Closed:
     # rounds' copy check; None when not committed
     change_sample: torch.Tensor | None
     folded: int = 0  # of the published step's uploads, those summed on arrival
-    # when committed: the delta is committed (fsync, rename), the parameters and the outer
-    # state are written but not yet committed; the caller commits them
-    # (``Outputs.commit_rest``: off its critical path) or aborts them
-    pending: Outputs | None = None
+    # when committed: the delta is committed (fsync, rename); the parameters and the outer
+    # state are the caller's to write and commit, off its critical path (``Rest.write``,
+    # then ``Outputs.commit_rest``)
+    pending: Rest | None = None
 
 
 def close_round(
     inputs: CloseInputs,
     *,
-    evaluate: Callable[[Path], float],
+    evaluate: Evaluate,
     base_judge_loss: float | None = None,
     hit: Callable[[str], None] = lambda point: None,
 ) -> Closed:
     """Aggregate, step under the guard and commit ``inputs.out`` (module docstring).
-    ``evaluate``: a parameters file's loss on the run's judging sample (the same tokens
-    every call); ``base_judge_loss``: the base version's, when the caller knows it;
+    ``evaluate``: a version's loss on the run's judging sample (the same tokens every
+    call; ``Evaluate``); ``base_judge_loss``: the base version's, when the caller knows it;
     ``hit``: the close's fault points (``close.aggregate``, ``close.step``,
     ``close.eval``). Not committed, with a decision to reopen, when too few are left."""
     clock = StageClock()
@@ -130,7 +141,7 @@ def _close(
     inputs: CloseInputs,
     base: Base,
     clock: StageClock,
-    evaluate: Callable[[Path], float],
+    evaluate: Evaluate,
     base_loss: float | None,
     hit: Callable[[str], None],
 ) -> Closed:
@@ -150,7 +161,7 @@ def _close(
             if decision.action is not Action.CLOSE:
                 return out.not_committed(decision, None, measured_base, None, clock)
         try:
-            tried = try_step(inputs, base, kept, clock)
+            tried = try_step(inputs, base, kept, clock, full=False)
         except SourceUnreadable as err:
             out.leave(err.source_id, "blob_unreadable", err.reason)
             log.warning("run %s round %d: %s", inputs.run_id, inputs.version, err)
@@ -170,8 +181,8 @@ def _close(
         result, loss = tried.result, None
         if should_judge(finite=result.finite, judge_windows=policy.judge_windows):
             if base_loss is None:
-                measured_base = base_loss = evaluate(inputs.base_params)
-            loss = evaluate(tried.out.params.temp_path)
+                measured_base = base_loss = evaluate(inputs.base_params, None)
+            loss = evaluate(inputs.base_params, tried.out.delta.temp_path)
             clock.lap("judge")
         verdict = (
             judge_step(base_loss, loss, finite=result.finite, max_loss_ratio=policy.max_loss_ratio)
@@ -194,10 +205,11 @@ def _close(
     # the delta first: what returning volunteers need; the rest is the caller's to commit
     try:
         params_sha, delta_sha = tried.out.commit_delta()
-    except BaseException:
-        tried.out.abort()
-        raise
+    finally:
+        tried.out.abort()  # what was not committed: the parameters were only digested
     clock.lap("write")
+    sizes = tried.out.params.nbytes, tried.out.delta.nbytes
+    rest = Rest(inputs, kept, params_sha, delta_sha, *sizes)
     return Closed(
         dict(out.reasons),
         dict(out.codes),
@@ -214,7 +226,7 @@ def _close(
         out.final_checks(),
         tried.change_sample,
         tried.folded,
-        tried.out,
+        rest,
     )
 
 

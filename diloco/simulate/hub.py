@@ -35,15 +35,14 @@ What the simulator leaves out: no blob is ever unreadable (no exclusions), no cl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import torch
 from safetensors.torch import save as safetensors_save
 
 from diloco.config import RunConfig
 from diloco.model.gpt import LanguageModel
+from diloco.outer.close import Evaluate
 from diloco.outer.scoring import Windows
 from diloco.protocol.outcome import close_effects
 from diloco.protocol.rules import (
@@ -98,13 +97,13 @@ class Hub:
         opts: SimOptions,
         n_shards: int,
         now: datetime,
-        evaluate: Callable[[Path], float],
+        evaluate: Evaluate,
         score_sample: Windows | None = None,
         units: Units | None = None,
     ) -> None:
         self.cfg, self.settings, self.model, self.run_seed = cfg, settings, model, opts.seed
         self.units = units  # a dataset run's data units, dealt as PICK_UNIT deals them
-        self.evaluate = evaluate  # the guard's judge: a parameters file's judging loss
+        self.evaluate = evaluate  # the guard's judge: a version's judging loss
         self.score_sample = score_sample  # the scoring's shared windows (Recorder.score_sample)
         # the very policies the server builds (diloco.protocol.state)
         self.closing = ClosePolicy.of(cfg.rounds)

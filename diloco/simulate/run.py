@@ -44,6 +44,7 @@ from diloco.config import RunConfig
 from diloco.data.text import Dataset, simulated_data
 from diloco.model.architectures import build_model
 from diloco.model.gpt import LanguageModel
+from diloco.outer.close import Evaluate
 from diloco.outer.scoring import Windows
 from diloco.simulate.attacks import Attack
 from diloco.simulate.dealing import Dealer, Dealt
@@ -53,7 +54,7 @@ from diloco.train import (
     InnerTrainer,
     evaluate,
     load_parameters,
-    load_parameters_file,
+    load_version_files,
     snapshot,
 )
 
@@ -151,13 +152,13 @@ class Recorder:
         self.progress = progress
         self.records: list[RoundRecord] = []
 
-    def evaluator(self, scratch: LanguageModel) -> Callable[[Path], float]:
-        """The close's judge: a parameters file's loss, in ``scratch``, on the judging
-        sample (the first ``[aggregation] judge_windows`` validation windows, as the
-        server judges on its run's)."""
+    def evaluator(self, scratch: LanguageModel) -> Evaluate:
+        """The close's judge: a version's loss, in ``scratch``, on the judging sample (the
+        first ``[aggregation] judge_windows`` validation windows, as the server judges on
+        its run's)."""
 
-        def judge(params_path: Path) -> float:
-            load_parameters_file(scratch, params_path)
+        def judge(params_path: Path, delta_path: Path | None) -> float:
+            load_version_files(scratch, params_path, delta_path)
             return evaluate(
                 scratch,
                 self.data.val,

@@ -21,15 +21,13 @@ the same close. What differs is where the files live and the judging sample: the
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.model.architectures import parameter_shapes
 from diloco.outer.checks import Check
-from diloco.outer.close import CloseInputs, Upload, close_round, folding
+from diloco.outer.close import CloseInputs, Evaluate, Upload, close_round, folding
 from diloco.outer.inspection import UploadInspector
 from diloco.outer.robust import Share, Source
 from diloco.outer.scoring import Windows
@@ -158,16 +156,16 @@ class RoundDesk:
         self,
         versions: Versions,
         *,
-        evaluate: Callable[[Path], float],
+        evaluate: Evaluate,
         history: list[float],
         quorum: int = 1,
         score_sample: Windows | None = None,
     ) -> Stepped:
         """The server's close on the admitted uploads, from ``versions``' latest version;
         it publishes this round's version there (an unchanged one when the guard rejects
-        every step, or when nothing was admitted). ``evaluate``: a parameters file's loss
-        on the judging sample; ``score_sample``: the windows every scored upload is also
-        measured on (None: no scoring)."""
+        every step, or when nothing was admitted). ``evaluate``: a version's loss on the
+        judging sample (``diloco.outer.close.Evaluate``); ``score_sample``: the windows
+        every scored upload is also measured on (None: no scoring)."""
         index = self.round.index
         if not self.admitted:
             versions.unchanged(index)
@@ -198,6 +196,8 @@ class RoundDesk:
         )
         try:
             closed = close_round(inputs, evaluate=evaluate, base_judge_loss=versions.judge_loss)
+            if closed.pending is not None:  # the server writes them after publishing
+                closed.pending.write().commit_rest()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if closed.base_judge_loss is not None:
@@ -211,8 +211,6 @@ class RoundDesk:
             versions.unchanged(index)
             stepped = Stepped({}, None, None, left_out, closed.checks, rejected=closed.verdict)
         else:
-            assert closed.pending is not None
-            closed.pending.commit_rest()  # the server commits them after publishing
             versions.published(index, closed.judge_loss, closed.change_sample)
             stepped = Stepped(
                 closed.shares, closed.update_norm, closed.judge_loss, left_out, closed.checks

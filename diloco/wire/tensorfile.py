@@ -6,7 +6,9 @@ lays the file out up front (the header says where every tensor's bytes go), then
 each tensor in as many pieces as the caller likes, at any offset (``os.pwrite``), and
 commits the file the ``diloco.atomic`` way (temp name, fsync, rename, fsync the folder).
 The sha256 of the file is computed on the way when the pieces arrive in file order, and by
-reading the file back otherwise.
+reading the file back otherwise. A writer that does not ``store`` only takes that sha256 of
+the file its pieces make, writing nothing (the close's critical pass: the new parameters'
+digest, published before the file itself is written).
 
 ``TensorFileReader`` reads one tensor's elements ``[start, stop)`` into a caller's buffer
 (``os.preadv``): a pass over a model holds one chunk, not the model.
@@ -87,7 +89,8 @@ def layout(entries: Sequence[Entry], metadata: Mapping[str, str]) -> tuple[bytes
 
 class TensorFileWriter:
     """Write a safetensors file in pieces: ``write(name, start, values)`` puts ``values``
-    (a flat chunk of tensor ``name``'s elements, from element ``start``) in place."""
+    (a flat chunk of tensor ``name``'s elements, from element ``start``) in place; with
+    ``store`` False, only the sha256 of that file is taken (module docstring)."""
 
     def __init__(
         self,
@@ -97,24 +100,31 @@ class TensorFileWriter:
         *,
         digest: bool = True,
         hasher: Executor | None = None,
+        store: bool = True,
     ) -> None:
         if len({e.name for e in entries}) != len(entries):
             raise ValueError("tensor names must be unique")
+        if not (store or digest):
+            raise ValueError("a writer that stores nothing must take the digest")
         self.path = Path(path)
         self.entries = {e.name: e for e in entries}
         head, self._offsets = layout(entries, metadata)
         self.nbytes = len(head) + sum(e.nbytes for e in entries)
         self._tmp = atomic.temp_path(self.path)
-        self._fd: int | None = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._store = store
+        self._open = True  # until committed or aborted
+        self._fd: int | None = None
+        if store:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.pwrite(self._fd, head, 0)
+            os.ftruncate(self._fd, self.nbytes)
         self._digest = digest  # False: nobody needs the file's sha256 (commit returns "")
         self._hasher = hasher  # hash on this thread (one worker: in order); None: inline
         self._sha = hashlib.sha256(head)
         self._hashed = len(head)  # bytes hashed so far: the sha follows while writes are in order
-        os.pwrite(self._fd, head, 0)
-        os.ftruncate(self._fd, self.nbytes)
 
     def write(self, name: str, start: int, values: torch.Tensor) -> None:
-        if self._fd is None:
+        if not self._open:
             raise RuntimeError(f"{self.path.name} is already committed or aborted")
         entry = self.entries[name]
         if values.dtype != entry.dtype or not 0 <= start <= start + values.numel() <= entry.numel:
@@ -124,7 +134,7 @@ class TensorFileWriter:
             )
         data = byte_view(values)
         at = self._offsets[name] + start * entry.dtype.itemsize
-        if os.pwrite(self._fd, data, at) != len(data):
+        if self._fd is not None and os.pwrite(self._fd, data, at) != len(data):
             raise OSError(f"short write to {self._tmp}")
         if self._digest and at == self._hashed:
             if self._hasher is None:
@@ -132,6 +142,8 @@ class TensorFileWriter:
             else:  # a copy: the caller reuses its buffer
                 self._hasher.submit(self._sha.update, bytes(data))
             self._hashed += len(data)
+        elif not self._store:  # nothing to read back: its digest is lost
+            raise ValueError(f"{self.path.name}: a digest-only writer takes its pieces in order")
 
     def settle(self) -> None:
         """Wait for the hashing queued so far; hash any later writes inline (the caller's
@@ -143,10 +155,12 @@ class TensorFileWriter:
     def sha256(self) -> str:
         """The file's sha256, once every write is done, without committing it ("" without
         a digest)."""
-        if self._fd is None:
+        if not self._open:
             raise RuntimeError(f"{self.path.name} is already committed or aborted")
         self.settle()
         if self._digest and self._hashed != self.nbytes:  # written out of order: reread
+            if self._fd is None:
+                raise ValueError(f"{self.path.name}: a digest-only writer was not written whole")
             self._sha = hashlib.sha256()
             for at in range(0, self.nbytes, 1 << 22):
                 self._sha.update(os.pread(self._fd, min(1 << 22, self.nbytes - at), at))
@@ -154,9 +168,12 @@ class TensorFileWriter:
         return self._sha.hexdigest() if self._digest else ""
 
     def commit(self) -> str:
-        """fsync, rename into place; the file's sha256."""
+        """fsync, rename into place; the file's sha256 (a digest-only writer: the sha256
+        alone, nothing committed)."""
         sha = self.sha256()
-        assert self._fd is not None
+        self._open = False
+        if self._fd is None:
+            return sha
         fd, self._fd = self._fd, None
         try:
             os.fsync(fd)
@@ -171,13 +188,16 @@ class TensorFileWriter:
     @property
     def temp_path(self) -> Path:
         """Where the bytes are until ``commit`` (readable meanwhile: the guard's eval)."""
+        if not self._store:
+            raise RuntimeError(f"{self.path.name}: a digest-only writer has no file")
         return self._tmp
 
     def abort(self) -> None:
+        self._open = False
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._tmp.unlink(missing_ok=True)
+            self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> TensorFileWriter:
         return self
@@ -185,7 +205,7 @@ class TensorFileWriter:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._fd is not None:  # not committed: an error or an early return
+        if self._open:  # not committed: an error or an early return
             self.abort()
 
 

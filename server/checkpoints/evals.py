@@ -12,20 +12,27 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.model.architectures import empty_model
-from diloco.train import evaluate, load_parameters_file
+from diloco.train import evaluate, load_version_files
 from server.runs import data as run_data
 from server.storage.base import Storage
 
 
 @torch.no_grad()
 def evaluate_file(
-    storage: Storage, *, run_id: str, cfg: RunConfig, params_path: Path, windows: int
+    storage: Storage,
+    *,
+    run_id: str,
+    cfg: RunConfig,
+    params_path: Path,
+    windows: int,
+    delta_path: Path | None = None,
 ) -> float:
-    """The eval loss of the parameters in ``params_path`` on the first ``windows`` eval
-    windows of the run's validation data, read straight into the model's own memory (one
-    copy of the model). A version's full eval, here; the close's judge
-    (``server.rounds.outer_step``) on ``[aggregation] judge_windows``."""
+    """The eval loss of the parameters in ``params_path`` (stepped by the delta in
+    ``delta_path``, when given) on the first ``windows`` eval windows of the run's validation
+    data, read straight into the model's own memory (one copy of the model). A version's
+    full eval, here; the close's judge (``server.rounds.outer_step``) on ``[aggregation]
+    judge_windows``, of a step whose parameters are not written yet."""
     model = empty_model(cfg.model)
-    load_parameters_file(model, params_path)
+    load_version_files(model, params_path, delta_path)
     val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
     return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)

@@ -5,7 +5,8 @@ They live under the scratch dir, ``diloco-folds/<pid>/<run>/<round>`` (8 bytes a
 per open round), one folder per process so that two processes of one machine never write one
 sum. A fold and its round's close never overlap (a lock per round): an upload folding when
 the round closes is finished first. Folders of rounds that closed, and of processes that are
-gone, are removed.
+gone, are removed; a closed round's once the close's second pass, which reads it, is done
+(``server.rounds.full_files.Pending``).
 """
 
 from __future__ import annotations
@@ -37,21 +38,29 @@ class Folds:
         with self._guard:
             return self._locks.setdefault((run_id, index), threading.Lock())
 
-    def drop(self, run_id: str, index: int) -> None:
-        """The round closed: its sum goes."""
-        with self.lock(run_id, index):
+    def drop(self, run_id: str, index: int, *, wait: bool = True) -> bool:
+        """The round closed: its sum goes (not while its lock is held, by a fold, the close
+        or the close's second pass; ``wait`` False: then not now). Whether it went."""
+        lock = self.lock(run_id, index)
+        if not lock.acquire(blocking=wait):
+            return False
+        try:
             shutil.rmtree(self.folder(run_id, index), ignore_errors=True)
+        finally:
+            lock.release()
         with self._guard:
             self._locks.pop((run_id, index), None)
+        return True
 
     def keep_only(self, rounds: set[tuple[str, int]]) -> None:
-        """Remove the sums of rounds not in ``rounds`` (closed meanwhile by another process)."""
+        """Remove the sums of rounds not in ``rounds`` (closed, here or by another process),
+        but for those still in use (their lock held: removed at a later call)."""
         if not self.root.exists():
             return
         for run_dir in self.root.iterdir():
             for round_dir in run_dir.iterdir():
                 if round_dir.name.isdigit() and (run_dir.name, int(round_dir.name)) not in rounds:
-                    self.drop(run_dir.name, int(round_dir.name))
+                    self.drop(run_dir.name, int(round_dir.name), wait=False)
 
     def _remove_orphans(self) -> None:
         """Folders of processes of this machine that are gone (a restart's old sums)."""

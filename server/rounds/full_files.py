@@ -7,8 +7,10 @@ A close (``server.rounds.closing``) publishes a version as soon as its delta is 
 
 1. **Commit** (the closing process): it holds the version's claim from the publishing
    transaction on (``full_claim_expires_at``, ``claim_ttl_s``, renewed while it works),
-   commits the files it wrote (fsync, rename; on object storage, the upload: ``Pending``)
-   and marks the row. This is the usual path: nothing is computed again.
+   writes the files by the close's second pass (``diloco.outer.rebuild.Rest``: the close
+   wrote the delta alone; this pass takes the round's running sum, when this process
+   folded it, and is checked against the published sha256s), commits them (fsync, rename;
+   on object storage, the upload: ``Pending``) and marks the row. This is the usual path.
 2. **Rebuild** (any round worker, ``finish_next``): a version whose claim expired — its
    closer died or failed before marking it — is claimed and its files rebuilt from the
    stored uploads (``diloco.outer.rebuild``: the version's pass run again with exactly the
@@ -36,6 +38,7 @@ import logging
 import tempfile
 import time
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,7 +50,7 @@ from diloco.config import RunConfig
 from diloco.faults import FaultInjector
 from diloco.outer.attempt import CloseInputs, Upload, VersionPaths, folding
 from diloco.outer.chunked import Outputs
-from diloco.outer.rebuild import rebuild
+from diloco.outer.rebuild import Rest, rebuild
 from server.checkpoints.models import Checkpoint
 from server.metrics import CLOSE_STAGE_SECONDS
 from server.rounds import notify
@@ -84,15 +87,28 @@ class Recipe:
 
 
 class Pending:
-    """A close's full files, written but not committed, and the stage they are in (on
-    object storage, its scratch folder): ``commit`` or ``discard`` it, once."""
+    """A close's full files, still to be written (``Rest``), and the stage they go to (on
+    object storage, its scratch folder) with the close's inputs: ``commit`` or ``discard``
+    it, once. ``keep`` is held while the second pass runs (the round's running sum is not
+    removed under it: ``server.rounds.fold_sums``)."""
 
-    def __init__(self, stage: Stage, outputs: Outputs, at: keys.VersionKeys) -> None:
-        self.stage, self.outputs, self.at = stage, outputs, at
+    def __init__(
+        self,
+        stage: Stage,
+        rest: Rest,
+        at: keys.VersionKeys,
+        keep: AbstractContextManager[object] | None = None,
+    ) -> None:
+        self.stage, self.rest, self.at = stage, rest, at
+        self.keep = keep if keep is not None else nullcontext()
+        self.outputs: Outputs | None = None
 
     def commit(self) -> None:
-        """fsync and rename the parameters and the outer state; put them into the store."""
+        """Write the parameters and the outer state (checked against the published
+        sha256s), fsync and rename them; put them into the store."""
         try:
+            with self.keep:
+                self.outputs = self.rest.write()
             self.outputs.commit_rest()
             self.stage.publish([self.at.params, self.at.state])
         finally:
@@ -100,7 +116,8 @@ class Pending:
 
     def discard(self) -> None:
         """Remove what is not committed, and the stage."""
-        self.outputs.abort()
+        if self.outputs is not None:
+            self.outputs.abort()
         self.stage.close()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,15 @@ from diloco.config import RunConfig
 from diloco.data.text import lease_stream, read_lease_tokens
 from diloco.faults import FaultInjector
 from diloco.outer.checks import Check, RecentChange
-from diloco.outer.close import Closed, CloseInputs, Upload, VersionPaths, close_round, folding
+from diloco.outer.close import (
+    Closed,
+    CloseInputs,
+    Evaluate,
+    Upload,
+    VersionPaths,
+    close_round,
+    folding,
+)
 from diloco.outer.robust import Share
 from diloco.outer.scoring import Score, Windows, lease_windows
 from diloco.protocol.state import Decision
@@ -136,7 +143,10 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             )  # fmt: skip
         assert closed.pending is not None and closed.delta_sha256 is not None
         assert closed.params_sha256 is not None
-        pending = full_files.Pending(stage, closed.pending, at)
+        # its second pass reads the round's running sum: the sum stays while it runs
+        pending = full_files.Pending(
+            stage, closed.pending, at, keep=folds.lock(inputs.run_id, inputs.version)
+        )
         # object storage: the delta goes up, durable before a row names it
         stage.publish([at.delta])
         faults.hit("close.write")
@@ -151,9 +161,9 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         run_id=inputs.run_id,
         version=inputs.version,
         sha256=closed.params_sha256,
-        nbytes=closed.pending.params.nbytes,
+        nbytes=closed.pending.params_nbytes,
         delta_sha256=closed.delta_sha256,
-        delta_nbytes=closed.pending.delta.nbytes,
+        delta_nbytes=closed.pending.delta_nbytes,
     )
     if closed.judge_loss is not None:  # the next close's base
         JUDGED.put(inputs.run_id, inputs.version, closed.judge_loss)
@@ -278,13 +288,14 @@ def read_lease_windows(
     return lease_windows(batches, cfg, steps=lease.steps, secret=lease.secret, lease=lease.seed)
 
 
-def _judge(storage: Storage, inputs: StepInputs) -> Callable[[Path], float]:
+def _judge(storage: Storage, inputs: StepInputs) -> Evaluate:
     windows = inputs.cfg.aggregation.judge_windows
 
-    def evaluate(params_path: Path) -> float:
+    def evaluate(params_path: Path, delta_path: Path | None) -> float:
         return evals.evaluate_file(
-            storage, run_id=inputs.run_id, cfg=inputs.cfg, params_path=params_path, windows=windows
-        )
+            storage, run_id=inputs.run_id, cfg=inputs.cfg, params_path=params_path,
+            windows=windows, delta_path=delta_path,
+        )  # fmt: skip
 
     return evaluate
 
