@@ -36,9 +36,9 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import threading
 import time
 from concurrent.futures import Executor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -89,36 +89,37 @@ class Recipe:
 class Pending:
     """A close's full files, still to be written (``Rest``), and the stage they go to (on
     object storage, its scratch folder) with the close's inputs: ``commit`` or ``discard``
-    it, once. ``keep`` is held while the second pass runs (the round's running sum is not
-    removed under it: ``server.rounds.fold_sums``)."""
+    it. ``held``: the round's fold lock, taken by the close and let go by ``discard``, so
+    that the round's running sum stays while the second pass may read it
+    (``server.rounds.fold_sums``)."""
 
     def __init__(
-        self,
-        stage: Stage,
-        rest: Rest,
-        at: keys.VersionKeys,
-        keep: AbstractContextManager[object] | None = None,
+        self, stage: Stage, rest: Rest, at: keys.VersionKeys, held: threading.Lock | None = None
     ) -> None:
         self.stage, self.rest, self.at = stage, rest, at
-        self.keep = keep if keep is not None else nullcontext()
+        self._held = held
         self.outputs: Outputs | None = None
 
     def commit(self) -> None:
         """Write the parameters and the outer state (checked against the published
         sha256s), fsync and rename them; put them into the store."""
         try:
-            with self.keep:
-                self.outputs = self.rest.write()
+            self.outputs = self.rest.write()
             self.outputs.commit_rest()
             self.stage.publish([self.at.params, self.at.state])
         finally:
             self.discard()
 
     def discard(self) -> None:
-        """Remove what is not committed, and the stage."""
-        if self.outputs is not None:
-            self.outputs.abort()
-        self.stage.close()
+        """Remove what is not committed, and the stage; let the fold lock go (once)."""
+        try:
+            if self.outputs is not None:
+                self.outputs.abort()
+            self.stage.close()
+        finally:
+            held, self._held = self._held, None
+            if held is not None:
+                held.release()
 
 
 async def commit_published(

@@ -125,17 +125,19 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     """Stage the round's files, close it (``diloco.outer.close.close_round``: no files and
     a decision to reopen when too few contributions are left for a step, the unreadable or
     the ones the guard blamed left out) and put the version's delta into the store; the
-    parameters and the outer state come back written, not committed (``OuterResult.pending``:
-    the caller commits them after publishing, ``server.rounds.full_files``). No row is
+    parameters and the outer state are left to write (``OuterResult.pending``: the caller
+    writes and commits them after publishing, ``server.rounds.full_files``). No row is
     written here."""
     at = keys.version(inputs.run_id, inputs.version)
     stage = Stage(storage)
     pending = None
+    folds = folds_for(storage)  # a fold and its round's close never overlap
+    # held until the full files are written (their pass reads the round's running sum)
+    lock = folds.lock(inputs.run_id, inputs.version)
+    lock.acquire()
     try:
-        folds = folds_for(storage)  # a fold and its round's close never overlap
-        with folds.lock(inputs.run_id, inputs.version):
-            folder = folds.folder(inputs.run_id, inputs.version)
-            closed, base_loss = _close(storage, stage, inputs, at, faults, folder)
+        folder = folds.folder(inputs.run_id, inputs.version)
+        closed, base_loss = _close(storage, stage, inputs, at, faults, folder)
         if not closed.committed:
             return OuterResult(
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
@@ -143,10 +145,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
             )  # fmt: skip
         assert closed.pending is not None and closed.delta_sha256 is not None
         assert closed.params_sha256 is not None
-        # its second pass reads the round's running sum: the sum stays while it runs
-        pending = full_files.Pending(
-            stage, closed.pending, at, keep=folds.lock(inputs.run_id, inputs.version)
-        )
+        pending = full_files.Pending(stage, closed.pending, at, lock)  # it lets the lock go
         # object storage: the delta goes up, durable before a row names it
         stage.publish([at.delta])
         faults.hit("close.write")
@@ -157,6 +156,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
     finally:
         if pending is None:
             stage.close()
+            lock.release()
     files = checkpoints_service.version_files(
         run_id=inputs.run_id,
         version=inputs.version,
