@@ -22,7 +22,7 @@ from diloco.config import InnerSection
 from diloco.data.text import eval_batches
 from diloco.outer.memory import EVAL_BATCH
 from diloco.precision import MixedPrecision, Precision, choose_precision
-from diloco.wire.delta import apply_delta, read_delta
+from diloco.wire.delta import apply_delta_file
 from diloco.wire.tensorfile import TensorFileReader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -80,7 +80,7 @@ def load_version_files(model: nn.Module, params: Path, delta: Path | None = None
         return
     own = parameters_of(model)
     flat = {n: p.detach().float().cpu().contiguous().view(-1) for n, p in own.items()}
-    apply_delta(flat, read_delta(delta, {n: tuple(p.shape) for n, p in own.items()}))
+    apply_delta_file(flat, delta)  # a tensor of the delta at a time
     for name, p in own.items():
         if p.data.view(-1).data_ptr() != flat[name].data_ptr():  # not the model's own memory
             p.copy_(flat[name].view(p.shape))

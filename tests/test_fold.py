@@ -55,18 +55,22 @@ def round_(tmp_path):
     versions.cleanup()
 
 
-def close(tmp_path: Path, name: str, round_, folder: Path | None) -> tuple[Closed, dict]:
+def close_inputs(out: Path, round_, folder: Path | None) -> CloseInputs:
+    """The round's close, its version written into ``out`` (made here)."""
     cfg, versions, uploads, plan = round_
-    out = tmp_path / name
     out.mkdir()
-    paths = VersionPaths(out / "p", out / "s", out / "d")
-    inputs = CloseInputs(
+    return CloseInputs(
         RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
-        paths, check_seed=11, fold=Folding(plan, folder),
+        VersionPaths(out / "p", out / "s", out / "d"), check_seed=11, fold=Folding(plan, folder),
     )  # fmt: skip
+
+
+def close(tmp_path: Path, name: str, round_, folder: Path | None) -> tuple[Closed, dict]:
+    inputs = close_inputs(tmp_path / name, round_, folder)
     closed = close_round(inputs, evaluate=lambda p, d: 1.0, base_judge_loss=1.0)
     assert closed.committed and closed.pending is not None
     closed.pending.write().commit_rest()  # the server commits them after publishing
+    paths = inputs.out
     return closed, {p.name: p.read_bytes() for p in (paths.params, paths.state, paths.delta)}
 
 
@@ -136,16 +140,12 @@ def test_the_close_writes_the_delta_alone_and_its_second_pass_the_rest_bit_for_b
     # Prepare: the reference close (every upload read, its files written by both passes),
     # and the judge a server runs, which records what it was given
     _, want_files = close(tmp_path, "reference", round_, None)
-    cfg, versions, uploads, plan = round_
+    cfg, versions, _, _ = round_
     folder = tmp_path / "fold"
     fold(round_, folder, [0, 1, 2])
     out = tmp_path / "closed"
-    out.mkdir()
-    paths = VersionPaths(out / "p", out / "s", out / "d")
-    inputs = CloseInputs(
-        RUN, 2, cfg, versions.latest.params, versions.latest.state, uploads, HISTORY, 1,
-        paths, check_seed=11, fold=Folding(plan, folder),
-    )  # fmt: skip
+    inputs = close_inputs(out, round_, folder)
+    paths = inputs.out
     judged: list[dict[str, torch.Tensor]] = []
 
     def judge(params: Path, delta: Path | None) -> float:

@@ -145,29 +145,54 @@ def read_delta(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Delta:
     """Read and check a delta file against the model's parameter shapes."""
     try:
         with TensorFileReader(path) as f:
-            meta = f.metadata
-            if meta.get("format") != FORMAT or meta.get("format_version") not in READ_VERSIONS:
-                raise DeltaError(f"{path} is not a {FORMAT} file of a format {READ_VERSIONS}")
-            try:
-                codec = _codec_of(meta)
-                version, base = int(meta["version"]), int(meta["base_version"])
-                names = json.loads(meta["param_names"])
-            except (KeyError, ValueError, TypeError) as err:
-                raise DeltaError(f"{path} has malformed metadata: {err}") from err
-            if names != list(shapes):
-                raise DeltaError(f"{path} is a delta of other parameters than this model's")
-            want = {e.name: e for e in entries(shapes, codec)}
-            if f.entries != want:
-                raise DeltaError(f"{path} holds tensors that do not fit this model")
-            tensors = {
-                n: EncodedTensor(
-                    tuple(shapes[n]), f.tensor(DATA + n).reshape(-1), f.tensor(SCALES + n)
-                )
-                for n in names
-            }
+            codec, version, base = _checked(f, shapes)
+            tensors = {n: _encoded(f, n, shapes[n]) for n in shapes}
+            run_id = f.metadata.get("run_id", "")
     except TensorFileError as err:
         raise DeltaError(str(err)) from err
-    return Delta(meta.get("run_id", ""), version, base, codec, tensors)
+    return Delta(run_id, version, base, codec, tensors)
+
+
+def apply_delta_file(params: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``apply_delta`` of the delta file at ``path`` (checked as ``read_delta`` checks it)
+    to ``params`` (flat, contiguous fp32 views, in the model's order), one tensor of it read
+    at a time: the memory of the largest tensor, not of the delta."""
+    shapes = {n: (t.numel(),) for n, t in params.items()}
+    try:
+        with TensorFileReader(path) as f:
+            codec, _, _ = _checked(f, shapes, flat=True)
+            for name, theta in params.items():
+                _apply_one(name, theta, codec, _encoded(f, name, shapes[name]))
+    except TensorFileError as err:
+        raise DeltaError(str(err)) from err
+
+
+def _checked(
+    f: TensorFileReader, shapes: Mapping[str, tuple[int, ...]], *, flat: bool = False
+) -> tuple[DeltaCodec, int, int]:
+    """The delta file's codec, version and base version, once its format, its parameters'
+    names and its tensors' layout are those of a delta of ``shapes`` (``flat``: each shape
+    only by its number of values)."""
+    meta, path = f.metadata, f.path
+    if meta.get("format") != FORMAT or meta.get("format_version") not in READ_VERSIONS:
+        raise DeltaError(f"{path} is not a {FORMAT} file of a format {READ_VERSIONS}")
+    try:
+        codec = _codec_of(meta)
+        version, base = int(meta["version"]), int(meta["base_version"])
+        names = json.loads(meta["param_names"])
+    except (KeyError, ValueError, TypeError) as err:
+        raise DeltaError(f"{path} has malformed metadata: {err}") from err
+    if names != list(shapes):
+        raise DeltaError(f"{path} is a delta of other parameters than this model's")
+    got = {e.name: (e.dtype, e.numel if flat else e.shape) for e in f.entries.values()}
+    want = {e.name: (e.dtype, e.numel if flat else e.shape) for e in entries(shapes, codec)}
+    if got != want:
+        raise DeltaError(f"{path} holds tensors that do not fit this model")
+    return codec, version, base
+
+
+def _encoded(f: TensorFileReader, name: str, shape: tuple[int, ...]) -> EncodedTensor:
+    return EncodedTensor(tuple(shape), f.tensor(DATA + name).reshape(-1), f.tensor(SCALES + name))
 
 
 def _codec_of(meta: Mapping[str, str]) -> DeltaCodec:
@@ -185,15 +210,19 @@ def apply_delta(params: Mapping[str, torch.Tensor], delta: Delta) -> None:
     if params.keys() != delta.tensors.keys():
         raise DeltaError("the delta names other parameters than the model's")
     for name, theta in params.items():
-        if theta.dtype != torch.float32 or not theta.is_contiguous():
-            raise DeltaError(f"parameter {name!r} must be contiguous fp32 to take a delta")
-        try:
-            change = delta.codec.decode(delta.tensors[name])
-        except ValueError as err:
-            raise DeltaError(f"the delta of {name!r} does not decode: {err}") from err
-        if not bool(torch.isfinite(change).all()):
-            raise DeltaError(f"the delta of {name!r} is not finite")
-        apply_change(theta.view(-1), change.view(-1))
+        _apply_one(name, theta, delta.codec, delta.tensors[name])
+
+
+def _apply_one(name: str, theta: torch.Tensor, codec: DeltaCodec, encoded: EncodedTensor) -> None:
+    if theta.dtype != torch.float32 or not theta.is_contiguous():
+        raise DeltaError(f"parameter {name!r} must be contiguous fp32 to take a delta")
+    try:
+        change = codec.decode(encoded)
+    except ValueError as err:
+        raise DeltaError(f"the delta of {name!r} does not decode: {err}") from err
+    if not bool(torch.isfinite(change).all()):
+        raise DeltaError(f"the delta of {name!r} is not finite")
+    apply_change(theta.view(-1), change.view(-1))
 
 
 def catch_up(
