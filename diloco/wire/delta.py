@@ -153,18 +153,46 @@ def read_delta(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> Delta:
     return Delta(run_id, version, base, codec, tensors)
 
 
+class DeltaFile:
+    """A delta file, open and checked as ``read_delta`` checks it against ``shapes``
+    (``flat``: each only by its number of values), applied a tensor at a time: the memory
+    of one tensor of it, not of the delta."""
+
+    def __init__(
+        self, path: Path, shapes: Mapping[str, tuple[int, ...]], *, flat: bool = False
+    ) -> None:
+        self._shapes = dict(shapes)
+        try:
+            self._f = TensorFileReader(path)
+        except TensorFileError as err:
+            raise DeltaError(str(err)) from err
+        try:
+            self.codec, self.version, self.base_version = _checked(self._f, shapes, flat=flat)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def apply(self, name: str, theta: torch.Tensor) -> None:
+        """θ ← θ + decode(q) for the parameter ``name`` (``apply_delta``'s rules)."""
+        try:
+            encoded = _encoded(self._f, name, self._shapes[name])
+        except TensorFileError as err:
+            raise DeltaError(str(err)) from err
+        _apply_one(name, theta, self.codec, encoded)
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def apply_delta_file(params: Mapping[str, torch.Tensor], path: Path) -> None:
-    """``apply_delta`` of the delta file at ``path`` (checked as ``read_delta`` checks it)
-    to ``params`` (flat, contiguous fp32 views, in the model's order), one tensor of it read
-    at a time: the memory of the largest tensor, not of the delta."""
-    shapes = {n: (t.numel(),) for n, t in params.items()}
+    """``apply_delta`` of the delta file at ``path`` to ``params`` (flat, contiguous fp32
+    views, in the model's order), a tensor at a time (``DeltaFile``)."""
+    delta = DeltaFile(path, {n: (t.numel(),) for n, t in params.items()}, flat=True)
     try:
-        with TensorFileReader(path) as f:
-            codec, _, _ = _checked(f, shapes, flat=True)
-            for name, theta in params.items():
-                _apply_one(name, theta, codec, _encoded(f, name, shapes[name]))
-    except TensorFileError as err:
-        raise DeltaError(str(err)) from err
+        for name, theta in params.items():
+            delta.apply(name, theta)
+    finally:
+        delta.close()
 
 
 def _checked(

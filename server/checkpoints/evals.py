@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from diloco.config import RunConfig
-from diloco.model.architectures import empty_model
-from diloco.train import evaluate, load_version_files
+from diloco.model.streamed import StreamedVersion
+from diloco.train import evaluate
 from server.runs import data as run_data
 from server.storage.base import Storage
 
@@ -29,10 +29,13 @@ def evaluate_file(
 ) -> float:
     """The eval loss of the parameters in ``params_path`` (stepped by the delta in
     ``delta_path``, when given) on the first ``windows`` eval windows of the run's validation
-    data, read straight into the model's own memory (one copy of the model). A version's
-    full eval, here; the close's judge (``server.rounds.outer_step``) on ``[aggregation]
-    judge_windows``, of a step whose parameters are not written yet."""
-    model = empty_model(cfg.model)
-    load_version_files(model, params_path, delta_path)
+    data, a module's parameters in memory at a time (``diloco.model.streamed``: not a copy
+    of the model). A version's full eval, here; the close's judge
+    (``server.rounds.outer_step``) on ``[aggregation] judge_windows``, of a step whose
+    parameters are not written yet."""
     val = run_data.load_val(storage, run_id, cfg, tokens=windows * cfg.model.block_size + 1)
-    return evaluate(model, val, block_size=cfg.model.block_size, max_windows=windows)
+    with StreamedVersion(cfg.model, params_path, delta_path) as version:
+        return evaluate(
+            version.model, val, block_size=cfg.model.block_size, max_windows=windows,
+            device=torch.device("cpu"),
+        )  # fmt: skip
