@@ -226,3 +226,37 @@ def test_the_step_the_pass_calls_takes_the_kernel_for_int8_with_the_plain_bits(l
     (fused_by, fused, fw), (plain_by, plain, pw) = results
     assert (fused_by, plain_by) == ("fused", "plain")
     assert kernels.same(plain, fused, pw, fw)
+
+
+def test_the_fused_sum_adds_the_plain_terms_bits(lib, monkeypatch):
+    """An int8 upload's chunk into the exact sum: decode then round(x · factor) added, the
+    kernel's bits against torch's, on awkward scales and factors (ties, huge, negative)."""
+    assert kernels.adds_alike(lib)
+    codec, n = Int8Codec(64), 3 * 64 + 5  # a short last block
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (n,), generator=gen, dtype=torch.int8)
+    scales = torch.tensor([0.5, 1e-40, 3.0e30, 0.013])  # ties, subnormal, huge, plain
+    got = []
+    for loaded in (lib, None):
+        monkeypatch.setattr(kernels, "library", lambda loaded=loaded: loaded)
+        acc = torch.arange(n, dtype=torch.float64)
+        x = kernels.add_int8(acc, q, scales, codec, -7.0, torch.empty(n), torch.empty_like(acc))
+        got.append((x.clone(), acc))
+    (kx, kacc), (px, pacc) = got
+    assert kx.view(torch.int32).equal(px.view(torch.int32)) and kacc.equal(pacc)
+    assert pacc[0] == -round(q[0].item() * 0.5 * 7.0)  # the term, on the grid
+
+
+def test_a_build_whose_sum_rounds_otherwise_is_caught(tmp_path, monkeypatch):
+    """The load-time check tells a kernel whose product is rounded to float (not double)."""
+    wrong = kernels.SOURCE.replace(
+        "nearbyint((double)xi * factor)", "nearbyintf(xi * (float)factor)"
+    )
+    assert wrong != kernels.SOURCE
+    monkeypatch.setattr(kernels, "SOURCE", wrong)
+    try:
+        lib = kernels.load(kernels.build(os.environ.get("CC", "cc"), tmp_path))
+    except (OSError, subprocess.SubprocessError) as err:
+        pytest.skip(f"no C compiler here ({err})")
+
+    assert not kernels.adds_alike(lib) and not kernels.agrees(lib)

@@ -218,8 +218,7 @@ def _add_chunk(
     t = time.perf_counter()
     q = u.chunk(name, start, buf.numel())
     t = result.lap("read", t)
-    x = u.decode_into(q, start, buf)
-    exact.add_term(acc, x, factor, work)
+    x = u.add_into(q, start, buf, acc, factor, work)
     if sampler is not None:
         sampler.upload(u.id, name, start, x)
     result.lap("sum", t)

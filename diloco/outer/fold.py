@@ -230,8 +230,8 @@ class FoldState:
                     offset = 8 * (self.offsets[name] + start)
                     self.read_into(fd, acc[:n], offset)
                     for upload, factor in zip(uploads, factors, strict=True):
-                        x = upload.decode_into(upload.chunk(name, start, n), start, x_buf[:n])
-                        exact.add_term(acc[:n], x, factor, work[:n])
+                        q = upload.chunk(name, start, n)
+                        x = upload.add_into(q, start, x_buf[:n], acc[:n], factor, work[:n])
                         sampler.upload(upload.id, name, start, x)
                     os.pwrite(fd, byte_view(acc[:n]), offset)
                 for upload in uploads:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.outer import exact
 from diloco.wire import delta as deltas
 from diloco.wire.codec import Int8Codec, NonFiniteError
 
@@ -204,8 +205,47 @@ def build(compiler: str, folder: Path) -> Path:
     return path
 
 
+def add_int8(
+    acc: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    codec: Int8Codec,
+    factor: float,
+    x: torch.Tensor,
+    work: torch.Tensor,
+) -> torch.Tensor:
+    """An int8 upload's chunk ``q`` (from a block boundary, ``scales`` its blocks') into the
+    exact sum: x ← ``codec.decode_into``, acc += round(x · factor) (``exact.add_term``, with
+    ``work`` a float64 buffer), in one pass of the fused kernel when it loaded, in those two
+    steps otherwise: the same bits. The decoded values, ``x``."""
+    if (lib := library()) is None:
+        codec.decode_into(q, scales, x)
+        exact.add_term(acc, x, factor, work)
+        return x
+    for t, dtype in (
+        (q, torch.int8),
+        (scales, torch.float32),
+        (x, torch.float32),
+        (acc, torch.float64),
+    ):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError("add_int8 takes contiguous int8 codes, fp32 scales and x, fp64 acc")
+    n = q.numel()
+    if x.numel() != n or acc.numel() != n or scales.numel() < codec.n_blocks(n):
+        raise ValueError("add_int8: q, x and acc of one length, a scale for each block")
+    lib.diloco_add_int8(
+        q.data_ptr(), scales.data_ptr(), n, codec.block_size, ctypes.c_double(factor),
+        x.data_ptr(), acc.data_ptr(),
+    )  # fmt: skip
+    return x
+
+
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
+    lib.diloco_add_int8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.diloco_add_int8.argtypes += [ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]
+    lib.diloco_add_int8.argtypes += [ctypes.c_void_p]
+    lib.diloco_add_int8.restype = None
     lib.diloco_step_int8.argtypes = [ctypes.c_void_p] * 7 + [
         ctypes.c_int64,
         ctypes.c_int64,
@@ -259,6 +299,30 @@ def agrees(lib: ctypes.CDLL) -> bool:
         args = (lib, hp, codec, b["g"], b["theta"], b["m"], b["r"], torch.empty(n))
         got = fused_step(*args, has_momentum=momentum, threads=threads)
         if want is None or got is None or not same(want, got, a, b):
+            return False
+    return adds_alike(lib)
+
+
+def adds_alike(lib: ctypes.CDLL) -> bool:
+    """Whether the kernel's ``diloco_add_int8`` gives ``decode_into`` then
+    ``exact.add_term``'s bits here: every code, scales of every scale (zero, subnormal, near
+    overflow), factors that put products on ties and past 2**52, a block cut at the end."""
+    codec, n = Int8Codec(64), 1000 + 37
+    gen = torch.Generator().manual_seed(7)
+    q = torch.arange(n, dtype=torch.int64).remainder(255).sub(127).to(torch.int8)
+    scales = torch.randn(codec.n_blocks(n), generator=gen) * torch.exp2(
+        torch.randint(-140, 120, (codec.n_blocks(n),), generator=gen).float()
+    )
+    scales[:2] = torch.tensor([0.0, 0.5])
+    for factor in (1.0, 3.0, -2.5e-3, 2.0**40, -(2.0**-30)):
+        acc = torch.randn(n, generator=gen, dtype=torch.float64).mul(2.0**20).round()
+        want_acc, want_x = acc.clone(), torch.empty(n)
+        codec.decode_into(q, scales, want_x)
+        exact.add_term(want_acc, want_x, factor, torch.empty(n, dtype=torch.float64))
+        x = torch.empty(n)
+        args = (q.data_ptr(), scales.data_ptr(), n, codec.block_size, ctypes.c_double(factor))
+        lib.diloco_add_int8(*args, x.data_ptr(), acc.data_ptr())
+        if not (x.view(torch.int32).equal(want_x.view(torch.int32)) and acc.equal(want_acc)):
             return False
     return True
 

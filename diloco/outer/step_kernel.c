@@ -1,4 +1,5 @@
-/* The fused outer step (diloco/outer/kernels.py, which compiles and checks it). */
+/* The close's fused kernels: the outer step, and an int8 upload added to the exact sum
+   (diloco/outer/kernels.py, which compiles and checks them). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -105,4 +106,21 @@ int diloco_step_int8(float *theta, float *m, float *r, const float *g, float *ch
         finite &= jobs[t].finite;
     }
     return finite;
+}
+
+/* An int8 upload's chunk into the round's exact sum (diloco/outer/exact.py): x <- code *
+   scale (Int8Codec.decode_into: one fp32 rounding), acc += round(x * factor) in double
+   (exact.add_term: the product rounded once, then to the nearest whole number, ties to
+   even, as torch's round). q starts at a block boundary. */
+void diloco_add_int8(const int8_t *q, const float *scales, int64_t n, int64_t block,
+                     double factor, float *x, double *acc) {
+    for (int64_t lo = 0; lo < n; lo += block) {
+        int64_t hi = lo + block < n ? lo + block : n;
+        const float scale = scales[lo / block];
+        for (int64_t i = lo; i < hi; i++) {
+            float xi = (float)q[i] * scale;
+            x[i] = xi;
+            acc[i] += nearbyint((double)xi * factor);
+        }
+    }
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from diloco.outer import exact, kernels
 from diloco.outer.robust import SourceUnreadable
 from diloco.wire.codec import Int8Codec, codec_from_description
 from diloco.wire.contribution import DIGEST_BYTES, ContributionDecoder, WireFormatError
@@ -168,6 +169,26 @@ class UploadFile:
         first = start // self.codec.block_size
         scales = self._tensor_scales[first : first + self.codec.n_blocks(q.numel())]
         return self.codec.decode_into(q, scales, out)
+
+    def add_into(
+        self,
+        q: torch.Tensor,
+        start: int,
+        out: torch.Tensor,
+        acc: torch.Tensor,
+        factor: float,
+        work: torch.Tensor,
+    ) -> torch.Tensor:
+        """``decode_into`` ``out``, and its term round(x · factor) added to the exact sum
+        ``acc`` (``exact.add_term``; ``work`` a float64 buffer): for int8 in one pass of the
+        fused kernel (``kernels.add_int8``). The decoded values."""
+        if self._packed is None and isinstance(self.codec, Int8Codec):
+            first = start // self.codec.block_size
+            scales = self._tensor_scales[first : first + self.codec.n_blocks(q.numel())]
+            return kernels.add_int8(acc, q, scales, self.codec, factor, out, work)
+        x = self.decode_into(q, start, out)
+        exact.add_term(acc, x, factor, work)
+        return x
 
     def finish(self) -> None:
         """Check the trailer against the bytes read."""
