@@ -1,4 +1,7 @@
-"""The outer step on one chunk, in plain torch and as one fused C kernel with the same bits.
+"""The close's hot loops as fused C kernels with the same bits as plain torch: the outer step
+on one chunk, and an int8 upload's chunk added to the round's exact sum (``add_int8``: decode,
+weigh, round, add in one pass, as ``Int8Codec.decode_into`` then ``exact.add_term`` do in
+five; the library is refused when it loads unless both agree with torch, ``adds_alike``).
 
 The step (``diloco.outer.chunked``'s module docstring) on a chunk of θ, momentum m, residual
 r and the round's sum g, publishing the change in the run's delta codec:
@@ -282,8 +285,9 @@ def awkward_chunk(n: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def agrees(lib: ctypes.CDLL) -> bool:
-    """Whether the kernel gives ``plain_step``'s bits here, with and without momentum and
-    Nesterov, on 1 and 3 threads (a few milliseconds)."""
+    """Whether the kernels give torch's bits here: the step ``plain_step``'s, with and
+    without momentum and Nesterov, on 1 and 3 threads, and the sum's (``adds_alike``); a few
+    milliseconds."""
     from diloco.outer.chunked import Hyper  # here: chunked imports this module
 
     codec, n = Int8Codec(64), 1000 + 37  # blocks cut at the end; a tail past the vector loops
@@ -342,9 +346,9 @@ def same(want: Published, got: Published, a: dict, b: dict) -> bool:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The fused kernel, built at first use (about a second) and kept; None when it is
-    switched off, cannot be built here, or does not agree with ``plain_step``: the plain
-    path then runs, with the same bits, slower."""
+    """The fused kernels, built at first use (about a second) and kept; None when they are
+    switched off, cannot be built here, or do not agree with torch (``agrees``): the plain
+    paths then run, with the same bits, slower."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
     compiler = os.environ.get("CC", "cc")
