@@ -148,36 +148,47 @@ def test_with_no_one_pointing_away_a_close_audits_the_work_least_aligned_with_it
 ) -> None:
     # Prepare: the draw all but off, the uploads scored; three honest volunteers and one that
     # trains as honestly, but on other batches of its shard than its lease deals (another
-    # seed): it points with the round, and its Δ holds no step on its lease's windows
-    config = server_run_config(rounds={"quorum": 4, "target": 4, "max_rounds": 2})
+    # seed): it points with the round, and its Δ holds no step on its lease's windows. The
+    # windows a score reads are drawn with each round's secret, so the rule names the
+    # other-data work in most rounds, not all (bench/own_alignment.py: 75% of rounds, 98%
+    # within three): rounds are played until it does, five at most
+    rounds = 5  # a miss in all five: about 0.1% by the bench's figure
+    config = server_run_config(rounds={"quorum": 4, "target": 4, "max_rounds": rounds})
     config["audit"] = {"fraction": 0.0001, "newcomers": False}
     run_id = create_run(http, config)["id"]
     names = ("honest-a", "honest-b", "honest-c", "elsewhere")
     tokens = {name: register(http, name) for name in names}
-    works = {name: train(http, tokens[name], run_id) for name in names[:3]}
-    works["elsewhere"] = train(http, tokens["elsewhere"], run_id, seed=12345)
+    seen: list[dict[str, float]] = []
+    for index in range(1, rounds + 1):
+        # Execute: the round closes on the four uploads
+        works = {name: train(http, tokens[name], run_id) for name in names[:3]}
+        works["elsewhere"] = train(http, tokens["elsewhere"], run_id, seed=12345 + index)
+        for name in names:
+            assert upload(http, tokens[name], works[name]).status_code == 201
+        wait_for(
+            lambda index=index: (
+                http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == index
+            ),
+            timeout=120,
+            what=f"round {index} to close",
+        )
 
-    # Execute: the round closes on the four uploads
-    for name in names:
-        assert upload(http, tokens[name], works[name]).status_code == 201
-    wait_for(
-        lambda: http.get(f"{API}/runs/{run_id}").json()["checkpoint_version"] == 1,
-        timeout=120,
-        what="round 1 to close",
-    )
-
-    # Assert: the other-data work is the least aligned with its own windows, far enough
-    # below the others that the rule names it when the direction does not; and the close
-    # audited, alone, what the rule names from the round's own figures (the direction's
-    # cosines are taken on the round's secret sample, so now and then an honest upload
-    # points away enough to be the direction's suspect instead: a replay that passes)
-    listed = http.get(f"{API}/runs/{run_id}/rounds/1/contributions").json()["contributions"]
-    checks = {c["contributor_name"]: c["checks"] for c in listed}
-    cosines = {n: c["median_cosine"] for n, c in checks.items()}
-    aligned = {n: c["own_alignment"] for n, c in checks.items()}
-    assert min(aligned, key=aligned.__getitem__) == "elsewhere", aligned
-    assert suspect(dict.fromkeys(aligned, 0.9), aligned) == "elsewhere", aligned
-    audits = http.get(f"{API}/runs/{run_id}/audits", headers=admin_headers()).json()["audits"]
-    by_id = {c["id"]: c["contributor_name"] for c in listed}
-    named = suspect(cosines, aligned)
-    assert [by_id[a["contribution_id"]] for a in audits] == [named], (audits, cosines, aligned)
+        # Assert: the close audited, alone, what the rule names from the round's own figures
+        # (the direction's cosines are taken on the round's secret sample, so now and then an
+        # honest upload points away enough to be the direction's suspect instead: a replay
+        # that passes)
+        url = f"{API}/runs/{run_id}/rounds/{index}/contributions"
+        listed = http.get(url).json()["contributions"]
+        checks = {c["contributor_name"]: c["checks"] for c in listed}
+        cosines = {n: c["median_cosine"] for n, c in checks.items()}
+        aligned = {n: c["own_alignment"] for n, c in checks.items()}
+        audits = http.get(f"{API}/runs/{run_id}/audits", headers=admin_headers()).json()["audits"]
+        by_id = {c["id"]: c["contributor_name"] for c in listed}
+        named = suspect(cosines, aligned)
+        audited = [by_id[a["contribution_id"]] for a in audits if a["contribution_id"] in by_id]
+        assert audited == ([] if named is None else [named]), (audits, cosines, aligned)
+        seen.append(aligned)
+        if suspect(dict.fromkeys(aligned, 0.9), aligned) == "elsewhere":
+            break  # the rule, by the alignments alone, names the other-data work
+    else:
+        pytest.fail(f"the other-data work was never named in {rounds} rounds: {seen}")
