@@ -202,32 +202,7 @@ def _close(
             "run %s round %d: %s; trying again without %s",
             inputs.run_id, inputs.version, verdict.reason, culprit.id,
         )  # fmt: skip
-    # the delta first: what returning volunteers need; the rest is the caller's to commit
-    try:
-        params_sha, delta_sha = tried.out.commit_delta()
-    finally:
-        tried.out.abort()  # what was not committed: the parameters were only digested
-    clock.lap("write")
-    sizes = tried.out.params.nbytes, tried.out.delta.nbytes
-    rest = Rest(inputs, kept, params_sha, delta_sha, *sizes)
-    return Closed(
-        dict(out.reasons),
-        dict(out.codes),
-        decision,
-        True,
-        params_sha,
-        delta_sha,
-        math.sqrt(tried.result.change_sq),
-        loss,
-        measured_base,
-        verdict,
-        tried.shares,
-        clock.seconds,
-        out.final_checks(),
-        tried.change_sample,
-        tried.folded,
-        rest,
-    )
+    return out.committed(inputs, kept, tried, decision, (loss, measured_base, verdict), clock)
 
 
 @dataclass
@@ -263,6 +238,32 @@ class _LeftOut:
         return Closed(
             dict(self.reasons), dict(self.codes), decision, False, None, None, None, loss,
             measured_base, verdict, {}, clock.seconds, self.final_checks(), None,
+        )  # fmt: skip
+
+    def committed(
+        self,
+        inputs: CloseInputs,
+        kept: list[Upload],
+        tried: Tried,
+        decision: Decision | None,
+        judged: tuple[float | None, float | None, StepVerdict],
+        clock: StageClock,
+    ) -> Closed:
+        """Commit the try's delta first (what returning volunteers need); the parameters and
+        the outer state are the caller's to write (``Rest``). ``judged``: the step's judging
+        loss, the base's when measured here, and the guard's verdict."""
+        try:
+            params_sha, delta_sha = tried.out.commit_delta()
+        finally:
+            tried.out.abort()  # what was not committed: the parameters were only digested
+        clock.lap("write")
+        sizes = tried.out.params.nbytes, tried.out.delta.nbytes
+        loss, measured_base, verdict = judged
+        return Closed(
+            dict(self.reasons), dict(self.codes), decision, True, params_sha, delta_sha,
+            math.sqrt(tried.result.change_sq), loss, measured_base, verdict, tried.shares,
+            clock.seconds, self.final_checks(), tried.change_sample, tried.folded,
+            Rest(inputs, kept, params_sha, delta_sha, *sizes),
         )  # fmt: skip
 
     def final_checks(self) -> dict[str, Check]:
