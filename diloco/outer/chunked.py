@@ -158,9 +158,7 @@ def run_pass(
     term_buf = torch.empty(chunk, dtype=torch.float64)
     work = [torch.empty(chunk, dtype=torch.float32) for _ in range(5)] if step else []
     result = PassResult(dict.fromkeys((u.id for u in uploads), 0.0), 0.0)
-    # the model's order, which is the new version's files' order (a digest-only writer takes
-    # its pieces in order) and an honest upload's: one sent in another is hashed again at the end
-    order = list(shapes)
+    order = list(shapes)  # the new files' (a digest-only writer's) and an honest upload's order
     for name in order:
         shape = shapes[name]
         numel = math.prod(shape)

@@ -166,9 +166,12 @@ class UploadFile:
                 raise self.damaged(err) from None
         if not isinstance(self.codec, Int8Codec):
             return q  # fp32 already
-        first = start // self.codec.block_size
-        scales = self._tensor_scales[first : first + self.codec.n_blocks(q.numel())]
-        return self.codec.decode_into(q, scales, out)
+        return self.codec.decode_into(q, self._int8_scales(self.codec, start, q.numel()), out)
+
+    def _int8_scales(self, codec: Int8Codec, start: int, n: int) -> torch.Tensor:
+        """The scales of the blocks of ``n`` values from ``start`` (a block boundary)."""
+        first = start // codec.block_size
+        return self._tensor_scales[first : first + codec.n_blocks(n)]
 
     def add_into(
         self,
@@ -183,8 +186,7 @@ class UploadFile:
         ``acc`` (``exact.add_term``; ``work`` a float64 buffer): for int8 in one pass of the
         fused kernel (``kernels.add_int8``). The decoded values."""
         if self._packed is None and isinstance(self.codec, Int8Codec):
-            first = start // self.codec.block_size
-            scales = self._tensor_scales[first : first + self.codec.n_blocks(q.numel())]
+            scales = self._int8_scales(self.codec, start, q.numel())
             return kernels.add_int8(acc, q, scales, self.codec, factor, out, work)
         x = self.decode_into(q, start, out)
         exact.add_term(acc, x, factor, work)

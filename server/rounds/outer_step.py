@@ -143,8 +143,7 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
                 closed.excluded, closed.exclusion_codes, closed.decision, None, None, None,
                 base_loss, {}, closed.seconds, closed.checks, None,
             )  # fmt: skip
-        assert closed.pending is not None and closed.delta_sha256 is not None
-        assert closed.params_sha256 is not None
+        assert closed.pending is not None
         pending = full_files.Pending(stage, closed.pending, at, lock)  # it lets the lock go
         # object storage: the delta goes up, durable before a row names it
         stage.publish([at.delta])
@@ -157,6 +156,16 @@ def apply_outer_step(storage: Storage, inputs: StepInputs, *, faults: FaultInjec
         if pending is None:
             stage.close()
             lock.release()
+    return _published(inputs, closed, base_loss, pending)
+
+
+def _published(
+    inputs: StepInputs, closed: Closed, base_loss: float | None, pending: full_files.Pending
+) -> OuterResult:
+    """What a close that published its delta hands back: the version's files (their
+    parameters still to write: ``pending``) and what a rebuild of them needs."""
+    assert closed.pending is not None and closed.params_sha256 is not None
+    assert closed.delta_sha256 is not None
     files = checkpoints_service.version_files(
         run_id=inputs.run_id,
         version=inputs.version,
