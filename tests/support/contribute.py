@@ -349,9 +349,16 @@ def assert_reference_closes(database_url: str, blobs: Path, run_id: str, cfg: Ru
     round's stored uploads, each weighed as the server counts it (``counted_weight``: its
     staleness and its contributor's standing then; the exact sum's grid depends on the
     weights themselves) and clipped against the history the server had; the number of
-    versions checked."""
+    versions checked. Waits first for the versions' full files, which the server writes
+    after it publishes (docs/protocol.md, "Delta first")."""
     from tests.support.pg import rows
 
+    pending = "SELECT version FROM checkpoints WHERE run_id = $1 AND full_files_at IS NULL"
+    wait_for(
+        lambda: not rows(database_url, pending, run_id),
+        timeout=60,
+        what="every published version's parameters and outer state to be durable",
+    )
     uploads = rows(
         database_url,
         "SELECT round_index, blob_key, weight, staleness, standing, norm FROM contributions "
